@@ -1,0 +1,461 @@
+"""Configuration: one validated dataclass per concern, a config file, and the flags derived from them.
+
+Every field carries its help text in ``metadata``; the command-line flags are generated from the
+fields (``--field-name``), except the flags that the seed notes fix (``flag`` in metadata), so a
+field cannot lack its flag. A YAML or JSON file holds a whole config, either flat (keys are the
+field names) or nested by section (``reconstruction: {token_weight_alpha: 1.0}``); flags
+override the file. Validation runs on construction and names the field, the value and the range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+def option(default: Any, help: str, flag: str | None = None) -> Any:
+    """A dataclass field with its help text and, where the seeds fix it, its flag name."""
+    metadata = {"help": help}
+    if flag is not None:
+        metadata["flag"] = flag
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+class ConfigError(ValueError):
+    """A configuration value, key or file that is not what was expected."""
+
+
+def _number(
+    cfg: Any,
+    name: str,
+    *,
+    low: float | None = None,
+    low_open: bool = False,
+    high: float | None = None,
+    integer: bool = False,
+    optional: bool = False,
+) -> None:
+    value = getattr(cfg, name)
+    section = type(cfg).__name__
+    if value is None:
+        if optional:
+            return
+        raise ConfigError(f"{section}.{name} must be set, got None")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{section}.{name} must be a number, got {value!r}")
+    if integer and not float(value).is_integer():
+        raise ConfigError(f"{section}.{name} must be an integer, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{section}.{name} must be finite, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise ConfigError(f"{section}.{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ConfigError(f"{section}.{name} must be <= {high}, got {value!r}")
+
+
+def _choice(cfg: Any, name: str) -> None:
+    hint = typing.get_type_hints(type(cfg))[name]
+    allowed = _literal_values(hint)
+    value = getattr(cfg, name)
+    if allowed and value not in allowed:
+        raise ConfigError(f"{type(cfg).__name__}.{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _literal_values(hint: Any) -> tuple[Any, ...]:
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    for arg in typing.get_args(hint):
+        if typing.get_origin(arg) is Literal:
+            return typing.get_args(arg) + ((None,) if type(None) in typing.get_args(hint) else ())
+    return ()
+
+
+@dataclass
+class ReconstructionLossConfig:
+    """Weights of the six reconstruction terms and the token-weighting parameters (DESIGN.md 3-4)."""
+
+    reconstruction_weight: float = option(1.0, "Weight of the raw token-mean reconstruction term.")
+    sequence_reconstruction_weight: float = option(0.0, "Weight of the sequence-sum reconstruction term.")
+    token_weighted_weight: float = option(
+        0.0,
+        "Weight of the surprisal-share token-weighted reconstruction term.",
+        flag="--token-weighted-reconstruction-weight",
+    )
+    normalized_concentration_corrected_token_weighted_weight: float = option(
+        0.0,
+        "Weight of the concentration-corrected token-weighted term, divided by c_base.",
+        flag="--normalized-concentration-corrected-token-weighted-reconstruction-weight",
+    )
+    normalized_inverse_surprisal_token_weighted_weight: float = option(
+        0.0, "Weight of the inverse-surprisal token-weighted ablation term, divided by c_base."
+    )
+    zfree_relative_weight: float = option(0.0, "Weight of the token-mean term divided by c_base.")
+    token_weight_alpha: float = option(
+        1.0,
+        "Temperature alpha >= 0 of the surprisal share b_t^alpha (0 gives uniform weights).",
+        flag="--token-weighted-reconstruction-alpha",
+    )
+    token_weight_eps: float = option(1e-6, "Floor on z-free surprisal before the power (> 0).")
+    zfree_reference_scale: float | None = option(
+        None,
+        "c_base, the global z-free reference scale; estimated on the training set when unset.",
+        flag="--zfree-reference-scale",
+    )
+
+    def __post_init__(self) -> None:
+        for name in (
+            "reconstruction_weight",
+            "sequence_reconstruction_weight",
+            "token_weighted_weight",
+            "normalized_concentration_corrected_token_weighted_weight",
+            "normalized_inverse_surprisal_token_weighted_weight",
+            "zfree_relative_weight",
+            "token_weight_alpha",
+        ):
+            _number(self, name, low=0)
+        _number(self, "token_weight_eps", low=0, low_open=True)
+        _number(self, "zfree_reference_scale", low=0, low_open=True, optional=True)
+
+
+@dataclass
+class LatentConfig:
+    """The latent variable: family, size, injection and the discrete assignment recipe."""
+
+    latent: Literal["discrete", "continuous"] = option("discrete", "Latent family.")
+    latent_placement: Literal["prefix", "between"] = option(
+        "prefix", "Where the latent embeddings go: 'prefix' = [z][x][y], 'between' = [x][z][y]."
+    )
+    latent_tokens: int = option(4, "Number P of soft latent embeddings injected into the decoder.")
+    num_slots: int = option(1, "Discrete: number M of latent slots.")
+    codebook_size: int = option(4, "Discrete: number K of codes in the shared codebook.")
+    code_dim: int = option(64, "Discrete: dimension of each code of the shared codebook.")
+    latent_dim: int = option(16, "Continuous: dimension of the Gaussian latent.")
+    encoder_hidden: int = option(256, "Hidden width of the encoder and prior heads.")
+    prior: Literal["learned", "fixed"] = option(
+        "learned", "'learned' conditional prior p(z|x), or 'fixed' (uniform / standard normal)."
+    )
+    assignment: Literal["nearest", "gumbel"] = option(
+        "nearest",
+        "Discrete code choice: 'nearest' code with straight-through gradients, codebook and "
+        "commitment losses and dead-code restart (default, measured to learn), or 'gumbel' sampling.",
+    )
+    posterior_temperature: float = option(
+        1.0, "Discrete: posterior logits are -squared distance to the codes over this temperature."
+    )
+    gumbel_temperature: float = option(1.0, "Gumbel-softmax temperature at step 0.")
+    gumbel_temperature_min: float = option(0.5, "Gumbel-softmax temperature after annealing.")
+    gumbel_anneal_steps: int = option(1000, "Steps of exponential annealing to the minimum temperature.")
+    straight_through: bool = option(True, "Gumbel: hard one-hot forward with soft gradients.")
+    batch_prior_kl: bool = option(
+        False, "Discrete: KL between the batch-averaged posterior and the prior instead of per example."
+    )
+    codebook_loss_weight: float = option(1.0, "Nearest: weight of ||sg(e) - E_k||^2 (moves codes).")
+    commitment_weight: float = option(0.25, "Nearest: weight of ||e - sg(E_k)||^2 (commits the encoder).")
+    dead_code_steps: int = option(
+        10, "Nearest: a code unused for this many steps restarts at a recent encoder output (0 = never)."
+    )
+    bow_weight: float = option(0.0, "Weight of the bag-of-words loss predicting response tokens from z.")
+
+    def __post_init__(self) -> None:
+        for name in ("latent", "latent_placement", "prior", "assignment"):
+            _choice(self, name)
+        for name in ("latent_tokens", "num_slots", "codebook_size", "code_dim", "latent_dim", "encoder_hidden"):
+            _number(self, name, low=1, integer=True)
+        if self.latent == "discrete" and self.codebook_size < 2:
+            raise ConfigError(f"LatentConfig.codebook_size must be >= 2, got {self.codebook_size}")
+        for name in ("posterior_temperature", "gumbel_temperature", "gumbel_temperature_min"):
+            _number(self, name, low=0, low_open=True)
+        for name in ("gumbel_anneal_steps", "dead_code_steps"):
+            _number(self, name, low=0, integer=True)
+        for name in ("codebook_loss_weight", "commitment_weight", "bow_weight"):
+            _number(self, name, low=0)
+
+
+@dataclass
+class KLConfig:
+    """KL between posterior and prior: beta schedule, free bits, per-token scaling."""
+
+    beta: float = option(0.02, "Maximum KL weight beta.")
+    beta_schedule: Literal["constant", "linear", "cyclical"] = option(
+        "linear", "constant beta; linear warm-up from 0; or cyclical warm-ups (Fu et al. 2019)."
+    )
+    beta_warmup_steps: int = option(50, "Linear: steps from 0 to beta. Cyclical: rising part of each cycle.")
+    beta_cycle_steps: int = option(200, "Cyclical: length of one cycle in steps.")
+    free_bits: float = option(0.0, "Free bits in nats per latent dimension (continuous) or slot (discrete).")
+    kl_per_token: bool = option(False, "Divide each example's KL by its number of response tokens n_b.")
+
+    def __post_init__(self) -> None:
+        _choice(self, "beta_schedule")
+        _number(self, "beta", low=0)
+        _number(self, "free_bits", low=0)
+        _number(self, "beta_warmup_steps", low=0, integer=True)
+        _number(self, "beta_cycle_steps", low=1, integer=True)
+        if self.beta_schedule == "cyclical" and self.beta_warmup_steps > self.beta_cycle_steps:
+            raise ConfigError(
+                f"KLConfig.beta_warmup_steps ({self.beta_warmup_steps}) must be <= beta_cycle_steps "
+                f"({self.beta_cycle_steps}) for a cyclical schedule"
+            )
+
+
+@dataclass
+class DivergenceConfig:
+    """Token-weighted inter-latent divergence (discrete only, DESIGN.md section 5)."""
+
+    divergence_weight: float = option(0.0, "Weight of the divergence term (maximised: enters with a minus sign).")
+    divergence: Literal["js", "kl"] = option(
+        "js", "Per-token divergence: Jensen-Shannon or KL(posterior || alternative)."
+    )
+
+    def __post_init__(self) -> None:
+        _choice(self, "divergence")
+        _number(self, "divergence_weight", low=0)
+
+
+@dataclass
+class ModelConfig:
+    """The pretrained causal LM and how much of it trains."""
+
+    model: str | None = option(
+        None, "Local Hugging Face directory, .gguf file, or cached hub id; default: the embedded SmolLM2-135M."
+    )
+    model_cache_dir: str | None = option(
+        None, "Where a dequantised GGUF is cached as safetensors (default: ~/.cache/disentanglement)."
+    )
+    decoder_training: Literal["frozen", "lora", "full"] = option(
+        "frozen", "Decoder weights: frozen; LoRA adapters (reference = adapters off); or all (reference = frozen copy)."
+    )
+    lora_r: int = option(8, "LoRA rank.")
+    lora_alpha: float = option(16.0, "LoRA scaling alpha.")
+    lora_dropout: float = option(0.0, "LoRA dropout.")
+    lora_target_modules: list[str] = option(["q_proj", "v_proj"], "Module names that get LoRA adapters.")
+    dtype: Literal["auto", "float32", "bfloat16"] = option(
+        "auto", "Weights dtype: auto = bfloat16 on CUDA, float32 on CPU."
+    )
+
+    def __post_init__(self) -> None:
+        _choice(self, "decoder_training")
+        _choice(self, "dtype")
+        _number(self, "lora_r", low=1, integer=True)
+        _number(self, "lora_alpha", low=0, low_open=True)
+        _number(self, "lora_dropout", low=0, high=1)
+
+
+@dataclass
+class DataConfig:
+    """Prompt/response pairs: source, keys, chat template, length caps and the split."""
+
+    data: str = option("chatterbot", "A JSONL file, or 'chatterbot' for the built-in English corpus.")
+    prompt_key: str = option("prompt", "JSONL key of the prompt.")
+    response_key: str = option("response", "JSONL key of the response.")
+    label_key: str = option("label", "JSONL key of the optional label.")
+    chat_template: bool = option(True, "Apply the tokenizer's chat template when it has one.")
+    max_prompt_tokens: int = option(64, "Prompt cap in tokens; longer prompts keep their last tokens.")
+    max_response_tokens: int = option(64, "Response cap in tokens; longer responses keep their first tokens.")
+    validation_fraction: float = option(0.1, "Fraction of examples held out for validation.")
+    max_examples: int | None = option(None, "Use at most this many examples (after shuffling by seed).")
+
+    def __post_init__(self) -> None:
+        _number(self, "max_prompt_tokens", low=1, integer=True)
+        _number(self, "max_response_tokens", low=1, integer=True)
+        _number(self, "validation_fraction", low=0, high=0.9)
+        _number(self, "max_examples", low=1, integer=True, optional=True)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, logging and checkpointing."""
+
+    output_dir: str = option("runs/default", "Run directory: metrics, config and checkpoints.")
+    max_steps: int = option(300, "Optimizer steps.")
+    batch_size: int = option(8, "Examples per micro-batch.")
+    gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.")
+    encoder_lr: float = option(1e-3, "Learning rate of the encoder and prior heads.")
+    latent_lr: float = option(3e-2, "Learning rate of the codebook and latent projection (prompt-tuning rate).")
+    decoder_lr: float = option(1e-4, "Learning rate of LoRA adapters or decoder weights.")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    warmup_steps: int = option(10, "Linear learning-rate warm-up before the cosine decay.")
+    max_grad_norm: float = option(1.0, "Gradient clipping norm (the norm before clipping is logged).")
+    seed: int = option(0, "Seed for the split, initialisation, sampling and data order.")
+    save_every: int = option(50, "Checkpoint every this many steps (and at the end).")
+    eval_every: int = option(50, "Validate every this many steps (0 = only at the end).")
+    eval_batches: int = option(8, "Validation batches per evaluation.")
+    keep_checkpoints: int = option(2, "Complete checkpoints kept (older ones are deleted).")
+    resume: str | None = option(None, "'auto' = latest complete checkpoint in output_dir, or a checkpoint path.")
+    tensorboard: bool = option(False, "Also log to TensorBoard under output_dir/tensorboard.")
+    max_nonfinite_steps: int = option(5, "Stop with a diagnostic after this many consecutive non-finite losses.")
+    device: Literal["auto", "cpu", "cuda"] = option("auto", "auto = CUDA with bf16 when present, else CPU.")
+    progress: bool = option(True, "Show a progress bar.")
+
+    def __post_init__(self) -> None:
+        _choice(self, "device")
+        for name in (
+            "max_steps",
+            "batch_size",
+            "gradient_accumulation_steps",
+            "save_every",
+            "eval_batches",
+            "keep_checkpoints",
+            "max_nonfinite_steps",
+        ):
+            _number(self, name, low=1, integer=True)
+        for name in ("warmup_steps", "eval_every", "seed"):
+            _number(self, name, low=0, integer=True)
+        for name in ("encoder_lr", "latent_lr", "decoder_lr", "max_grad_norm"):
+            _number(self, name, low=0, low_open=True)
+        _number(self, "weight_decay", low=0)
+
+
+@dataclass
+class RunConfig:
+    """A whole run: one section per concern."""
+
+    reconstruction: ReconstructionLossConfig = field(default_factory=ReconstructionLossConfig)
+    latent: LatentConfig = field(default_factory=LatentConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}  # type: ignore[misc]
+
+
+def field_flag(f: dataclasses.Field) -> str:
+    """The command-line flag of a config field."""
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def _field_index() -> dict[str, tuple[str, dataclasses.Field]]:
+    index: dict[str, tuple[str, dataclasses.Field]] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in index, f"config field {f.name} appears in two sections"
+            index[f.name] = (section, f)
+    return index
+
+
+FIELDS = _field_index()
+
+
+def _base_type(hint: Any) -> Any:
+    """``float | None`` -> ``float``; ``Literal[...]`` -> type of its values."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0]
+    if typing.get_origin(hint) is Literal:
+        return type(typing.get_args(hint)[0])
+    return hint
+
+
+def _optional(text: str, cast: Any) -> Any:
+    return None if text.lower() in ("none", "null") else cast(text)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, sections: list[str] | None = None) -> None:
+    """Add one flag per config field of the given sections (all by default).
+
+    Flags default to ``argparse.SUPPRESS`` so that only what the user typed overrides the file.
+    """
+    for section, cls in SECTIONS.items():
+        if sections is not None and section not in sections:
+            continue
+        group = parser.add_argument_group(f"{section} ({cls.__name__})")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            base = _base_type(hint)
+            optional = type(None) in typing.get_args(hint)
+            kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kwargs["help"] = f"{f.metadata['help']} (default: {default})"
+            choices = [c for c in _literal_values(hint) if c is not None]
+            if base is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif typing.get_origin(base) is list:
+                kwargs["nargs"] = "+"
+            else:
+                cast = base if base in (int, float, str) else str
+                kwargs["type"] = (lambda text, c=cast: _optional(text, c)) if optional else cast
+                kwargs["metavar"] = f.name.upper()
+                if choices:
+                    kwargs["choices"] = choices
+            group.add_argument(field_flag(f), **kwargs)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Flat ``{field: value}`` from a YAML or JSON file (flat or nested by section)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(
+            f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}"
+        ) from exc
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of field names to values, got {type(raw).__name__}")
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in SECTIONS and isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                if sub_key not in FIELDS or FIELDS[sub_key][0] != key:
+                    raise ConfigError(f"config file {path}: unknown key {key}.{sub_key}")
+                flat[sub_key] = sub_value
+        elif key in FIELDS:
+            flat[key] = value
+        else:
+            raise ConfigError(f"config file {path}: unknown key {key!r} (expected a field name or section)")
+    return flat
+
+
+def build_config(values: dict[str, Any] | None = None) -> RunConfig:
+    """A validated :class:`RunConfig` from flat ``{field: value}`` (unknown keys are an error)."""
+    values = dict(values or {})
+    per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for key, value in values.items():
+        if key not in FIELDS:
+            raise ConfigError(f"unknown config field {key!r}")
+        section, _ = FIELDS[key]
+        per_section[section][key] = value
+    return RunConfig(**{s: SECTIONS[s](**kw) for s, kw in per_section.items()})
+
+
+def resolve_config(config_file: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """File values, then command-line overrides on top, validated."""
+    values = read_config_file(config_file) if config_file else {}
+    values.update(overrides or {})
+    return build_config(values)
+
+
+def config_from_namespace(args: argparse.Namespace) -> RunConfig:
+    """The config of a parsed command line: ``--config`` file, then every flag given."""
+    overrides = {k: v for k, v in vars(args).items() if k in FIELDS}
+    return resolve_config(getattr(args, "config", None), overrides)
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read back a resolved config written by :func:`write_run_config`."""
+    return resolve_config(path)
+
+
+def write_run_config(config: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

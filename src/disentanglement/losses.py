@@ -1,0 +1,213 @@
+"""The six-term reconstruction loss stack (DESIGN.md section 4), as pure functions over tensors.
+
+Notation: ``B`` examples, conditioned length ``T``, vocabulary ``V``. ``token_nll`` is the
+conditioned per-token NLL ``l_t`` of the decoder, ``[B, T-1]``, zero where ``m_t = 0``.
+``target_mask`` is ``m_t``, ``[B, T-1]`` (1 on supervised response positions), unless a
+function says it takes the ``[B, T]`` token mask. Every term returns a scalar batch mean.
+
+Two stages, as in the seed: compute the masked per-token NLL once
+(:func:`masked_token_nll_per_position`), then aggregate it with uniform weights
+(:func:`uniform_token_weights`) or with the reference's token weights
+(:func:`token_weighted_masked_nll_per_example`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .config import ReconstructionLossConfig
+from .token_weighting import TokenWeighting, shifted_nll
+
+# The six terms, in DESIGN.md order, with the config field that weights each.
+TERM_WEIGHT_FIELDS: dict[str, str] = {
+    "reconstruction_loss": "reconstruction_weight",
+    "sequence_reconstruction_loss": "sequence_reconstruction_weight",
+    "token_weighted_reconstruction_loss": "token_weighted_weight",
+    "normalized_concentration_corrected_token_weighted_reconstruction_loss": (
+        "normalized_concentration_corrected_token_weighted_weight"
+    ),
+    "normalized_inverse_surprisal_token_weighted_reconstruction_loss": (
+        "normalized_inverse_surprisal_token_weighted_weight"
+    ),
+    "zfree_relative_reconstruction_loss": "zfree_relative_weight",
+}
+TERMS_NEEDING_WEIGHTING = frozenset(
+    {
+        "token_weighted_reconstruction_loss",
+        "normalized_concentration_corrected_token_weighted_reconstruction_loss",
+        "normalized_inverse_surprisal_token_weighted_reconstruction_loss",
+    }
+)
+TERMS_NEEDING_SCALE = frozenset(
+    {
+        "normalized_concentration_corrected_token_weighted_reconstruction_loss",
+        "normalized_inverse_surprisal_token_weighted_reconstruction_loss",
+        "zfree_relative_reconstruction_loss",
+    }
+)
+
+
+def masked_token_nll_per_position(
+    logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor
+) -> torch.Tensor:
+    """Masked per-token NLL ``[B, T-1]`` from logits ``[B, T, V]`` and ids/mask ``[B, T]``.
+
+    ``out[b, t] = -log softmax(logits[b, t])[input_ids[b, t+1]] * target_mask[b, t+1]``.
+    ``target_mask`` here is the ``[B, T]`` token mask (1 on response tokens). Computed by one
+    ``F.cross_entropy`` call, which never materialises a second ``[B, T, V]`` tensor.
+    """
+    return shifted_nll(logits, input_ids, target_mask)
+
+
+def uniform_token_weights(target_mask: torch.Tensor) -> torch.Tensor:
+    """``m_t / n_b``, ``[B, N]``. An example with ``n_b = 0`` is an error."""
+    mask = target_mask.to(torch.float32 if not target_mask.is_floating_point() else target_mask.dtype)
+    n = mask.sum(dim=1, keepdim=True)  # [B, 1]
+    if (n == 0).any():
+        empty = (n.squeeze(1) == 0).nonzero().flatten().tolist()
+        raise ValueError(f"target_mask: examples {empty} have no supervised token (n_b = 0)")
+    return mask / n
+
+
+def token_weighted_masked_nll_per_example(token_nll: torch.Tensor, token_weights: torch.Tensor) -> torch.Tensor:
+    """``sum_t w_t l_t`` per example, ``[B]``, for token NLL and weights of one ``[B, N]`` shape."""
+    if token_nll.shape != token_weights.shape:
+        raise ValueError(f"token_nll {tuple(token_nll.shape)} and token_weights {tuple(token_weights.shape)} differ")
+    return (token_weights.to(token_nll.dtype) * token_nll).sum(dim=1)
+
+
+def _check_scale(zfree_reference_scale: float | None, term: str) -> float:
+    if zfree_reference_scale is None:
+        raise ValueError(
+            f"{term} needs zfree_reference_scale (c_base): set it in the config or estimate it "
+            "with estimate_zfree_reference_scale before training"
+        )
+    scale = float(zfree_reference_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"zfree_reference_scale must be finite and > 0, got {zfree_reference_scale}")
+    return scale
+
+
+def reconstruction_loss(token_nll: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """Term 1: ``mean_b (1/n_b) sum_t m_t l_t``."""
+    return token_weighted_masked_nll_per_example(token_nll, uniform_token_weights(target_mask)).mean()
+
+
+def sequence_reconstruction_loss(token_nll: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """Term 2: ``mean_b sum_t m_t l_t`` (the ELBO's own reconstruction term)."""
+    return (token_nll * target_mask.to(token_nll.dtype)).sum(dim=1).mean()
+
+
+def token_weighted_reconstruction_loss(token_nll: torch.Tensor, weighting: TokenWeighting) -> torch.Tensor:
+    """Term 3: ``mean_b sum_t pi_t l_t``."""
+    return token_weighted_masked_nll_per_example(token_nll, weighting.token_weights).mean()
+
+
+def normalized_concentration_corrected_token_weighted_reconstruction_loss(
+    token_nll: torch.Tensor, weighting: TokenWeighting, zfree_reference_scale: float | None
+) -> torch.Tensor:
+    """Term 4: ``(1/c_base) mean_b (sum_t pi_t l_t) / kappa_b``."""
+    scale = _check_scale(zfree_reference_scale, "normalized_concentration_corrected_token_weighted_reconstruction_loss")
+    per_example = token_weighted_masked_nll_per_example(token_nll, weighting.token_weights)  # [B]
+    return (per_example / weighting.token_concentration_factor.to(per_example.dtype)).mean() / scale
+
+
+def normalized_inverse_surprisal_token_weighted_reconstruction_loss(
+    token_nll: torch.Tensor, weighting: TokenWeighting, zfree_reference_scale: float | None
+) -> torch.Tensor:
+    """Term 5 (ablation): ``(1/c_base) mean_b (sum_t pi_inv_t l_t) / rho_b``."""
+    scale = _check_scale(zfree_reference_scale, "normalized_inverse_surprisal_token_weighted_reconstruction_loss")
+    per_example = token_weighted_masked_nll_per_example(token_nll, weighting.inverse_token_weights)  # [B]
+    return (per_example / weighting.inverse_token_base_scale_factor.to(per_example.dtype)).mean() / scale
+
+
+def zfree_relative_reconstruction_loss(
+    token_nll: torch.Tensor, target_mask: torch.Tensor, zfree_reference_scale: float | None
+) -> torch.Tensor:
+    """Term 6: ``(1/c_base) mean_b (1/n_b) sum_t m_t l_t`` (empirical z-free-relative rescaling)."""
+    scale = _check_scale(zfree_reference_scale, "zfree_relative_reconstruction_loss")
+    return reconstruction_loss(token_nll, target_mask) / scale
+
+
+@dataclass
+class ReconstructionLossStack:
+    """Every computed term (``terms``, scalars by DESIGN.md name) and their weighted sum."""
+
+    terms: dict[str, torch.Tensor]
+    total: torch.Tensor
+
+
+def term_weights(config: ReconstructionLossConfig) -> dict[str, float]:
+    """The configured weight of each of the six terms, by term name."""
+    return {term: float(getattr(config, field)) for term, field in TERM_WEIGHT_FIELDS.items()}
+
+
+def needs_reference(config: ReconstructionLossConfig) -> bool:
+    """Whether any enabled term needs the reference's token weighting."""
+    return any(w != 0 for t, w in term_weights(config).items() if t in TERMS_NEEDING_WEIGHTING)
+
+
+def reconstruction_loss_stack(
+    token_nll: torch.Tensor,
+    target_mask: torch.Tensor,
+    weighting: TokenWeighting | None,
+    config: ReconstructionLossConfig,
+    zfree_reference_scale: float | None = None,
+) -> ReconstructionLossStack:
+    """All six terms (those computable from what is given) and ``sum_k weight_k * term_k``.
+
+    ``token_nll`` and ``target_mask`` are ``[B, N]``. ``weighting`` may be ``None`` only when
+    every term that needs it has weight 0; those terms are then absent from ``terms``. Terms
+    that need ``c_base`` use ``zfree_reference_scale``, else ``config.zfree_reference_scale``;
+    an enabled term without either is an error. A disabled scaled term is still logged when
+    a scale is available.
+    """
+    scale = zfree_reference_scale if zfree_reference_scale is not None else config.zfree_reference_scale
+    weights = term_weights(config)
+    missing = [t for t in TERMS_NEEDING_WEIGHTING if weights[t] != 0 and weighting is None]
+    if missing:
+        raise ValueError(f"terms {sorted(missing)} have non-zero weight but no token weighting was given")
+    for term in TERMS_NEEDING_SCALE:
+        if weights[term] != 0:
+            _check_scale(scale, term)
+
+    terms: dict[str, torch.Tensor] = {
+        "reconstruction_loss": reconstruction_loss(token_nll, target_mask),
+        "sequence_reconstruction_loss": sequence_reconstruction_loss(token_nll, target_mask),
+    }
+    if weighting is not None:
+        terms["token_weighted_reconstruction_loss"] = token_weighted_reconstruction_loss(token_nll, weighting)
+        if scale is not None:
+            terms["normalized_concentration_corrected_token_weighted_reconstruction_loss"] = (
+                normalized_concentration_corrected_token_weighted_reconstruction_loss(token_nll, weighting, scale)
+            )
+            terms["normalized_inverse_surprisal_token_weighted_reconstruction_loss"] = (
+                normalized_inverse_surprisal_token_weighted_reconstruction_loss(token_nll, weighting, scale)
+            )
+    if scale is not None:
+        terms["zfree_relative_reconstruction_loss"] = zfree_relative_reconstruction_loss(token_nll, target_mask, scale)
+    total = token_nll.new_zeros(())
+    for term, value in terms.items():
+        if weights[term] != 0:
+            total = total + weights[term] * value
+    return ReconstructionLossStack(terms=terms, total=total)
+
+
+def estimate_zfree_reference_scale(example_base_losses: torch.Tensor | Iterable[float]) -> float:
+    """``c_base``: the mean of the per-example z-free base losses ``b_base,b``."""
+    values = torch.as_tensor(
+        example_base_losses if isinstance(example_base_losses, torch.Tensor) else list(example_base_losses),
+        dtype=torch.float64,
+    ).flatten()
+    if values.numel() == 0:
+        raise ValueError("estimate_zfree_reference_scale needs at least one example base loss, got none")
+    if not torch.isfinite(values).all():
+        raise ValueError("estimate_zfree_reference_scale: example base losses must be finite")
+    scale = float(values.mean())
+    if not scale > 0:
+        raise ValueError(f"estimated zfree_reference_scale is {scale}; it must be > 0")
+    return scale

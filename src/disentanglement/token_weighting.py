@@ -1,0 +1,223 @@
+"""Token-level surprisal-share weighting from a frozen z-free reference model.
+
+Notation (DESIGN.md section 2): ``B`` examples, conditioned length ``T``; every ``[B, N]``
+tensor here has ``N = T - 1`` positions, position ``t`` being the prediction of token ``t + 1``.
+``m_t`` (``target_mask``) is 1 on supervised (response) positions and 0 elsewhere.
+
+    pi_t     = m_t b_t^alpha  / sum_s m_s b_s^alpha         (token_weights)
+    pi_inv_t = m_t b_t^-alpha / sum_s m_s b_s^-alpha        (inverse_token_weights)
+
+with ``b_t`` the aligned z-free surprisal floored at ``eps`` before the power.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TokenWeighting:
+    """The seed's bundle: detached token weights and per-example reference statistics."""
+
+    token_weights: torch.Tensor  # [B, N], rows sum to 1 over supervised positions
+    inverse_token_weights: torch.Tensor  # [B, N], rows sum to 1 over supervised positions
+    aligned_base_token_nll: torch.Tensor  # [B, N], b_t, zero where m_t = 0
+    example_base_loss: torch.Tensor  # [B], b_base = (1/n_b) sum_t m_t b_t
+    token_weighted_base_loss: torch.Tensor  # [B], sum_t pi_t b_t
+    inverse_token_weighted_base_loss: torch.Tensor  # [B], sum_t pi_inv_t b_t
+    token_concentration_factor: torch.Tensor  # [B], kappa = token_weighted_base_loss / example_base_loss
+    inverse_token_base_scale_factor: torch.Tensor  # [B], rho = inverse_weighted / example_base
+
+
+def _check_mask(target_mask: torch.Tensor, name: str = "target_mask") -> torch.Tensor:
+    if target_mask.dim() != 2:
+        raise ValueError(f"{name} must be [B, N], got shape {tuple(target_mask.shape)}")
+    mask = target_mask.to(torch.bool)
+    if mask.numel() and not torch.equal(mask.to(target_mask.dtype), target_mask):
+        raise ValueError(f"{name} must hold only 0 and 1")
+    empty = (~mask.any(dim=1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"{name}: examples {empty} have no supervised token (n_b = 0)")
+    return mask
+
+
+def _normalised_power(base: torch.Tensor, mask: torch.Tensor, exponent: float) -> torch.Tensor:
+    """``m_t base_t^exponent / sum_s m_s base_s^exponent`` computed in log space. [B, N]"""
+    log_terms = exponent * base.log()  # [B, N]
+    log_terms = log_terms.masked_fill(~mask, float("-inf"))
+    return torch.softmax(log_terms, dim=1)
+
+
+def token_weighting_from_base_nll(
+    aligned_base_token_nll: torch.Tensor,
+    target_mask: torch.Tensor,
+    alpha: float,
+    eps: float = 1e-6,
+) -> TokenWeighting:
+    """Turn aligned z-free per-token NLL ``b_t`` ``[B, N]`` into the weighting bundle.
+
+    ``target_mask`` is ``[B, N]``, 1 on supervised positions. Surprisal is floored at ``eps``
+    before the power, so a token the reference predicts with certainty gets a finite inverse
+    weight. Computation is in float64 (small tensors) and results are cast back; all outputs
+    are detached.
+    """
+    if alpha < 0 or not torch.isfinite(torch.tensor(float(alpha))):
+        raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if aligned_base_token_nll.shape != target_mask.shape:
+        raise ValueError(
+            f"aligned_base_token_nll {tuple(aligned_base_token_nll.shape)} and target_mask "
+            f"{tuple(target_mask.shape)} must have the same [B, N] shape"
+        )
+    mask = _check_mask(target_mask)
+    out_dtype = aligned_base_token_nll.dtype if aligned_base_token_nll.is_floating_point() else torch.float32
+    b = aligned_base_token_nll.detach().to(torch.float64)
+    b = torch.where(mask, b, torch.zeros_like(b))  # b_t aligned, zero where m_t = 0
+    if (b < 0).any():
+        raise ValueError("aligned_base_token_nll must be >= 0 (it is a negative log-likelihood)")
+    floored = torch.where(mask, b.clamp_min(eps), torch.ones_like(b))  # [B, N]
+
+    pi = _normalised_power(floored, mask, alpha)  # [B, N]
+    pi_inv = _normalised_power(floored, mask, -alpha)  # [B, N]
+    n = mask.sum(dim=1).to(torch.float64)  # [B]
+    example_base = b.sum(dim=1) / n  # [B]
+    tok_base = (pi * b).sum(dim=1)  # [B]
+    inv_base = (pi_inv * b).sum(dim=1)  # [B]
+    # kappa and rho divide by b_base; an example the reference predicts perfectly (b_base = 0)
+    # has no concentration to correct, so both factors are 1 there (the alpha = 0 value).
+    safe_base = torch.where(example_base > 0, example_base, torch.ones_like(example_base))
+    kappa = torch.where(example_base > 0, tok_base / safe_base, torch.ones_like(example_base))
+    rho = torch.where(example_base > 0, inv_base / safe_base, torch.ones_like(example_base))
+
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        return x.to(out_dtype)
+
+    return TokenWeighting(
+        token_weights=cast(pi),
+        inverse_token_weights=cast(pi_inv),
+        aligned_base_token_nll=cast(b),
+        example_base_loss=cast(example_base),
+        token_weighted_base_loss=cast(tok_base),
+        inverse_token_weighted_base_loss=cast(inv_base),
+        token_concentration_factor=cast(kappa),
+        inverse_token_base_scale_factor=cast(rho),
+    )
+
+
+def align_to_conditioned(
+    zfree_values: torch.Tensor,
+    alignment_offsets: torch.Tensor,
+    conditioned_positions: int,
+    zfree_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Place z-free position ``t`` of example ``b`` at ``t + alignment_offsets[b]``.
+
+    ``zfree_values`` is ``[B, Nz]``; the result is ``[B, conditioned_positions]``, zero where
+    nothing lands. A value that would land out of range is an error when it is supervised
+    (``zfree_mask`` 1, or non-zero when no mask is given); unsupervised values that fall out
+    of range carry nothing and are dropped.
+    """
+    if zfree_values.dim() != 2:
+        raise ValueError(f"zfree_values must be [B, Nz], got shape {tuple(zfree_values.shape)}")
+    bsz, nz = zfree_values.shape
+    offsets = torch.as_tensor(alignment_offsets, device=zfree_values.device).long().reshape(-1)
+    if offsets.numel() != bsz:
+        raise ValueError(f"alignment_offsets has {offsets.numel()} entries, expected B = {bsz}")
+    keep = zfree_mask.to(torch.bool) if zfree_mask is not None else zfree_values != 0
+    if keep.shape != zfree_values.shape:
+        raise ValueError(f"zfree_mask {tuple(keep.shape)} must match zfree_values {tuple(zfree_values.shape)}")
+    target = torch.arange(nz, device=zfree_values.device).unsqueeze(0) + offsets.unsqueeze(1)  # [B, Nz]
+    in_range = (target >= 0) & (target < conditioned_positions)
+    bad = keep & ~in_range
+    if bad.any():
+        b, t = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"supervised z-free position {t} of example {b} lands at conditioned position "
+            f"{t + int(offsets[b])}, outside [0, {conditioned_positions}) (offset {int(offsets[b])})"
+        )
+    out = zfree_values.new_zeros(bsz, conditioned_positions)
+    rows = torch.arange(bsz, device=zfree_values.device).unsqueeze(1).expand(bsz, nz)
+    out[rows[in_range], target[in_range]] = zfree_values[in_range]
+    return out
+
+
+def shifted_nll(logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """Masked next-token NLL ``[B, T-1]``; shared by the reference scorer and ``losses``.
+
+    ``out[b, t] = -log softmax(logits[b, t])[input_ids[b, t+1]] * target_mask[b, t+1]``.
+    One ``cross_entropy`` call: no second ``[B, T, V]`` float tensor is materialised.
+    """
+    bsz, seq, vocab = logits.shape
+    if input_ids.shape != (bsz, seq) or target_mask.shape != (bsz, seq):
+        raise ValueError(
+            f"logits {tuple(logits.shape)}, input_ids {tuple(input_ids.shape)} and target_mask "
+            f"{tuple(target_mask.shape)} must agree on [B, T]"
+        )
+    targets = input_ids[:, 1:].masked_fill(~target_mask[:, 1:].to(torch.bool), -100)  # [B, T-1]
+    nll = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), targets.reshape(-1), reduction="none", ignore_index=-100)
+    return nll.view(bsz, seq - 1)
+
+
+@torch.no_grad()
+def score_zfree_reference(
+    reference_model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    target_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Masked per-position NLL ``[B, T-1]`` of a frozen causal LM on the z-free sequence.
+
+    Runs in eval mode under ``torch.no_grad()`` and restores the caller's train/eval mode.
+    ``target_mask`` is ``[B, T]`` over tokens (1 on response tokens), as for
+    :func:`disentanglement.losses.masked_token_nll_per_position`.
+    """
+    was_training = reference_model.training
+    reference_model.eval()
+    try:
+        logits = reference_model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
+        return shifted_nll(logits.float(), input_ids, target_mask).float()
+    finally:
+        reference_model.train(was_training)
+
+
+def compute_token_weighting(
+    reference_model: torch.nn.Module,
+    zfree_input_ids: torch.Tensor,
+    zfree_attention_mask: torch.Tensor,
+    zfree_target_mask: torch.Tensor,
+    alignment_offsets: torch.Tensor,
+    conditioned_length: int,
+    alpha: float,
+    eps: float = 1e-6,
+) -> TokenWeighting:
+    """Score the z-free sequence, align it to the conditioned positions and weight it.
+
+    ``zfree_*`` are ``[B, Tz]`` over tokens; ``conditioned_length`` is the conditioned
+    sequence length ``T``; every returned ``[B, N]`` tensor has ``N = T - 1``.
+    """
+    base_nll = score_zfree_reference(reference_model, zfree_input_ids, zfree_attention_mask, zfree_target_mask)
+    return weighting_from_zfree_nll(
+        base_nll, zfree_target_mask[:, 1:], alignment_offsets, conditioned_length, alpha, eps
+    )
+
+
+def weighting_from_zfree_nll(
+    zfree_token_nll: torch.Tensor,
+    zfree_position_mask: torch.Tensor,
+    alignment_offsets: torch.Tensor,
+    conditioned_length: int,
+    alpha: float,
+    eps: float = 1e-6,
+) -> TokenWeighting:
+    """Align already-computed z-free NLL ``[B, Tz-1]`` (with its position mask) and weight it."""
+    aligned_nll = align_to_conditioned(
+        zfree_token_nll, alignment_offsets, conditioned_length - 1, zfree_mask=zfree_position_mask
+    )
+    aligned_mask = align_to_conditioned(
+        zfree_position_mask.float(), alignment_offsets, conditioned_length - 1, zfree_mask=zfree_position_mask
+    )
+    return token_weighting_from_base_nll(aligned_nll, aligned_mask, alpha, eps)
