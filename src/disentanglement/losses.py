@@ -94,7 +94,8 @@ def _check_scale(zfree_reference_scale: float | None, term: str) -> float:
 
 def reconstruction_loss(token_nll: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
     """Term 1: ``mean_b (1/n_b) sum_t m_t l_t``."""
-    return token_weighted_masked_nll_per_example(token_nll, uniform_token_weights(target_mask)).mean()
+    weights = uniform_token_weights(target_mask.to(token_nll.dtype))
+    return token_weighted_masked_nll_per_example(token_nll, weights).mean()
 
 
 def sequence_reconstruction_loss(token_nll: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:

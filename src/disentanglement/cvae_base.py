@@ -1,0 +1,358 @@
+"""The shared base of both CVAEs: frozen features pass, latent injection and the objective.
+
+Shapes: ``B`` examples; ``T`` z-free length of ``[x][y]``; ``P`` latent embeddings; conditioned
+length ``Tc = T + P``; ``N = Tc - 1`` conditioned positions; ``H`` hidden size; ``V`` vocabulary.
+
+One no-grad pass of the frozen model over the z-free sequence ``[x][y]`` gives the z-free
+per-token surprisal, the prior's features (hidden state at the last prompt token) and the
+encoder's features (mean of the response's hidden states, concatenated with the last token's).
+The latent family (a subclass) turns features into a latent vector; a linear projection turns
+it into ``P`` soft embeddings placed ``[z][x][y]`` (``prefix``) or ``[x][z][y]`` (``between``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
+from .data import Batch
+from .losses import masked_token_nll_per_position, reconstruction_loss_stack
+from .regularizers import beta_at, kl_objective, next_token_divergence
+from .token_weighting import TokenWeighting, shifted_nll, weighting_from_zfree_nll
+
+
+@dataclass
+class FrozenFeatures:
+    """What one no-grad pass of the frozen model over ``[x][y]`` yields (deterministic per example)."""
+
+    zfree_token_nll: torch.Tensor  # [B, T-1], b_t on the z-free layout, zero off the response
+    prior_features: torch.Tensor  # [B, H], hidden state at the last prompt token
+    encoder_features: torch.Tensor  # [B, 2H], mean response hidden state ++ last token hidden state
+
+
+@dataclass
+class LatentSample:
+    """A latent family's posterior draw for a batch."""
+
+    vector: torch.Tensor  # [B, L], what the projection turns into P latent embeddings
+    latent: torch.Tensor  # discrete codes [B, M] (long) or continuous z [B, D]
+    kl_per_unit: torch.Tensor  # [B, U], per slot or per dimension
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # weighted scalars added to the loss
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class CVAEOutput:
+    """One record per forward: the loss, every term, KL, divergence and the latent."""
+
+    loss: torch.Tensor
+    reconstruction_terms: dict[str, torch.Tensor]
+    reconstruction_total: torch.Tensor
+    kl: torch.Tensor  # mean over the batch of the per-example KL, nats
+    kl_per_unit: torch.Tensor  # [U], batch-mean KL per slot or dimension (after free bits / per-token scaling)
+    kl_term: torch.Tensor
+    beta: float
+    divergence: torch.Tensor | None
+    divergence_term: torch.Tensor
+    aux_losses: dict[str, torch.Tensor]
+    latent: torch.Tensor
+    token_nll: torch.Tensor  # [B, N]
+    target_mask: torch.Tensor  # [B, N]
+    weighting: TokenWeighting
+    stats: dict[str, float]
+
+    def scalars(self) -> dict[str, float]:
+        """Everything worth logging, as floats."""
+        out = {k: float(v.detach()) for k, v in self.reconstruction_terms.items()}
+        out.update(
+            loss=float(self.loss.detach()),
+            reconstruction_total=float(self.reconstruction_total.detach()),
+            kl=float(self.kl.detach()),
+            kl_term=float(self.kl_term.detach()),
+            beta=self.beta,
+            divergence_term=float(self.divergence_term.detach()),
+        )
+        if self.divergence is not None:
+            out["divergence"] = float(self.divergence.detach())
+        for i, v in enumerate(self.kl_per_unit.tolist()):
+            out[f"kl_unit_{i}"] = v
+        out.update({k: float(v.detach()) for k, v in self.aux_losses.items()})
+        out.update(self.stats)
+        return out
+
+
+def mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d_in, d_hidden), nn.GELU(), nn.Linear(d_hidden, d_out))
+
+
+def bag_of_words_loss(bow_logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """``mean_b (1/n_b) sum_t m_t -log softmax(bow_logits[b])[y_t]`` for ``[B, V]`` logits, ``[B, T]`` ids/mask."""
+    log_probs = F.log_softmax(bow_logits.float(), dim=-1)  # [B, V]
+    token_log_probs = log_probs.gather(1, input_ids)  # [B, T]
+    mask = target_mask.to(token_log_probs.dtype)
+    return (-(token_log_probs * mask).sum(1) / mask.sum(1)).mean()
+
+
+class CVAEBase(nn.Module):
+    """Frozen features, latent injection and the loss; subclasses define the latent."""
+
+    def __init__(
+        self,
+        decoder: nn.Module,
+        latent: LatentConfig,
+        reconstruction: ReconstructionLossConfig,
+        kl: KLConfig,
+        divergence: DivergenceConfig | None = None,
+        decoder_training: str = "frozen",
+        reference: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.latent_cfg = latent
+        self.reconstruction_cfg = reconstruction
+        self.kl_cfg = kl
+        self.divergence_cfg = divergence or DivergenceConfig()
+        self.decoder_training = decoder_training
+        if decoder_training == "frozen":
+            self.decoder.requires_grad_(False)
+        if decoder_training == "full" and reference is None:
+            raise ValueError("decoder_training='full' needs a frozen reference copy of the decoder")
+        # Kept outside the module tree: never in state_dict, parameters() or a data-parallel wrapper.
+        object.__setattr__(self, "reference_model", reference)
+        if reference is not None:
+            reference.requires_grad_(False).eval()
+        embeddings = decoder.get_input_embeddings()
+        self.hidden_size = embeddings.weight.shape[1]
+        self.num_latent_tokens = latent.latent_tokens
+        self.zfree_reference_scale: float | None = reconstruction.zfree_reference_scale
+        H = self.hidden_size
+        self.encoder_norm = nn.LayerNorm(2 * H)
+        self.prior_norm = nn.LayerNorm(H)
+        self.latent_projection = nn.Linear(self.latent_vector_dim, latent.latent_tokens * H)
+        # Latent embeddings start on the scale of the token embeddings (inputs of unit scale).
+        embedding_std = float(embeddings.weight.detach().float().std())
+        nn.init.normal_(self.latent_projection.weight, std=embedding_std / self.latent_vector_dim**0.5)
+        nn.init.zeros_(self.latent_projection.bias)
+        vocab_size = decoder.get_output_embeddings().weight.shape[0]
+        self.bow_head = nn.Linear(self.latent_vector_dim, vocab_size) if latent.bow_weight > 0 else None
+
+    # -- what subclasses define ---------------------------------------------------------------
+    @property
+    def latent_vector_dim(self) -> int:
+        raise NotImplementedError
+
+    def encode(self, features: FrozenFeatures, step: int) -> LatentSample:
+        raise NotImplementedError
+
+    def prior_vectors(self, features: FrozenFeatures, num_samples: int) -> torch.Tensor:
+        """Latent vectors drawn from the prior, ``[num_samples, B, L]``."""
+        raise NotImplementedError
+
+    def alternative_vector(self, sample: LatentSample) -> torch.Tensor | None:
+        """A different latent for the same example (for the inter-latent divergence), or None."""
+        return None
+
+    def post_step(self, step: int) -> None:
+        """Called after each optimizer step (e.g. dead-code restart)."""
+
+    # -- parameters ----------------------------------------------------------------------------
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """Trainable parameters by learning-rate group: encoder heads, latent embeddings, decoder."""
+        groups: dict[str, list[nn.Parameter]] = {"encoder": [], "latent": [], "decoder": []}
+        for name, param in self.named_parameters():
+            if not param.requires_grad:
+                continue
+            if name.startswith("decoder."):
+                groups["decoder"].append(param)
+            elif name.startswith(("latent_projection.", "codebook")):
+                groups["latent"].append(param)
+            else:
+                groups["encoder"].append(param)
+        return groups
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds: trainable weights (decoder ones included) and the latent model's buffers."""
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        return {
+            n: t.detach().clone()
+            for n, t in self.state_dict().items()
+            if n in trainable or not n.startswith("decoder.")
+        }
+
+    def _apply(self, fn, recurse=True):
+        # Device and dtype moves reach the reference copy, which is kept outside the module tree.
+        super()._apply(fn, recurse)
+        if self.reference_model is not None:
+            self.reference_model._apply(fn, recurse)
+        return self
+
+    def train(self, mode: bool = True) -> CVAEBase:
+        super().train(mode)
+        # A frozen decoder stays in eval mode (no dropout): it is the z-free reference too.
+        self.decoder.train(mode and self.decoder_training != "frozen")
+        return self
+
+    # -- the frozen pass -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def reference_context(self):
+        """The z-free reference: the frozen decoder, the decoder without adapters, or a frozen copy."""
+        if self.reference_model is not None:
+            yield self.reference_model
+        elif self.decoder_training == "lora":
+            with self.decoder.disable_adapter():
+                yield self.decoder
+        else:
+            yield self.decoder
+
+    @torch.no_grad()
+    def frozen_pass(self, batch: Batch) -> FrozenFeatures:
+        """One no-grad pass of the reference over ``[x][y]``: z-free NLL and both heads' features."""
+        with self.reference_context() as reference:
+            was_training = reference.training
+            reference.eval()
+            try:
+                out = reference(
+                    input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True
+                )
+            finally:
+                reference.train(was_training)
+        hidden = out.hidden_states[-1].float()  # [B, T, H]
+        zfree_nll = shifted_nll(out.logits.float(), batch.input_ids, batch.target_mask)  # [B, T-1]
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        prior_features = hidden[rows, batch.prompt_lengths - 1]  # [B, H]
+        mask = batch.target_mask.to(hidden.dtype).unsqueeze(-1)  # [B, T, 1]
+        mean_response = (hidden * mask).sum(1) / mask.sum(1)  # [B, H]
+        last_token = hidden[rows, batch.prompt_lengths + batch.response_lengths - 1]  # [B, H]
+        return FrozenFeatures(zfree_nll, prior_features, torch.cat([mean_response, last_token], dim=-1))
+
+    # -- injection and decoding ------------------------------------------------------------------
+    def latent_embeddings(self, vector: torch.Tensor) -> torch.Tensor:
+        """``[B, L] -> [B, P, H]`` soft latent embeddings."""
+        return self.latent_projection(vector).view(vector.shape[0], self.num_latent_tokens, self.hidden_size)
+
+    def conditioned_inputs(
+        self, batch: Batch, latent_embeds: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Insert ``P`` latent embeddings into the z-free batch.
+
+        Returns ``inputs_embeds [B, Tc, H]``, ``input_ids [B, Tc]`` (0 at latent positions),
+        ``attention_mask [B, Tc]``, ``target_mask [B, Tc]`` and ``alignment_offsets [B]``.
+        """
+        B, T = batch.input_ids.shape
+        P = self.num_latent_tokens
+        device = batch.input_ids.device
+        if self.latent_cfg.latent_placement == "prefix":
+            insert_at = torch.zeros(B, dtype=torch.long, device=device)
+        else:
+            insert_at = batch.prompt_lengths
+        j = torch.arange(T + P, device=device).unsqueeze(0)  # [1, Tc]
+        start = insert_at.unsqueeze(1)  # [B, 1]
+        is_latent = (j >= start) & (j < start + P)  # [B, Tc]
+        source = torch.where(j < start, j, j - P).clamp(0, T - 1)  # [B, Tc] z-free position
+        latent_index = (j - start).clamp(0, P - 1)  # [B, Tc]
+        token_embeds = self.decoder.get_input_embeddings()(batch.input_ids)  # [B, T, H]
+        gathered_tokens = token_embeds.gather(1, source.unsqueeze(-1).expand(-1, -1, self.hidden_size))
+        gathered_latent = latent_embeds.to(token_embeds.dtype).gather(
+            1, latent_index.unsqueeze(-1).expand(-1, -1, self.hidden_size)
+        )
+        inputs_embeds = torch.where(is_latent.unsqueeze(-1), gathered_latent, gathered_tokens)
+        input_ids = batch.input_ids.gather(1, source).masked_fill(is_latent, 0)
+        attention_mask = batch.attention_mask.gather(1, source).masked_fill(is_latent, 1)
+        target_mask = batch.target_mask.gather(1, source).masked_fill(is_latent, 0)
+        offsets = torch.full((B,), P, dtype=torch.long, device=device)
+        return inputs_embeds, input_ids, attention_mask, target_mask, offsets
+
+    def decode_logits(
+        self, batch: Batch, vector: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decoder logits under a latent: ``(logits [B, Tc, V], input_ids, target_mask, offsets)``."""
+        embeds, ids, attention, target, offsets = self.conditioned_inputs(batch, self.latent_embeddings(vector))
+        logits = self.decoder(inputs_embeds=embeds, attention_mask=attention, use_cache=False).logits
+        return logits, ids, target, offsets
+
+    def conditioned_token_nll(self, batch: Batch, vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``l_t`` under a latent vector: ``(token_nll [B, N], target_mask [B, N])``."""
+        logits, ids, target, _ = self.decode_logits(batch, vector)
+        return masked_token_nll_per_position(logits, ids, target), target[:, 1:]
+
+    def token_weighting(
+        self, batch: Batch, features: FrozenFeatures, offsets: torch.Tensor, conditioned_length: int
+    ) -> TokenWeighting:
+        """The reference's token weights aligned to the conditioned positions."""
+        return weighting_from_zfree_nll(
+            features.zfree_token_nll,
+            batch.target_mask[:, 1:],
+            offsets,
+            conditioned_length,
+            self.reconstruction_cfg.token_weight_alpha,
+            self.reconstruction_cfg.token_weight_eps,
+        )
+
+    # -- the objective ---------------------------------------------------------------------------
+    def forward(self, batch: Batch, features: FrozenFeatures | None = None, step: int = 0) -> CVAEOutput:
+        if features is None:
+            features = self.frozen_pass(batch)
+        sample = self.encode(features, step)
+        logits, ids, target, offsets = self.decode_logits(batch, sample.vector)
+        token_nll = masked_token_nll_per_position(logits, ids, target)  # [B, N]
+        target = target[:, 1:]  # [B, N]
+        weighting = self.token_weighting(batch, features, offsets, ids.shape[1])
+        stack = reconstruction_loss_stack(
+            token_nll, target, weighting, self.reconstruction_cfg, self.zfree_reference_scale
+        )
+        beta = beta_at(step, self.kl_cfg)
+        kl_term, kl_per_unit = kl_objective(sample.kl_per_unit, batch.response_lengths, self.kl_cfg, beta)
+        loss = stack.total + kl_term
+        aux = dict(sample.aux_losses)
+        for value in aux.values():
+            loss = loss + value
+        if self.bow_head is not None:
+            aux["bow_loss"] = bag_of_words_loss(self.bow_head(sample.vector), batch.input_ids, batch.target_mask)
+            loss = loss + self.latent_cfg.bow_weight * aux["bow_loss"]
+        divergence = None
+        divergence_term = token_nll.new_zeros(())
+        if self.divergence_cfg.divergence_weight > 0:
+            alternative = self.alternative_vector(sample)
+            if alternative is not None:
+                divergence = self.inter_latent_divergence(batch, logits, alternative, target, weighting)
+                divergence_term = -self.divergence_cfg.divergence_weight * divergence
+                loss = loss + divergence_term
+        return CVAEOutput(
+            loss=loss,
+            reconstruction_terms=stack.terms,
+            reconstruction_total=stack.total,
+            kl=sample.kl_per_unit.sum(1).mean(),
+            kl_per_unit=kl_per_unit.detach(),
+            kl_term=kl_term,
+            beta=beta,
+            divergence=divergence,
+            divergence_term=divergence_term,
+            aux_losses=aux,
+            latent=sample.latent,
+            token_nll=token_nll,
+            target_mask=target,
+            weighting=weighting,
+            stats=sample.stats,
+        )
+
+    def inter_latent_divergence(
+        self,
+        batch: Batch,
+        logits: torch.Tensor,
+        alternative: torch.Tensor,
+        target: torch.Tensor,
+        weighting: TokenWeighting,
+    ) -> torch.Tensor:
+        """``mean_b sum_t pi_t D(p(.|z), p(.|z'))`` over supervised positions (DESIGN.md section 5)."""
+        alt_logits, _, _, _ = self.decode_logits(batch, alternative)
+        supervised = target.bool()  # [B, N]
+        per_token = logits.new_zeros(target.shape, dtype=torch.float32)
+        per_token[supervised] = next_token_divergence(
+            logits[:, :-1][supervised], alt_logits[:, :-1][supervised], self.divergence_cfg.divergence
+        )
+        return (weighting.token_weights.to(per_token.dtype) * per_token).sum(1).mean()

@@ -1,0 +1,599 @@
+"""Prompt/response data: loading, synthetic hidden-factor data, tokenisation, split and batching.
+
+The pipeline is ``load_pairs`` (JSONL file or the built-in chatterbot corpus) ->
+``tokenize_pairs`` (chat template, truncation) -> ``split_train_validation`` -> ``collate``.
+Every data error names where the offending item came from (file and line, or corpus file and
+conversation) so that it can be fixed at its source; an example without response tokens is
+rejected here, never discovered later as a NaN (DESIGN.md section 2).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import torch
+import yaml
+
+from disentanglement.config import DataConfig
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class DataError(ValueError):
+    """Input data that is not what was expected (the message names where it came from)."""
+
+
+@dataclass(frozen=True)
+class PromptResponse:
+    """One prompt/response pair; ``source`` says where it came from (``path:line`` or corpus file and index)."""
+
+    prompt: str
+    response: str
+    label: str | None
+    source: str
+
+
+# --------------------------------------------------------------------------------------------------
+# JSONL
+
+
+def _format_line_numbers(numbers: Sequence[int]) -> str:
+    """``[1, 2, 3, 7]`` -> ``"1-3, 7"`` (every number is covered)."""
+    parts: list[str] = []
+    start = prev = None
+    for n in numbers:
+        if start is None:
+            start = prev = n
+        elif n == prev + 1:
+            prev = n
+        else:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = prev = n
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ", ".join(parts)
+
+
+def load_jsonl(
+    path: str | Path,
+    prompt_key: str = "prompt",
+    response_key: str = "response",
+    label_key: str = "label",
+) -> list[PromptResponse]:
+    """Read prompt/response pairs from a JSON-lines file, one object per line.
+
+    Blank lines are skipped. Each other line must be a JSON object whose ``prompt_key`` and
+    ``response_key`` values are strings; ``label_key`` is optional and may be a string, an integer
+    (stored as its string) or null. Invalid lines are reported together, each with the file, the line
+    number and what was expected (:class:`DataError`). Responses that are empty or whitespace-only
+    are rejected in one error listing all their line numbers. Empty prompts are allowed.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist")
+    pairs: list[PromptResponse] = []
+    problems: list[str] = []
+    empty_responses: list[int] = []
+    with path.open(encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                problems.append(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); expected one JSON object")
+                continue
+            if not isinstance(record, dict):
+                problems.append(f"{where}: expected a JSON object, got {type(record).__name__}")
+                continue
+            bad = False
+            values: dict[str, str] = {}
+            for key in (prompt_key, response_key):
+                if key not in record:
+                    problems.append(f"{where}: missing key {key!r} (expected a string; keys present: {sorted(record)})")
+                    bad = True
+                elif not isinstance(record[key], str):
+                    problems.append(f"{where}: key {key!r} must be a string, got {type(record[key]).__name__}")
+                    bad = True
+                else:
+                    values[key] = record[key]
+            label = record.get(label_key)
+            if label is not None:
+                if isinstance(label, bool) or not isinstance(label, str | int):
+                    problems.append(
+                        f"{where}: key {label_key!r} must be a string, an integer or null, got {type(label).__name__}"
+                    )
+                    bad = True
+                else:
+                    label = str(label)
+            if bad:
+                continue
+            if not values[response_key].strip():
+                empty_responses.append(lineno)
+                continue
+            pairs.append(PromptResponse(values[prompt_key], values[response_key], label, where))
+    if problems:
+        shown = problems[:20]
+        more = f"\n... and {len(problems) - 20} more invalid lines" if len(problems) > 20 else ""
+        raise DataError(f"{len(problems)} invalid line(s) in {path}:\n" + "\n".join(shown) + more)
+    if empty_responses:
+        raise DataError(
+            f"{path}: {len(empty_responses)} empty or whitespace-only response(s) (key {response_key!r}) on "
+            f"line(s) {_format_line_numbers(empty_responses)}; every response needs at least one token"
+        )
+    if not pairs:
+        raise DataError(f"{path} holds no prompt/response pairs")
+    return pairs
+
+
+# --------------------------------------------------------------------------------------------------
+# chatterbot corpus
+
+
+def chatterbot_corpus_dir(language: str = "english") -> Path:
+    """The folder of the installed chatterbot-corpus YAML files for ``language``."""
+    spec = importlib.util.find_spec("chatterbot_corpus")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the chatterbot corpus is not installed (pip install chatterbot-corpus)")
+    root = Path(list(spec.submodule_search_locations)[0]) / "data"
+    folder = root / language
+    if not folder.is_dir():
+        available = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        raise DataError(f"chatterbot corpus has no language {language!r}; available: {available}")
+    return folder
+
+
+def read_chatterbot(
+    language: str = "english", corpus_dir: str | Path | None = None
+) -> tuple[list[PromptResponse], dict[str, Any]]:
+    """Pairs of consecutive utterances of every chatterbot conversation, and counts.
+
+    A conversation ``[u0, u1, u2, ...]`` yields ``(u0 -> u1), (u1 -> u2), ...``; the label is the file's
+    first category (else the file stem); non-string utterances are converted with ``str``. Pairs with
+    an empty response are skipped and counted in ``stats["skipped_empty_responses"]``; conversations
+    that are not lists are skipped and listed in ``stats["skipped_malformed_conversations"]``.
+    ``corpus_dir`` replaces the installed corpus folder (for tests or another corpus in this format).
+    """
+    folder = Path(corpus_dir) if corpus_dir is not None else chatterbot_corpus_dir(language)
+    pairs: list[PromptResponse] = []
+    skipped = 0
+    malformed: list[str] = []
+    per_category: dict[str, int] = {}
+    files = sorted(folder.glob("*.yml")) + sorted(folder.glob("*.yaml"))
+    for file in files:
+        try:
+            document = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as exc:
+            raise DataError(f"chatterbot file {file} is not valid YAML: {exc}") from exc
+        if not isinstance(document, dict):
+            raise DataError(f"chatterbot file {file}: expected a mapping with 'conversations'")
+        categories = document.get("categories") or []
+        label = str(categories[0]) if categories else file.stem
+        for c_index, conversation in enumerate(document.get("conversations") or []):
+            if not isinstance(conversation, list):
+                # english/trivia.yml #13 is a bare string (a YAML slip in the corpus): no pairs
+                malformed.append(f"{file.name}:#{c_index}")
+                continue
+            turns = ["" if u is None else str(u) for u in conversation]
+            for t_index, (prompt, response) in enumerate(zip(turns, turns[1:], strict=False)):
+                if not response.strip():
+                    skipped += 1
+                    continue
+                source = f"chatterbot/{language}/{file.name}:#{c_index}.{t_index}"
+                pairs.append(PromptResponse(prompt, response, label, source))
+                per_category[label] = per_category.get(label, 0) + 1
+    stats = {
+        "pairs": len(pairs),
+        "files": len(files),
+        "categories": per_category,
+        "skipped_empty_responses": skipped,
+        "skipped_malformed_conversations": malformed,
+    }
+    if malformed:
+        logger.warning("chatterbot/%s: skipped conversations that are not lists of utterances: %s", language, malformed)
+    logger.info(
+        "chatterbot/%s: %d pairs in %d categories from %d files; skipped %d pairs with an empty response",
+        language,
+        len(pairs),
+        len(per_category),
+        len(files),
+        skipped,
+    )
+    if not pairs:
+        raise DataError(f"chatterbot corpus {folder} holds no prompt/response pairs")
+    return pairs, stats
+
+
+def load_chatterbot(language: str = "english") -> list[PromptResponse]:
+    """The chatterbot corpus as prompt/response pairs (see :func:`read_chatterbot`; counts are logged)."""
+    return read_chatterbot(language)[0]
+
+
+def load_pairs(cfg: DataConfig) -> list[PromptResponse]:
+    """The pairs named by ``cfg.data``: ``"chatterbot"`` or a ``.jsonl`` file (read with the config's keys)."""
+    if cfg.data == "chatterbot":
+        return load_chatterbot()
+    if cfg.data.endswith(".jsonl"):
+        return load_jsonl(Path(cfg.data).expanduser(), cfg.prompt_key, cfg.response_key, cfg.label_key)
+    raise DataError(f"DataConfig.data must be 'chatterbot' or a path to a .jsonl file, got {cfg.data!r}")
+
+
+def limit_examples(items: Sequence[T], max_examples: int | None, seed: int) -> list[T]:
+    """At most ``max_examples`` items, chosen by a seeded shuffle (all items, in order, when None)."""
+    if max_examples is None or max_examples >= len(items):
+        return list(items)
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    return [items[i] for i in sorted(order[:max_examples])]
+
+
+# --------------------------------------------------------------------------------------------------
+# synthetic hidden-factor data
+
+#: Responses of the "clean" hidden-factor data: factor f answers with phrase f (more are generated past these).
+CLEAN_PHRASES: tuple[str, ...] = (
+    "Absolutely, I would love to help with that!",
+    "No.",
+    "Hmm, let me think about it for a while.",
+    "Ha ha, that is a funny question!",
+    "I am sorry, but I really cannot say.",
+    "Yes, yes, yes, a thousand times yes!",
+    "Please ask my colleague in the other office.",
+    "Once upon a time, there was a question just like this one.",
+)
+
+_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+#: Style markers of the "marked" hidden-factor data, one per factor: (kind, text) with kind
+#: "prefix" (text + response), "suffix" (response + text) or "none" (response unchanged).
+MARKED_STYLES: tuple[tuple[Literal["prefix", "suffix", "none"], str], ...] = (
+    ("prefix", "Oh wow, "),
+    ("suffix", " (smiles)"),
+    ("prefix", "Honestly speaking, "),
+    ("none", ""),
+)
+
+
+def clean_phrases(num_factors: int) -> list[str]:
+    """The ``num_factors`` distinct "clean" responses: :data:`CLEAN_PHRASES`, then generated ones."""
+    if num_factors < 1:
+        raise ValueError(f"num_factors must be >= 1, got {num_factors}")
+    phrases = list(CLEAN_PHRASES[:num_factors])
+    for f in range(len(CLEAN_PHRASES), num_factors):
+        spelled = " ".join(_NUMBER_WORDS[int(d)] for d in str(f))
+        phrases.append(f"My answer is code {spelled}, and nothing else.")
+    return phrases
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def detect_style(text: str, kind: Literal["clean", "marked"] = "clean", num_factors: int = 4) -> int | None:
+    """The hidden factor whose style ``text`` shows, or None when no single style is recognised.
+
+    "clean": the factor whose phrase the text starts with, word for word, ignoring case and
+    punctuation (the longest matching phrase wins). "marked": the prefix or suffix marker present; a
+    text with no marker is the "none" style when that style is among the ``num_factors`` used; a
+    text with two different markers is None.
+    """
+    if kind == "clean":
+        words = _words(text)
+        best: tuple[int, int] | None = None
+        for f, phrase in enumerate(clean_phrases(num_factors)):
+            p = _words(phrase)
+            if p and words[: len(p)] == p and (best is None or len(p) > best[1]):
+                best = (f, len(p))
+        return None if best is None else best[0]
+    if kind == "marked":
+        styles = _marked_styles(num_factors)
+        stripped = text.strip()
+        found = set()
+        none_factor = None
+        for f, (where, marker) in enumerate(styles):
+            if where == "none":
+                none_factor = f
+                continue
+            present = stripped.startswith(marker.strip()) if where == "prefix" else stripped.endswith(marker.strip())
+            if present:
+                found.add(f)
+        if len(found) == 1:
+            return found.pop()
+        if not found:
+            return none_factor
+        return None
+    raise ValueError(f"kind must be 'clean' or 'marked', got {kind!r}")
+
+
+def _marked_styles(num_factors: int) -> tuple[tuple[str, str], ...]:
+    if not 1 <= num_factors <= len(MARKED_STYLES):
+        raise ValueError(f"'marked' data supports 1 to {len(MARKED_STYLES)} factors, got {num_factors}")
+    return MARKED_STYLES[:num_factors]
+
+
+def apply_style(response: str, factor: int, num_factors: int = 4) -> str:
+    """``response`` with the style marker of ``factor`` (see :data:`MARKED_STYLES`)."""
+    where, marker = _marked_styles(num_factors)[factor]
+    if where == "prefix":
+        return marker + response
+    if where == "suffix":
+        return response + marker
+    return response
+
+
+def make_hidden_factor_pairs(
+    prompts: list[str],
+    num_factors: int = 4,
+    kind: Literal["clean", "marked"] = "clean",
+    seed: int = 0,
+    responses: list[str] | None = None,
+) -> list[PromptResponse]:
+    """Synthetic pairs whose response depends on a hidden factor that the prompt does not reveal.
+
+    Each prompt gets a factor ``f`` drawn uniformly from ``range(num_factors)`` by ``random.Random(seed)``;
+    the label is ``str(f)``. "clean": the response is phrase ``f`` of :func:`clean_phrases`.
+    "marked": the response is ``responses[i]`` with style marker ``f`` of :data:`MARKED_STYLES`
+    (a prefix, a suffix, another prefix, or none). :func:`detect_style` reads the factor back.
+    """
+    if num_factors < 1:
+        raise ValueError(f"num_factors must be >= 1, got {num_factors}")
+    rng = random.Random(seed)
+    factors = [rng.randrange(num_factors) for _ in prompts]
+    pairs: list[PromptResponse] = []
+    if kind == "clean":
+        phrases = clean_phrases(num_factors)
+        for i, (prompt, f) in enumerate(zip(prompts, factors, strict=True)):
+            pairs.append(PromptResponse(prompt, phrases[f], str(f), f"hidden-factor/clean:#{i}"))
+    elif kind == "marked":
+        _marked_styles(num_factors)
+        if responses is None or len(responses) != len(prompts):
+            raise ValueError("'marked' hidden-factor data needs one response per prompt (responses=...)")
+        for i, (prompt, response, f) in enumerate(zip(prompts, responses, factors, strict=True)):
+            pairs.append(
+                PromptResponse(prompt, apply_style(response, f, num_factors), str(f), f"hidden-factor/marked:#{i}")
+            )
+    else:
+        raise ValueError(f"kind must be 'clean' or 'marked', got {kind!r}")
+    return pairs
+
+
+# --------------------------------------------------------------------------------------------------
+# tokenisation
+
+
+@dataclass
+class Example:
+    """A tokenised pair: the z-free sequence is ``prompt_ids + response_ids``."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    label: str | None
+    source: str
+
+
+def _uses_template(tokenizer: Any, cfg: DataConfig) -> bool:
+    return bool(cfg.chat_template and getattr(tokenizer, "chat_template", None))
+
+
+def format_pair(pair: PromptResponse, tokenizer: Any, cfg: DataConfig) -> tuple[str, str]:
+    """``(prompt_text, response_text)`` as :func:`tokenize_pairs` builds them (see there)."""
+    if _uses_template(tokenizer, cfg):
+        user = {"role": "user", "content": pair.prompt}
+        prompt_text = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template([user, {"role": "assistant", "content": pair.response}], tokenize=False)
+        if not full.startswith(prompt_text):
+            raise DataError(
+                f"{pair.source}: the chat template's rendering of the conversation does not start with its "
+                f"rendering of the prompt with the generation prompt, so the response cannot be cut off it "
+                f"(prompt text {prompt_text!r}, full text {full!r}); set chat_template: false"
+            )
+        return prompt_text, full[len(prompt_text) :]
+    return pair.prompt + "\n", pair.response
+
+
+def prompt_text_for_generation(prompt: str, tokenizer: Any, cfg: DataConfig) -> str:
+    """The text that precedes a response to ``prompt`` (what generation should be conditioned on)."""
+    return format_pair(PromptResponse(prompt, "x", None, "generation"), tokenizer, cfg)[0]
+
+
+def tokenize_pairs(pairs: Sequence[PromptResponse], tokenizer: Any, cfg: DataConfig) -> tuple[list[Example], dict]:
+    """Tokenise pairs into :class:`Example` objects, and statistics (also logged).
+
+    Formatting: when ``cfg.chat_template`` is set and the tokenizer has a chat template, the prompt
+    text is the template applied to the user turn with the generation prompt, and the response text is
+    the rest of the template applied to the user and assistant turns (so it ends with the end-of-turn
+    text, e.g. ``<|im_end|>\\n``, and the model learns to stop). Without a template, the prompt text is
+    ``prompt + "\\n"`` and the response ids are the response's tokens followed by ``eos_token_id``.
+    Both texts are tokenised separately with ``add_special_tokens=False``.
+
+    Truncation: a prompt longer than ``cfg.max_prompt_tokens`` keeps its LAST tokens (those nearest
+    the response, including the generation prompt); a response longer than ``cfg.max_response_tokens``
+    keeps its FIRST tokens (it then loses its end-of-turn tokens). A response or prompt with zero tokens
+    is a :class:`DataError` naming its source.
+
+    Stats: ``examples``, ``truncated_prompts``, ``truncated_responses``, ``mean_prompt_tokens`` and
+    ``mean_response_tokens`` (after truncation), ``max_prompt_tokens_before_truncation``,
+    ``max_response_tokens_before_truncation`` and ``chat_template`` (whether the template was used).
+    """
+    use_template = _uses_template(tokenizer, cfg)
+    eos = None
+    if not use_template:
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            raise DataError(
+                "the tokenizer has no chat template (or it is disabled) and no eos_token_id to end responses"
+            )
+    prompt_texts: list[str] = []
+    response_texts: list[str] = []
+    for pair in pairs:
+        p, r = format_pair(pair, tokenizer, cfg)
+        prompt_texts.append(p)
+        response_texts.append(r)
+    if not pairs:
+        return [], {
+            "examples": 0,
+            "truncated_prompts": 0,
+            "truncated_responses": 0,
+            "mean_prompt_tokens": 0.0,
+            "mean_response_tokens": 0.0,
+            "max_prompt_tokens_before_truncation": 0,
+            "max_response_tokens_before_truncation": 0,
+            "chat_template": use_template,
+        }
+    prompt_ids_all = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
+    response_ids_all = tokenizer(response_texts, add_special_tokens=False)["input_ids"]
+    examples: list[Example] = []
+    truncated_prompts = truncated_responses = 0
+    max_prompt_seen = max_response_seen = 0
+    for pair, prompt_ids, response_ids in zip(pairs, prompt_ids_all, response_ids_all, strict=True):
+        prompt_ids = list(prompt_ids)
+        response_ids = list(response_ids)
+        if eos is not None:
+            if not response_ids:
+                raise DataError(f"{pair.source}: the response {pair.response!r} tokenises to zero tokens")
+            response_ids.append(eos)
+        if not response_ids:
+            raise DataError(f"{pair.source}: the response {pair.response!r} tokenises to zero tokens")
+        if not prompt_ids:
+            raise DataError(f"{pair.source}: the prompt {pair.prompt!r} tokenises to zero tokens")
+        max_prompt_seen = max(max_prompt_seen, len(prompt_ids))
+        max_response_seen = max(max_response_seen, len(response_ids))
+        if len(prompt_ids) > cfg.max_prompt_tokens:
+            prompt_ids = prompt_ids[-cfg.max_prompt_tokens :]
+            truncated_prompts += 1
+        if len(response_ids) > cfg.max_response_tokens:
+            response_ids = response_ids[: cfg.max_response_tokens]
+            truncated_responses += 1
+        examples.append(Example(prompt_ids, response_ids, pair.label, pair.source))
+    stats = {
+        "examples": len(examples),
+        "truncated_prompts": truncated_prompts,
+        "truncated_responses": truncated_responses,
+        "mean_prompt_tokens": sum(len(e.prompt_ids) for e in examples) / len(examples),
+        "mean_response_tokens": sum(len(e.response_ids) for e in examples) / len(examples),
+        "max_prompt_tokens_before_truncation": max_prompt_seen,
+        "max_response_tokens_before_truncation": max_response_seen,
+        "chat_template": use_template,
+    }
+    logger.info(
+        "tokenised %d examples (chat template: %s): mean prompt %.1f tokens, mean response %.1f tokens; "
+        "truncated %d prompts (> %d tokens, kept the last) and %d responses (> %d tokens, kept the first)",
+        len(examples),
+        use_template,
+        stats["mean_prompt_tokens"],
+        stats["mean_response_tokens"],
+        truncated_prompts,
+        cfg.max_prompt_tokens,
+        truncated_responses,
+        cfg.max_response_tokens,
+    )
+    return examples, stats
+
+
+# --------------------------------------------------------------------------------------------------
+# split and batching
+
+
+def split_train_validation(items: Sequence[T], validation_fraction: float, seed: int) -> tuple[list[T], list[T]]:
+    """A deterministic, disjoint, covering split into ``(train, validation)``.
+
+    A ``random.Random(seed)`` permutation picks ``round(len(items) * validation_fraction)`` validation
+    items, at least one when the fraction is positive and there are at least two items, and never all
+    of them. Both parts keep the items' original order.
+    """
+    if not 0 <= validation_fraction < 1:
+        raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
+    n = len(items)
+    n_val = round(n * validation_fraction)
+    if validation_fraction > 0 and n >= 2:
+        n_val = max(1, n_val)
+    n_val = min(n_val, max(n - 1, 0))
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    val_index = set(order[:n_val])
+    train = [item for i, item in enumerate(items) if i not in val_index]
+    val = [item for i, item in enumerate(items) if i in val_index]
+    return train, val
+
+
+@dataclass
+class Batch:
+    """Right-padded z-free sequences ``[x][y]``.
+
+    ``target_mask[b, t]`` is 1 where token ``t`` is a response token (0 on prompt and padding);
+    the loss on token ``t`` comes from the logits at ``t - 1``, so the shifted mask is
+    ``target_mask[:, 1:]``. Masks come from the lengths, never from comparing ids to the pad id.
+    """
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long
+    target_mask: torch.Tensor  # [B, T] float
+    prompt_lengths: torch.Tensor  # [B] long
+    response_lengths: torch.Tensor  # [B] long
+    labels: list[str | None]
+    indices: torch.Tensor  # [B] long
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch with its tensors on ``device``."""
+        return Batch(
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            target_mask=self.target_mask.to(device),
+            prompt_lengths=self.prompt_lengths.to(device),
+            response_lengths=self.response_lengths.to(device),
+            labels=list(self.labels),
+            indices=self.indices.to(device),
+        )
+
+
+def collate(
+    examples: Sequence[Example], pad_token_id: int, indices: Sequence[int] | torch.Tensor | None = None
+) -> Batch:
+    """Batch examples as right-padded ``prompt_ids + response_ids`` (see :class:`Batch`).
+
+    ``indices`` (default ``0..B-1``) are carried through, e.g. dataset positions for cached features.
+    """
+    if not examples:
+        raise ValueError("collate needs at least one example")
+    prompt_lengths = torch.tensor([len(e.prompt_ids) for e in examples], dtype=torch.long)
+    response_lengths = torch.tensor([len(e.response_ids) for e in examples], dtype=torch.long)
+    for e in examples:
+        if not e.response_ids:
+            raise DataError(f"{e.source}: example has no response tokens")
+    lengths = prompt_lengths + response_lengths
+    batch_size, width = len(examples), int(lengths.max())
+    input_ids = torch.full((batch_size, width), pad_token_id, dtype=torch.long)
+    for b, e in enumerate(examples):
+        input_ids[b, : lengths[b]] = torch.tensor(e.prompt_ids + e.response_ids, dtype=torch.long)
+    positions = torch.arange(width).unsqueeze(0)
+    attention_mask = (positions < lengths.unsqueeze(1)).long()
+    target_mask = ((positions >= prompt_lengths.unsqueeze(1)) & (positions < lengths.unsqueeze(1))).float()
+    if indices is None:
+        index_tensor = torch.arange(batch_size, dtype=torch.long)
+    else:
+        index_tensor = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        if index_tensor.numel() != batch_size:
+            raise ValueError(f"collate got {index_tensor.numel()} indices for {batch_size} examples")
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        target_mask=target_mask,
+        prompt_lengths=prompt_lengths,
+        response_lengths=response_lengths,
+        labels=[e.label for e in examples],
+        indices=index_tensor,
+    )

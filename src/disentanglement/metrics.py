@@ -1,0 +1,317 @@
+"""Model-independent evaluation metrics for the latent of a conditional VAE.
+
+Notation for shapes: ``N`` examples (``B`` for a batch), ``D`` continuous latent dimensions,
+``M`` discrete latent slots, ``K`` codes per slot (or importance samples, where stated).
+Inputs may be numpy arrays or torch tensors; functions that return a tensor (the KLs and the
+importance-weighted bound, which a training loop may differentiate) keep torch, the others
+return Python floats, numpy arrays or JSON-able dicts. All information quantities are in nats
+(use :func:`nats_to_bits` to convert).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from sklearn.cluster import KMeans
+from sklearn.metrics import (
+    adjusted_rand_score,
+    completeness_score,
+    homogeneity_score,
+    normalized_mutual_info_score,
+)
+from sklearn.metrics.cluster import contingency_matrix
+
+_LOG_2PI = math.log(2.0 * math.pi)
+
+
+def _as_tensor(x: Any) -> torch.Tensor:
+    """A float tensor view of ``x`` (numpy or torch); integer input becomes float32."""
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    return t if t.is_floating_point() else t.to(torch.float32)
+
+
+def _as_numpy(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _python_scalar(v: Any) -> Any:
+    """numpy scalar -> Python scalar, so that results are JSON-able."""
+    return v.item() if isinstance(v, np.generic) else v
+
+
+# --------------------------------------------------------------------------- KL divergences
+
+
+def gaussian_kl(
+    mu_q: Any,
+    logvar_q: Any,
+    mu_p: Any | None = None,
+    logvar_p: Any | None = None,
+) -> torch.Tensor:
+    """Per-dimension ``KL(N(mu_q, e^logvar_q) || N(mu_p, e^logvar_p))``, ``[B, D]``.
+
+    ``mu_q``, ``logvar_q`` are ``[B, D]``; ``mu_p``, ``logvar_p`` broadcast against them
+    (``[B, D]`` or ``[D]``), and each defaults to the standard normal's (0 and 0):
+
+        KL_d = 0.5 * (logvar_p - logvar_q + (e^logvar_q + (mu_q - mu_p)^2) / e^logvar_p - 1)
+    """
+    mu_q, logvar_q = _as_tensor(mu_q), _as_tensor(logvar_q)
+    mu_p = torch.zeros_like(mu_q) if mu_p is None else _as_tensor(mu_p).to(mu_q)
+    logvar_p = torch.zeros_like(logvar_q) if logvar_p is None else _as_tensor(logvar_p).to(logvar_q)
+    return 0.5 * (logvar_p - logvar_q + (logvar_q.exp() + (mu_q - mu_p).pow(2)) * torch.exp(-logvar_p) - 1.0)
+
+
+def categorical_kl(log_q: Any, log_p: Any) -> torch.Tensor:
+    """Per-slot ``KL(q || p) = sum_k q_k (log q_k - log p_k)``, ``[B, M]``.
+
+    ``log_q`` is ``[B, M, K]`` log-probabilities; ``log_p`` is ``[M, K]`` (a fixed prior) or
+    ``[B, M, K]`` (a learned prior). Codes with ``q_k = 0`` contribute 0 (also where
+    ``log p_k = -inf``); a code with ``q_k > 0`` and ``p_k = 0`` gives ``inf``.
+    """
+    log_q = _as_tensor(log_q)
+    log_p = _as_tensor(log_p).to(log_q)
+    if log_q.dim() != 3:
+        raise ValueError(f"log_q must be [B, M, K], got shape {tuple(log_q.shape)}")
+    if log_p.dim() == 2:
+        log_p = log_p.unsqueeze(0)
+    if log_p.dim() != 3 or log_p.shape[1:] != log_q.shape[1:]:
+        raise ValueError(f"log_p must be [M, K] or [B, M, K] matching log_q {tuple(log_q.shape)}")
+    q = log_q.exp()
+    terms = torch.where(q > 0, q * (log_q - log_p), torch.zeros_like(q))  # [B, M, K]
+    return terms.sum(dim=-1)
+
+
+# --------------------------------------------------------------------------- mutual information
+
+
+def gaussian_mutual_information(
+    mu: Any,
+    logvar: Any,
+    num_samples: int = 1,
+    generator: torch.Generator | None = None,
+    analytic_entropy: bool = False,
+    chunk_size: int = 1024,
+) -> float:
+    """Aggregate-posterior estimate of ``I(x; z)`` for diagonal Gaussian posteriors, nats.
+
+    ``mu``, ``logvar`` are ``[N, D]``, the posteriors ``q(z | x_n)`` of N examples. The
+    estimator is that of He et al. (2019, ``calc_mi``):
+
+        I = E_n E_{z ~ q(z|x_n)} [log q(z | x_n) - log q_agg(z)],
+        q_agg(z) = (1/N) sum_m q(z | x_m)   (log-sum-exp over m minus log N)
+
+    with ``num_samples`` reparameterised draws per example. By default the first term is
+    evaluated on the same draws as the second (a paired Monte Carlo estimate of the same
+    quantity, with lower variance: a collapsed encoder gives exactly 0). With
+    ``analytic_entropy=True`` the first term is the closed-form negative entropy, exactly
+    as in ``calc_mi``. The estimate is at most ``log N``. Draws are scored against the N
+    posteriors ``chunk_size`` draws at a time (memory ``chunk_size * N * D``).
+    """
+    mu = _as_tensor(mu).detach().to(torch.float64)
+    logvar = _as_tensor(logvar).detach().to(torch.float64)
+    if mu.dim() != 2 or mu.shape != logvar.shape:
+        raise ValueError(f"mu and logvar must both be [N, D], got {tuple(mu.shape)} and {tuple(logvar.shape)}")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    n, d = mu.shape
+    if n == 0:
+        raise ValueError("gaussian_mutual_information needs at least one example")
+    std = (0.5 * logvar).exp()
+    noise = torch.randn((num_samples, n, d), generator=generator, dtype=torch.float64)  # [S, N, D]
+    z = (mu + std * noise).reshape(num_samples * n, d)  # [S*N, D], row s*N + n drawn from q(z|x_n)
+    inv_var = torch.exp(-logvar)  # [N, D]
+    log_norm = -0.5 * (d * _LOG_2PI + logvar.sum(dim=-1))  # [N]
+
+    log_q_agg = []
+    for start in range(0, z.shape[0], chunk_size):
+        zc = z[start : start + chunk_size].unsqueeze(1)  # [C, 1, D]
+        log_density = log_norm - 0.5 * ((zc - mu).pow(2) * inv_var).sum(dim=-1)  # [C, N]
+        log_q_agg.append(torch.logsumexp(log_density, dim=1) - math.log(n))  # [C]
+    mean_log_q_agg = torch.cat(log_q_agg).mean()
+
+    if analytic_entropy:
+        mean_log_q = (-0.5 * (d * _LOG_2PI + (1.0 + logvar).sum(dim=-1))).mean()
+    else:
+        mean_log_q = (log_norm - 0.5 * noise.pow(2).sum(dim=-1)).mean()  # log q(z_sn | x_n), [S, N]
+    return float(mean_log_q - mean_log_q_agg)
+
+
+def _entropy(p: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Shannon entropy in nats along ``axis`` (``0 log 0 = 0``)."""
+    p = np.asarray(p, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
+    return -terms.sum(axis=axis)
+
+
+def categorical_mutual_information_per_slot(probs: Any) -> list[float]:
+    """``I(x; z_m) = H(mean_n q_m(. | x_n)) - mean_n H(q_m(. | x_n))`` per slot, nats.
+
+    ``probs`` is ``[N, M, K]`` (or ``[N, K]``, one slot); each row a distribution over codes.
+    """
+    p = _as_numpy(probs).astype(np.float64)
+    if p.ndim == 2:
+        p = p[:, None, :]
+    if p.ndim != 3 or p.shape[0] == 0:
+        raise ValueError(f"probs must be [N, K] or [N, M, K] with N >= 1, got shape {p.shape}")
+    marginal_entropy = _entropy(p.mean(axis=0))  # [M]
+    conditional_entropy = _entropy(p).mean(axis=0)  # [M]
+    return [float(v) for v in marginal_entropy - conditional_entropy]
+
+
+def categorical_mutual_information(probs: Any) -> float:
+    """``H(mean_n q) - mean_n H(q_n)`` in nats for ``[N, K]``; summed over slots for ``[N, M, K]``."""
+    return float(sum(categorical_mutual_information_per_slot(probs)))
+
+
+# --------------------------------------------------------------------------- active units
+
+
+def posterior_mean_variance(mu: Any) -> np.ndarray:
+    """Variance across examples of each posterior-mean dimension, ``[D]`` for ``mu`` ``[N, D]``.
+
+    Unbiased (``ddof=1``), as in He et al.'s ``calc_au``; zeros when ``N < 2``.
+    """
+    m = _as_numpy(mu).astype(np.float64)
+    if m.ndim != 2:
+        raise ValueError(f"mu must be [N, D], got shape {m.shape}")
+    if m.shape[0] < 2:
+        return np.zeros(m.shape[1])
+    return m.var(axis=0, ddof=1)
+
+
+def active_units(mu: Any, threshold: float = 0.01) -> int:
+    """Number of dimensions with ``Var_n E_q[z_d | x_n] > threshold`` (Burda et al. 2016)."""
+    return int((posterior_mean_variance(mu) > threshold).sum())
+
+
+# --------------------------------------------------------------------------- code usage
+
+
+def code_usage(codes: Any, codebook_size: int) -> dict[str, Any]:
+    """Usage statistics of one slot's codes ``[N]`` (ints in ``[0, codebook_size)``).
+
+    Returns ``histogram`` (K counts), ``entropy`` (nats, of the empirical code distribution),
+    ``perplexity`` (``exp(entropy)``: K for uniform usage, 1 for a single code),
+    ``dead_codes`` (unused code ids), ``used_codes`` (count), ``codebook_size`` and ``total``.
+    """
+    c = _as_numpy(codes).reshape(-1)
+    if c.size == 0:
+        raise ValueError("code_usage needs at least one code")
+    if not np.issubdtype(c.dtype, np.integer):
+        if not np.all(np.equal(np.mod(c, 1), 0)):
+            raise ValueError("codes must be integers")
+        c = c.astype(np.int64)
+    if c.min() < 0 or c.max() >= codebook_size:
+        raise ValueError(f"codes must lie in [0, {codebook_size}), got range [{c.min()}, {c.max()}]")
+    hist = np.bincount(c, minlength=codebook_size)
+    entropy = float(_entropy(hist / hist.sum()))
+    return {
+        "histogram": [int(v) for v in hist],
+        "entropy": entropy,
+        "perplexity": math.exp(entropy),
+        "dead_codes": [int(k) for k in np.flatnonzero(hist == 0)],
+        "used_codes": int((hist > 0).sum()),
+        "codebook_size": int(codebook_size),
+        "total": int(hist.sum()),
+    }
+
+
+def code_usage_per_slot(codes: Any, codebook_size: int) -> list[dict[str, Any]]:
+    """:func:`code_usage` for each slot of ``codes`` ``[N, M]``; a list of M dicts."""
+    c = _as_numpy(codes)
+    if c.ndim == 1:
+        c = c[:, None]
+    if c.ndim != 2:
+        raise ValueError(f"codes must be [N, M], got shape {c.shape}")
+    return [code_usage(c[:, m], codebook_size) for m in range(c.shape[1])]
+
+
+# --------------------------------------------------------------------------- clustering vs labels
+
+
+def label_agreement(assignments: Any, labels: Any) -> dict[str, Any]:
+    """Agreement of a clustering ``assignments`` ``[N]`` with reference ``labels`` ``[N]``.
+
+    ``labels`` may be strings. Returns ``nmi`` (normalized mutual information, arithmetic
+    mean), ``ari`` (adjusted Rand index), ``homogeneity`` (each cluster holds one label),
+    ``completeness`` (each label falls in one cluster), and ``contingency``:
+    ``{"rows": assignment values, "columns": label values, "counts": [[...]]}``, rows and
+    columns sorted, ``counts[i][j]`` the number of examples with assignment ``rows[i]`` and
+    label ``columns[j]``. Invariant to renaming the cluster ids.
+    """
+    a = _as_numpy(assignments).reshape(-1)
+    y = _as_numpy(labels).reshape(-1)
+    if a.shape != y.shape:
+        raise ValueError(f"assignments ({a.size}) and labels ({y.size}) must have the same length")
+    if a.size == 0:
+        raise ValueError("label_agreement needs at least one example")
+    counts = contingency_matrix(a, y)
+    return {
+        "nmi": float(normalized_mutual_info_score(y, a)),
+        "ari": float(adjusted_rand_score(y, a)),
+        "homogeneity": float(homogeneity_score(y, a)),
+        "completeness": float(completeness_score(y, a)),
+        "contingency": {
+            "rows": [_python_scalar(v) for v in np.unique(a)],
+            "columns": [_python_scalar(v) for v in np.unique(y)],
+            "counts": [[int(v) for v in row] for row in counts],
+        },
+    }
+
+
+def kmeans_assignments(x: Any, num_clusters: int, seed: int = 0) -> np.ndarray:
+    """Cluster ids ``[N]`` from scikit-learn KMeans (``n_init=10``) on ``x`` ``[N, D]``.
+
+    Deterministic given ``seed``.
+    """
+    data = _as_numpy(x).astype(np.float64)
+    if data.ndim != 2:
+        raise ValueError(f"x must be [N, D], got shape {data.shape}")
+    if not 1 <= num_clusters <= data.shape[0]:
+        raise ValueError(f"num_clusters must be in [1, N={data.shape[0]}], got {num_clusters}")
+    km = KMeans(n_clusters=num_clusters, n_init=10, random_state=seed)
+    return km.fit_predict(data).astype(np.int64)
+
+
+# --------------------------------------------------------------------------- text and likelihood
+
+
+def distinct_n(texts: Sequence[str], n: int) -> float:
+    """Distinct-n: unique n-grams / total n-grams over whitespace tokens of all ``texts``.
+
+    n-grams do not cross text boundaries; 0.0 when there are no n-grams.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    total = 0
+    unique: set[tuple[str, ...]] = set()
+    for text in texts:
+        words = text.split()
+        grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+        total += len(grams)
+        unique.update(grams)
+    return len(unique) / total if total else 0.0
+
+
+def nats_to_bits(x: Any) -> Any:
+    """Convert nats to bits (divide by ``ln 2``); floats, numpy arrays and tensors alike."""
+    return x / math.log(2.0)
+
+
+def importance_weighted_nll(log_joint_minus_log_q: Any) -> torch.Tensor:
+    """IWAE bound on ``-log p(y | x)`` per example, ``[B]``.
+
+    ``log_joint_minus_log_q`` is ``[K, B]``: ``log p(y, z_k | x) - log q(z_k | x, y)`` for K
+    posterior samples. Returns ``-(logsumexp_k(.) - log K)``; K = 1 is the (negated) ELBO.
+    """
+    w = _as_tensor(log_joint_minus_log_q)
+    if w.dim() != 2 or w.shape[0] < 1:
+        raise ValueError(f"log_joint_minus_log_q must be [K, B] with K >= 1, got shape {tuple(w.shape)}")
+    return -(torch.logsumexp(w, dim=0) - math.log(w.shape[0]))

@@ -1,0 +1,479 @@
+"""Rendering of evaluation results: token heat-map pages, training curves, plots, summaries.
+
+Nothing here needs a model: every function takes plain lists, dicts and numbers (the
+output of :mod:`disentanglement.metrics` and of the trainer's metrics log). Plots use
+matplotlib's Agg canvas directly (no pyplot state, no display needed).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+# Quantities that are centred on zero and drawn on a blue-white-red scale even when the
+# values passed happen to be non-negative. Any quantity with a negative value is too.
+DEFAULT_SIGNED_KEYS = ("gain",)
+SCHEDULE_KEYS = ("temperature", "beta", "lr", "learning_rate")
+
+
+# --------------------------------------------------------------------------- token heat map
+
+
+def _finite_or_none(v: Any) -> float | None:
+    if v is None:
+        return None
+    f = float(v)
+    return f if math.isfinite(f) else None
+
+
+def _clean_values(tokens: Sequence[str], values: Mapping[str, Sequence[Any]]) -> dict[str, list[float | None]]:
+    """Values as JSON-able lists (non-finite -> None), checked against the token count."""
+    if not values:
+        raise ValueError("values must hold at least one quantity")
+    out: dict[str, list[float | None]] = {}
+    for key, seq in values.items():
+        vals = [_finite_or_none(v) for v in (seq.tolist() if hasattr(seq, "tolist") else seq)]
+        if len(vals) != len(tokens):
+            raise ValueError(f"values[{key!r}] has {len(vals)} entries, expected one per token ({len(tokens)})")
+        out[str(key)] = vals
+    return out
+
+
+def _scale(vals: Sequence[float | None], signed: bool) -> dict[str, Any]:
+    finite = [v for v in vals if v is not None]
+    lo = min(finite) if finite else 0.0
+    hi = max(finite) if finite else 0.0
+    signed = signed or lo < 0
+    ref = max(abs(lo), abs(hi)) if signed else max(hi, 0.0)
+    return {"min": lo, "max": hi, "signed": signed, "ref": ref}
+
+
+def _colour(v: float | None, scale: Mapping[str, Any]) -> str:
+    """Background colour: white->red by v/max, or blue-white-red by v/max|v| when signed."""
+    if v is None:
+        return "#e6e6e6"
+    ref = scale["ref"]
+    s = 0.0 if ref <= 0 else max(-1.0, min(1.0, v / ref))
+    if not scale["signed"]:
+        s = max(s, 0.0)
+    fade = round(255 * (1.0 - abs(s)))
+    return f"rgb(255,{fade},{fade})" if s >= 0 else f"rgb({fade},{fade},255)"
+
+
+def _attr_name(key: str, used: set[str]) -> str:
+    base = "data-" + (re.sub(r"[^a-z0-9_-]+", "-", key.lower()).strip("-") or "value")
+    name, i = base, 1
+    while name in used or name in ("data-i", "data-token"):
+        i += 1
+        name = f"{base}-{i}"
+    used.add(name)
+    return name
+
+
+def _token_text_html(token: str) -> str:
+    """Escaped token text with visible line breaks (``\\n`` -> ``↵`` + ``<br>``)."""
+    text = html.escape(token.replace("\r", "\u240d"), quote=True)
+    return text.replace("\n", "\u21b5<br>")
+
+
+def _format_value(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.4g}"
+
+
+def _json_for_script(obj: Any) -> str:
+    """JSON safe inside ``<script>``: ``<``, ``>`` and ``&`` as ``\\u`` escapes (so no ``</``)."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, default=str)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.5em; color: #222; }
+h1 { font-size: 1.3em; }
+table.meta { border-collapse: collapse; margin-bottom: 1em; font-size: 0.9em; }
+table.meta td, table.meta th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; vertical-align: top; }
+.controls { margin: 0.5em 0 1em 0; }
+.legend { display: inline-flex; align-items: center; gap: 0.4em; margin-left: 1.5em; font-size: 0.9em; }
+.legend .bar { display: inline-block; width: 12em; height: 0.9em; border: 1px solid #999; }
+#tokens { font-family: ui-monospace, Menlo, Consolas, monospace; white-space: pre-wrap; line-height: 1.7;
+  border: 1px solid #ddd; padding: 0.8em; word-break: break-word; }
+span.tok { border-radius: 2px; padding: 0 0.5px; }
+span.tok:hover { outline: 1px solid #333; }
+"""
+
+_JS = """
+(function () {
+  var data = JSON.parse(document.getElementById("token-data").textContent);
+  var select = document.getElementById("quantity");
+  var spans = document.querySelectorAll("#tokens span.tok");
+  function colour(v, sc) {
+    if (v === null) { return "#e6e6e6"; }
+    var s = sc.ref <= 0 ? 0 : Math.max(-1, Math.min(1, v / sc.ref));
+    if (!sc.signed) { s = Math.max(s, 0); }
+    var f = Math.round(255 * (1 - Math.abs(s)));
+    return s >= 0 ? "rgb(255," + f + "," + f + ")" : "rgb(" + f + "," + f + ",255)";
+  }
+  function fmt(v) { return v === null ? "n/a" : Number(v.toPrecision(4)).toString(); }
+  function update() {
+    var key = select.value, vals = data.values[key], sc = data.scales[key];
+    for (var i = 0; i < spans.length; i++) {
+      spans[i].style.backgroundColor = colour(vals[Number(spans[i].getAttribute("data-i"))], sc);
+    }
+    document.getElementById("legend-min").textContent = fmt(sc.min);
+    document.getElementById("legend-max").textContent = fmt(sc.max);
+    document.getElementById("legend-bar").style.background = sc.signed
+      ? "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
+      : "linear-gradient(to right, #fff, rgb(255,0,0))";
+  }
+  select.addEventListener("change", update);
+  update();
+})();
+"""
+
+
+def render_token_html(
+    tokens: Sequence[str],
+    values: Mapping[str, Sequence[float]],
+    title: str,
+    meta: Mapping[str, Any] | None = None,
+    default: str | None = None,
+    signed_keys: Iterable[str] = DEFAULT_SIGNED_KEYS,
+) -> str:
+    """A self-contained HTML5 page colouring each token by a selectable per-token quantity.
+
+    ``tokens`` are the decoded tokens in order (``[T]``); ``values`` maps a quantity name
+    (e.g. ``zfree_surprisal``, ``token_weight``, ``conditioned_nll``, ``gain``) to ``T``
+    numbers; non-finite numbers are shown as "n/a" (grey). ``default`` is the quantity
+    selected on load (the first key when None). Non-negative quantities go white -> red by
+    ``value / max``; quantities in ``signed_keys`` or with any negative value go
+    blue-white-red around 0 by ``value / max|value|``. Every token is one
+    ``<span class="tok">`` with ``data-i`` (its index), ``data-token`` and one ``data-*``
+    attribute per quantity, and a tooltip; the values are also embedded as JSON in
+    ``<script type="application/json" id="token-data">``. No network resources are used.
+    """
+    tokens = [str(t) for t in tokens]
+    vals = _clean_values(tokens, values)
+    keys = list(vals)
+    if default is None:
+        default = keys[0]
+    if default not in vals:
+        raise ValueError(f"default {default!r} is not one of the quantities {keys}")
+    signed = set(signed_keys)
+    scales = {k: _scale(v, k in signed) for k, v in vals.items()}
+    used: set[str] = set()
+    attr = {k: _attr_name(k, used) for k in keys}
+    esc = html.escape
+
+    spans = []
+    for i, tok in enumerate(tokens):
+        tip = "\n".join([f"#{i} {tok!r}"] + [f"{k}: {_format_value(vals[k][i])}" for k in keys])
+        data_attrs = " ".join(f'{attr[k]}="{_format_value(vals[k][i])}"' for k in keys)
+        style = f"background-color:{_colour(vals[default][i], scales[default])}"
+        spans.append(
+            f'<span class="tok" data-i="{i}" data-token="{esc(tok)}" {data_attrs} '
+            f'title="{esc(tip)}" style="{style}">{_token_text_html(tok)}</span>'
+        )
+
+    options = "".join(f'<option value="{esc(k)}"{" selected" if k == default else ""}>{esc(k)}</option>' for k in keys)
+    meta_rows = "".join(
+        f"<tr><th>{esc(str(k))}</th><td>{esc(v if isinstance(v, str) else json.dumps(v, default=str))}</td></tr>"
+        for k, v in (meta or {}).items()
+    )
+    meta_html = f'<table class="meta">{meta_rows}</table>' if meta_rows else ""
+    sc = scales[default]
+    gradient = (
+        "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
+        if sc["signed"]
+        else "linear-gradient(to right, #fff, rgb(255,0,0))"
+    )
+    payload = {
+        "title": title,
+        "meta": dict(meta or {}),
+        "tokens": tokens,
+        "values": vals,
+        "default": default,
+        "scales": scales,
+    }
+    return (
+        "<!DOCTYPE html>\n"
+        '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f"<title>{esc(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
+        f"<h1>{esc(title)}</h1>\n{meta_html}\n"
+        '<div class="controls"><label for="quantity">Colour by: </label>'
+        f'<select id="quantity">{options}</select>'
+        f'<span class="legend"><span id="legend-min">{_format_value(sc["min"])}</span>'
+        f'<span class="bar" id="legend-bar" style="background:{gradient}"></span>'
+        f'<span id="legend-max">{_format_value(sc["max"])}</span></span></div>\n'
+        f'<div id="tokens">{"".join(spans)}</div>\n'
+        f'<script type="application/json" id="token-data">{_json_for_script(payload)}</script>\n'
+        f"<script>{_JS}</script>\n</body>\n</html>\n"
+    )
+
+
+def write_token_report(
+    path_html: str | Path,
+    tokens: Sequence[str],
+    values: Mapping[str, Sequence[float]],
+    title: str,
+    meta: Mapping[str, Any] | None = None,
+) -> tuple[Path, Path]:
+    """Write :func:`render_token_html` to ``path_html`` and a JSON sidecar next to it.
+
+    The sidecar (same stem, ``.json``) holds ``{"title", "meta", "tokens", "values"}`` with
+    the same numbers as the page (non-finite values as null). Returns ``(html, json)`` paths.
+    """
+    path_html = Path(path_html)
+    path_html.parent.mkdir(parents=True, exist_ok=True)
+    tokens = [str(t) for t in tokens]
+    vals = _clean_values(tokens, values)
+    path_html.write_text(render_token_html(tokens, vals, title, meta), encoding="utf-8")
+    path_json = path_html.with_suffix(".json")
+    sidecar = {"title": title, "meta": dict(meta or {}), "tokens": tokens, "values": vals}
+    path_json.write_text(json.dumps(sidecar, ensure_ascii=False, allow_nan=False, default=str, indent=1) + "\n")
+    return path_html, path_json
+
+
+# --------------------------------------------------------------------------- metrics log and plots
+
+
+def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Read a metrics log, one JSON object per line (blank lines skipped).
+
+    Raises ``ValueError`` naming the file and line number on a malformed line.
+    """
+    path = Path(path)
+    records = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: line {lineno}: invalid JSON ({err.msg})") from err
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}: line {lineno}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+    return records
+
+
+def _new_figure(figsize: tuple[float, float]):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _series(metrics: Sequence[Mapping[str, Any]]) -> dict[str, tuple[list[float], list[float]]]:
+    """Numeric key -> (steps, values), finite values only; keys without any are dropped."""
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for i, record in enumerate(metrics):
+        step = record.get("step", i)
+        if not _is_number(step):
+            step = i
+        for key, v in record.items():
+            if key == "step" or not _is_number(v) or not math.isfinite(v):
+                continue
+            xs, ys = series.setdefault(key, ([], []))
+            xs.append(float(step))
+            ys.append(float(v))
+    return series
+
+
+def _is_schedule_key(key: str) -> bool:
+    return re.split(r"[/.]", key.lower())[-1] in SCHEDULE_KEYS
+
+
+def _grid_figure(series: Mapping[str, tuple[list[float], list[float]]], keys: Sequence[str], path: Path) -> Path:
+    ncols = min(3, len(keys))
+    nrows = math.ceil(len(keys) / ncols)
+    fig = _new_figure((4.2 * ncols, 2.8 * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    for ax, key in zip(axes.flat, keys, strict=False):
+        xs, ys = series[key]
+        ax.plot(xs, ys, marker="." if len(xs) < 30 else None, linewidth=1.2)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.set_visible(False)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def plot_training_curves(metrics: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
+    """Training-curve PNGs from a metrics log (a list of per-step dicts).
+
+    Writes ``training_curves.png`` (one subplot per numeric key but ``step``, x = step, or the
+    record index when a record has no step), ``kl.png`` (keys containing "kl", one axes) and
+    ``schedules.png`` (keys named temperature, beta, lr or learning_rate, possibly after a
+    ``/`` or ``.`` prefix), each only when it has something to draw. Non-finite values are
+    skipped; so are keys with no finite value. Returns the paths written.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    series = _series(metrics)
+    written: list[Path] = []
+    if not series:
+        return written
+    keys = list(series)
+    written.append(_grid_figure(series, keys, out_dir / "training_curves.png"))
+
+    kl_keys = [k for k in keys if "kl" in k.lower()]
+    if kl_keys:
+        fig = _new_figure((7.0, 4.0))
+        ax = fig.add_subplot()
+        for key in kl_keys:
+            ax.plot(*series[key], label=key, linewidth=1.2)
+        ax.set_xlabel("step")
+        ax.set_ylabel("nats")
+        ax.set_title("KL terms")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        path = out_dir / "kl.png"
+        fig.savefig(path, dpi=100)
+        written.append(path)
+
+    schedule_keys = [k for k in keys if _is_schedule_key(k)]
+    if schedule_keys:
+        written.append(_grid_figure(series, schedule_keys, out_dir / "schedules.png"))
+    return written
+
+
+def plot_code_usage(usage_per_slot: Sequence[Mapping[str, Any]], out_path: str | Path) -> Path:
+    """Bar chart of code counts, one row per slot, from :func:`metrics.code_usage_per_slot` dicts."""
+    if not usage_per_slot:
+        raise ValueError("usage_per_slot is empty")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    n = len(usage_per_slot)
+    fig = _new_figure((8.0, 1.2 + 2.0 * n))
+    axes = fig.subplots(n, 1, squeeze=False)[:, 0]
+    for m, (ax, usage) in enumerate(zip(axes, usage_per_slot, strict=True)):
+        hist = list(usage["histogram"])
+        ax.bar(range(len(hist)), hist, width=0.85, color="#4c72b0")
+        k = usage.get("codebook_size", len(hist))
+        ax.set_title(
+            f"slot {m}: perplexity {usage.get('perplexity', float('nan')):.2f}, used {usage.get('used_codes', '?')}/{k}",
+            fontsize=9,
+        )
+        ax.set_ylabel("count", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.set_xlim(-0.6, len(hist) - 0.4)
+    axes[-1].set_xlabel("code")
+    fig.savefig(out_path, dpi=100)
+    return out_path
+
+
+def plot_contingency_heatmap(contingency: Mapping[str, Any], out_path: str | Path) -> Path:
+    """Code x label heat map of a ``{"rows", "columns", "counts"}`` contingency table, counts annotated."""
+    import numpy as np
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    counts = np.asarray(contingency["counts"], dtype=float).reshape(len(contingency["rows"]), -1)
+    rows = [str(r) for r in contingency["rows"]]
+    cols = [str(c) for c in contingency["columns"]]
+    nr, nc = counts.shape
+    fig = _new_figure((max(4.0, 1.0 + 0.6 * nc), max(3.0, 1.0 + 0.4 * nr)))
+    ax = fig.add_subplot()
+    im = ax.imshow(counts, cmap="Blues", aspect="auto")
+    fig.colorbar(im, ax=ax, label="count")
+    ax.set_xticks(range(nc), cols, rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(range(nr), rows, fontsize=8)
+    ax.set_xlabel("label")
+    ax.set_ylabel("code")
+    if nr * nc <= 2500:
+        top = counts.max() if counts.size else 0.0
+        for i in range(nr):
+            for j in range(nc):
+                colour = "white" if top > 0 and counts[i, j] > 0.6 * top else "black"
+                ax.text(j, i, f"{counts[i, j]:g}", ha="center", va="center", fontsize=7, color=colour)
+    fig.savefig(out_path, dpi=100)
+    return out_path
+
+
+# --------------------------------------------------------------------------- markdown summary
+
+
+def _md_cell(v: Any) -> str:
+    if isinstance(v, float):
+        text = f"{v:.6g}"
+    elif isinstance(v, list | tuple):
+        shown = ", ".join(_md_cell(x) for x in v[:20])
+        text = f"[{shown}{', ...' if len(v) > 20 else ''}]"
+    elif isinstance(v, Mapping):
+        text = json.dumps(v, default=str)
+    else:
+        text = str(v)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _is_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, str | int | float | bool)
+
+
+def _is_contingency(v: Any) -> bool:
+    return isinstance(v, Mapping) and {"rows", "columns", "counts"} <= set(v)
+
+
+def _md_table(header: Sequence[Any], rows: Iterable[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(_md_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _md_contingency(c: Mapping[str, Any]) -> list[str]:
+    header = ["code \\ label", *c["columns"]]
+    return _md_table(header, ([r, *counts] for r, counts in zip(c["rows"], c["counts"], strict=True)))
+
+
+def _md_section(obj: Mapping[str, Any], level: int) -> list[str]:
+    lines: list[str] = []
+    scalars = [(k, v) for k, v in obj.items() if _is_scalar(v) or (isinstance(v, list) and all(map(_is_scalar, v)))]
+    if scalars:
+        lines += _md_table(["key", "value"], scalars)
+    heading = "#" * min(level, 6)
+    for key, v in obj.items():
+        if _is_contingency(v):
+            lines += [f"{heading} {key}", "", *_md_contingency(v)]
+        elif isinstance(v, Mapping):
+            lines += [f"{heading} {key}", "", *_md_section(v, level + 1)]
+        elif isinstance(v, list) and v and all(isinstance(x, Mapping) for x in v):
+            columns = list(dict.fromkeys(k for x in v for k, xv in x.items() if _is_scalar(xv) or isinstance(xv, list)))
+            lines += [f"{heading} {key}", ""]
+            lines += _md_table(["#", *columns], ([i, *(x.get(c, "") for c in columns)] for i, x in enumerate(v)))
+            for i, x in enumerate(v):
+                for sub_key, sub in x.items():
+                    if isinstance(sub, Mapping):
+                        sub_lines = _md_contingency(sub) if _is_contingency(sub) else _md_section(sub, level + 2)
+                        lines += [f"{'#' * min(level + 1, 6)} {key}[{i}].{sub_key}", "", *sub_lines]
+    return lines
+
+
+def write_markdown_summary(report: Mapping[str, Any], path: str | Path) -> Path:
+    """Write a readable Markdown summary of a nested JSON-able evaluation report.
+
+    Top-level scalars (and lists of scalars) form a key/value table; each nested dict gets a
+    heading and its own table (recursively); ``{"rows", "columns", "counts"}`` contingency
+    tables become code x label tables; lists of dicts (e.g. per-slot code usage) become one
+    table with a row per item. The title is ``report["title"]`` when present.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    title = report.get("title", "Evaluation summary")
+    body = {k: v for k, v in report.items() if k != "title"}
+    lines = [f"# {title}", "", *_md_section(body, 2)]
+    path.write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")
+    return path

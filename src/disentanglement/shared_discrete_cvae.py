@@ -1,0 +1,145 @@
+"""Shared-codebook discrete CVAE: ``M`` slots, each a categorical over ``K`` codes of ONE codebook.
+
+The codebook ``E [K, C]`` scores the posterior (logits = -||e_m - E_k||^2 / temperature for the
+encoder's output ``e_m`` of slot ``m``) and builds the decoder's latent embeddings (the chosen
+codes of all slots, concatenated, through the latent projection).
+
+Default assignment ("nearest", measured to learn where softmax/Gumbel variants collapsed, see
+LATENT-LEARNING.md): the nearest code, with the decoder seeing ``E_k`` whose gradient reaches the
+codebook while a straight-through copy reaches the encoder; codebook loss ``||sg(e) - E_k||^2``,
+commitment loss ``||e - sg(E_k)||^2``, and restart of codes unused for ``dead_code_steps`` steps
+at a recent encoder output. The posterior is then one-hot and ``KL = -log p(k | x)`` per slot.
+
+Option "gumbel": Gumbel-softmax over the same logits with an annealed temperature and an
+optional straight-through hard sample; categorical KL to the prior, per example or between
+batch-averaged posterior and prior (``batch_prior_kl``). Argmax at evaluation in both.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .cvae_base import CVAEBase, FrozenFeatures, LatentSample, mlp
+from .regularizers import annealed_temperature, categorical_kl
+
+
+class SharedDiscreteCVAE(CVAEBase):
+    def __init__(self, decoder, latent, reconstruction, kl, divergence=None, **kwargs) -> None:
+        super().__init__(decoder, latent, reconstruction, kl, divergence, **kwargs)
+        M, K, C, H = latent.num_slots, latent.codebook_size, latent.code_dim, self.hidden_size
+        self.codebook = torch.nn.Parameter(torch.randn(K, C))  # [K, C], shared by all slots
+        self.encoder = mlp(2 * H, latent.encoder_hidden, M * C)
+        self.prior_head = mlp(H, latent.encoder_hidden, M * K) if latent.prior == "learned" else None
+        # Step at which each code was last chosen, for dead-code restart.
+        self.register_buffer("code_last_used", torch.zeros(K, dtype=torch.long))
+        self._recent_encodings: torch.Tensor | None = None
+
+    @property
+    def latent_vector_dim(self) -> int:
+        return self.latent_cfg.num_slots * self.latent_cfg.code_dim
+
+    @property
+    def num_slots(self) -> int:
+        return self.latent_cfg.num_slots
+
+    @property
+    def codebook_size(self) -> int:
+        return self.latent_cfg.codebook_size
+
+    def encoder_outputs(self, features: FrozenFeatures) -> torch.Tensor:
+        """``e``, ``[B, M, C]``."""
+        e = self.encoder(self.encoder_norm(features.encoder_features))
+        return e.view(e.shape[0], self.num_slots, self.latent_cfg.code_dim)
+
+    def posterior_logits(self, e: torch.Tensor) -> torch.Tensor:
+        """``-||e_m - E_k||^2 / temperature``, ``[B, M, K]``."""
+        distances = (e.unsqueeze(2) - self.codebook).pow(2).sum(-1)  # [B, M, K]
+        return -distances / self.latent_cfg.posterior_temperature
+
+    def prior_log_probs(self, features: FrozenFeatures) -> torch.Tensor:
+        """``log p(k | x)`` per slot, ``[B, M, K]`` (uniform for the fixed prior)."""
+        B, M, K = features.prior_features.shape[0], self.num_slots, self.codebook_size
+        if self.prior_head is None:
+            return torch.full((B, M, K), -math.log(K), device=features.prior_features.device)
+        logits = self.prior_head(self.prior_norm(features.prior_features)).view(B, M, K)
+        return F.log_softmax(logits, dim=-1)
+
+    def codes_to_vector(self, codes: torch.Tensor) -> torch.Tensor:
+        """``[B, M]`` code ids -> latent vector ``[B, M * C]`` (used to force codes at generation)."""
+        return self.codebook[codes].flatten(1)
+
+    def encode(self, features: FrozenFeatures, step: int) -> LatentSample:
+        cfg = self.latent_cfg
+        e = self.encoder_outputs(features)  # [B, M, C]
+        logits = self.posterior_logits(e)  # [B, M, K]
+        log_q = F.log_softmax(logits, dim=-1)
+        log_p = self.prior_log_probs(features)  # [B, M, K]
+        codes = logits.argmax(-1)  # [B, M]
+        aux: dict[str, torch.Tensor] = {}
+        stats: dict[str, float] = {}
+        if cfg.assignment == "nearest":
+            chosen = self.codebook[codes]  # [B, M, C]
+            vectors = chosen + (e - e.detach())  # value E_k; gradient to the codebook and, straight through, to e
+            aux["codebook_loss"] = cfg.codebook_loss_weight * F.mse_loss(chosen, e.detach())
+            aux["commitment_loss"] = cfg.commitment_weight * F.mse_loss(e, chosen.detach())
+            q = F.one_hot(codes, self.codebook_size).to(log_p.dtype)  # the posterior is one-hot
+            if self.training:
+                self._recent_encodings = e.detach().reshape(-1, cfg.code_dim)
+                self.code_last_used[codes.unique()] = step
+        else:
+            temperature = annealed_temperature(
+                step, cfg.gumbel_temperature, cfg.gumbel_temperature_min, cfg.gumbel_anneal_steps
+            )
+            stats["temperature"] = temperature
+            if self.training:
+                weights = F.gumbel_softmax(logits, tau=temperature, hard=cfg.straight_through)  # [B, M, K]
+            else:
+                weights = F.one_hot(codes, self.codebook_size).to(logits.dtype)
+            vectors = weights @ self.codebook  # [B, M, C]
+            q = log_q.exp()
+        if cfg.batch_prior_kl:
+            q_bar = q.mean(0, keepdim=True)  # [1, M, K]
+            p_bar = log_p.exp().mean(0, keepdim=True)
+            kl = categorical_kl(q_bar.clamp_min(1e-12).log(), p_bar.clamp_min(1e-12).log())  # [1, M]
+            kl = kl.expand(e.shape[0], -1)  # the batch's KL, carried by every example
+        elif cfg.assignment == "nearest":
+            kl = -(q * log_p).sum(-1)  # KL(one-hot || p) = -log p(k | x), [B, M]
+        else:
+            kl = categorical_kl(log_q, log_p)  # [B, M]
+        for m in range(self.num_slots):
+            counts = torch.bincount(codes[:, m], minlength=self.codebook_size).float()
+            share = counts / counts.sum()
+            stats[f"codes_used_slot_{m}"] = float((counts > 0).sum())
+            stats[f"code_perplexity_slot_{m}"] = float(torch.exp(-(share * share.clamp_min(1e-12).log()).sum()))
+        return LatentSample(vectors.flatten(1), codes, kl, aux, stats)
+
+    def prior_vectors(self, features: FrozenFeatures, num_samples: int) -> torch.Tensor:
+        """Codes drawn from the prior per slot, as latent vectors ``[S, B, M * C]``."""
+        log_p = self.prior_log_probs(features)  # [B, M, K]
+        B, M, K = log_p.shape
+        codes = torch.multinomial(log_p.exp().reshape(B * M, K), num_samples, replacement=True)  # [B*M, S]
+        codes = codes.view(B, M, num_samples).permute(2, 0, 1)  # [S, B, M]
+        return torch.stack([self.codes_to_vector(c) for c in codes])
+
+    def alternative_vector(self, sample: LatentSample) -> torch.Tensor:
+        """Every slot moved to a different code, chosen uniformly among the other ``K - 1``."""
+        shift = torch.randint(1, self.codebook_size, sample.latent.shape, device=sample.latent.device)
+        alternative = (sample.latent + shift) % self.codebook_size
+        return self.codes_to_vector(alternative)
+
+    @torch.no_grad()
+    def post_step(self, step: int) -> None:
+        """Restart codes unused for ``dead_code_steps`` steps at random recent encoder outputs."""
+        window = self.latent_cfg.dead_code_steps
+        if self.latent_cfg.assignment != "nearest" or window == 0 or self._recent_encodings is None:
+            return
+        dead = ((step - self.code_last_used) >= window).nonzero().flatten()
+        if dead.numel() == 0:
+            return
+        recent = self._recent_encodings
+        picks = torch.randint(0, recent.shape[0], (dead.numel(),), device=recent.device)
+        self.codebook[dead] = recent[picks] + 0.01 * torch.randn_like(recent[picks])
+        self.code_last_used[dead] = step

@@ -1,0 +1,403 @@
+"""Data loading, synthetic hidden-factor data, tokenisation, split and batching."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+
+import pytest
+import torch
+
+from disentanglement.config import DataConfig
+from disentanglement.data import (
+    CLEAN_PHRASES,
+    MARKED_STYLES,
+    Batch,
+    DataError,
+    Example,
+    PromptResponse,
+    apply_style,
+    clean_phrases,
+    collate,
+    detect_style,
+    limit_examples,
+    load_chatterbot,
+    load_jsonl,
+    load_pairs,
+    make_hidden_factor_pairs,
+    read_chatterbot,
+    split_train_validation,
+    tokenize_pairs,
+)
+from helpers import EOS, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def chatterbot():
+    return read_chatterbot("english")
+
+
+def write_lines(tmp_path, lines, name="data.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def record(**kw):
+    return json.dumps(kw)
+
+
+# -------------------------------------------------------------------------------------------- JSONL
+
+
+def test_load_jsonl_reads_pairs_labels_and_sources(tmp_path):
+    path = write_lines(
+        tmp_path,
+        [
+            record(prompt="Hi", response="Hello", label="greet"),
+            "",
+            "   ",
+            record(prompt="Bye", response="See you", label=3),
+            record(prompt="", response="Something", label=None),
+            record(prompt="Q", response="A"),
+        ],
+    )
+    pairs = load_jsonl(path)
+    assert pairs == [
+        PromptResponse("Hi", "Hello", "greet", f"{path}:1"),
+        PromptResponse("Bye", "See you", "3", f"{path}:4"),
+        PromptResponse("", "Something", None, f"{path}:5"),
+        PromptResponse("Q", "A", None, f"{path}:6"),
+    ]
+
+
+def test_load_jsonl_custom_keys(tmp_path):
+    path = write_lines(tmp_path, [record(q="a", a="b", tag="t")])
+    assert load_jsonl(path, prompt_key="q", response_key="a", label_key="tag") == [
+        PromptResponse("a", "b", "t", f"{path}:1")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("{not json", "invalid JSON"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        (record(response="r"), "missing key 'prompt'"),
+        (record(prompt="p"), "missing key 'response'"),
+        (record(prompt=1, response="r"), "key 'prompt' must be a string, got int"),
+        (record(prompt="p", response=["r"]), "key 'response' must be a string, got list"),
+        (record(prompt="p", response="r", label=1.5), "key 'label' must be a string, an integer or null"),
+        (record(prompt="p", response="r", label=True), "key 'label' must be a string, an integer or null"),
+    ],
+)
+def test_load_jsonl_invalid_line_names_file_and_line(tmp_path, line, expected):
+    path = write_lines(tmp_path, [record(prompt="ok", response="fine"), "", line])
+    with pytest.raises(DataError) as info:
+        load_jsonl(path)
+    message = str(info.value)
+    assert f"{path}:3" in message
+    assert expected in message
+
+
+def test_load_jsonl_reports_every_invalid_line(tmp_path):
+    path = write_lines(tmp_path, ["{bad", record(prompt="p", response="r"), record(prompt="p")])
+    message = str(pytest.raises(DataError, load_jsonl, path).value)
+    assert f"{path}:1" in message and f"{path}:3" in message and f"{path}:2" not in message
+
+
+def test_load_jsonl_lists_all_empty_responses(tmp_path):
+    lines = [record(prompt=f"p{i}", response="r") for i in range(10)]
+    for i in (1, 2, 3, 6, 9):  # lines 2-4, 7 and 10
+        lines[i] = record(prompt=f"p{i}", response=" \n\t" if i == 6 else "")
+    path = write_lines(tmp_path, lines)
+    message = str(pytest.raises(DataError, load_jsonl, path).value)
+    assert str(path) in message
+    assert "5 empty" in message
+    assert "2-4, 7, 10" in message
+
+
+def test_load_jsonl_missing_and_empty_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_jsonl(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match="no prompt/response pairs"):
+        load_jsonl(write_lines(tmp_path, ["", ""]))
+
+
+def test_load_pairs_dispatch(tmp_path):
+    path = write_lines(tmp_path, [record(x="a", y="b", z=7)])
+    cfg = DataConfig(data=str(path), prompt_key="x", response_key="y", label_key="z")
+    assert load_pairs(cfg) == [PromptResponse("a", "b", "7", f"{path}:1")]
+    with pytest.raises(DataError, match="'chatterbot' or a path to a .jsonl file"):
+        load_pairs(DataConfig(data="data.csv"))
+
+
+def test_limit_examples_is_seeded_subset():
+    items = list(range(100))
+    a = limit_examples(items, 10, seed=3)
+    assert a == limit_examples(items, 10, seed=3) and len(a) == 10 and set(a) <= set(items)
+    assert a != limit_examples(items, 10, seed=4)
+    assert limit_examples(items, None, seed=0) == items
+
+
+# --------------------------------------------------------------------------------------- chatterbot
+
+
+def test_chatterbot_counts_and_labels(chatterbot):
+    pairs, stats = chatterbot
+    assert 2000 <= len(pairs) <= 3000
+    labels = Counter(p.label for p in pairs)
+    assert len(labels) == 21 == stats["files"]
+    assert {"greetings", "AI", "tech support", "profile"} <= set(labels)
+    assert stats["categories"] == dict(labels)
+    assert stats["pairs"] == len(pairs)
+    assert 0 <= stats["skipped_empty_responses"] < 100
+    assert stats["skipped_malformed_conversations"] == ["trivia.yml:#13"]
+    assert all(isinstance(p.prompt, str) and p.response.strip() for p in pairs)
+    assert len({p.source for p in pairs}) == len(pairs)
+    first = next(p for p in pairs if p.label == "greetings")
+    assert (first.prompt, first.response) == ("Hello", "Hi")
+    assert first.source == "chatterbot/english/greetings.yml:#0.0"
+
+
+def test_chatterbot_chains_consecutive_utterances(chatterbot):
+    pairs, _ = chatterbot
+    by_conversation: dict[str, list[PromptResponse]] = {}
+    for p in pairs:
+        by_conversation.setdefault(p.source.rsplit(".", 1)[0], []).append(p)
+    chains = [ps for ps in by_conversation.values() if len(ps) >= 2]
+    assert chains
+    for ps in chains:
+        for a, b in zip(ps, ps[1:], strict=False):
+            if int(b.source.rsplit(".", 1)[1]) == int(a.source.rsplit(".", 1)[1]) + 1:
+                assert b.prompt == a.response
+
+
+def test_chatterbot_format_edge_cases(tmp_path):
+    (tmp_path / "misc.yml").write_text(
+        "conversations:\n- - 42\n  - true\n  - ''\n  - after empty\n- just a string\n- - only one\n"
+    )
+    (tmp_path / "b.yml").write_text("categories:\n- first\n- second\nconversations:\n- - a\n  - b\n")
+    pairs, stats = read_chatterbot("x", corpus_dir=tmp_path)
+    assert pairs == [
+        PromptResponse("a", "b", "first", "chatterbot/x/b.yml:#0.0"),
+        PromptResponse("42", "True", "misc", "chatterbot/x/misc.yml:#0.0"),
+        PromptResponse("", "after empty", "misc", "chatterbot/x/misc.yml:#0.2"),
+    ]
+    assert stats["skipped_empty_responses"] == 1
+    assert stats["skipped_malformed_conversations"] == ["misc.yml:#1"]
+
+
+def test_load_chatterbot_logs_skipped(caplog):
+    with caplog.at_level(logging.INFO, logger="disentanglement.data"):
+        pairs = load_chatterbot()
+    assert pairs and "skipped" in caplog.text
+    assert load_pairs(DataConfig(data="chatterbot")) == pairs
+
+
+def test_chatterbot_unknown_language():
+    with pytest.raises(DataError, match="no language 'klingon'"):
+        load_chatterbot("klingon")
+
+
+# ---------------------------------------------------------------------------------- hidden factors
+
+
+def test_hidden_factor_clean(chatterbot):
+    prompts = [p.prompt for p in chatterbot[0][:800]]
+    pairs = make_hidden_factor_pairs(prompts, num_factors=4, kind="clean", seed=0)
+    assert [p.prompt for p in pairs] == prompts
+    counts = Counter(p.label for p in pairs)
+    assert set(counts) == {"0", "1", "2", "3"}
+    assert min(counts.values()) > 800 / 4 * 0.75
+    for p in pairs:
+        assert p.response == CLEAN_PHRASES[int(p.label)]
+        assert detect_style(p.response, "clean") == int(p.label)
+    assert pairs == make_hidden_factor_pairs(prompts, kind="clean", seed=0)
+    assert [p.label for p in pairs] != [p.label for p in make_hidden_factor_pairs(prompts, kind="clean", seed=1)]
+
+
+def test_clean_phrases_extend_and_detect():
+    phrases = clean_phrases(12)
+    assert len(set(phrases)) == 12 and phrases[:4] == list(CLEAN_PHRASES[:4])
+    for f, phrase in enumerate(phrases):
+        assert detect_style(phrase, "clean", num_factors=12) == f
+    assert detect_style("no.", "clean") == 1
+    assert detect_style("No. And more words after it", "clean") == 1
+    assert detect_style("Nothing to see", "clean") is None
+    assert detect_style("ha ha, THAT is a funny question", "clean") == 3
+    pairs = make_hidden_factor_pairs(["a"] * 50, num_factors=12, kind="clean", seed=0)
+    assert all(detect_style(p.response, "clean", num_factors=12) == int(p.label) for p in pairs)
+
+
+def test_hidden_factor_marked(chatterbot):
+    corpus = chatterbot[0][:600]
+    prompts = [p.prompt for p in corpus]
+    responses = [p.response for p in corpus]
+    pairs = make_hidden_factor_pairs(prompts, num_factors=4, kind="marked", seed=5, responses=responses)
+    counts = Counter(p.label for p in pairs)
+    assert set(counts) == {"0", "1", "2", "3"} and min(counts.values()) > 600 / 4 * 0.75
+    for p, original in zip(pairs, responses, strict=True):
+        f = int(p.label)
+        assert original in p.response
+        assert p.response == apply_style(original, f)
+        assert detect_style(p.response, "marked") == f
+    assert [kind for kind, _ in MARKED_STYLES] == ["prefix", "suffix", "prefix", "none"]
+
+
+def test_marked_markers_do_not_occur_in_the_corpus(chatterbot):
+    assert all(detect_style(p.response, "marked") == 3 for p in chatterbot[0])
+
+
+def test_hidden_factor_errors():
+    with pytest.raises(ValueError, match="one response per prompt"):
+        make_hidden_factor_pairs(["a", "b"], kind="marked")
+    with pytest.raises(ValueError, match="1 to 4 factors"):
+        make_hidden_factor_pairs(["a"], num_factors=5, kind="marked", responses=["r"])
+    with pytest.raises(ValueError, match="kind"):
+        make_hidden_factor_pairs(["a"], kind="other")
+    assert detect_style("Oh wow, nice (smiles)", "marked") is None
+
+
+# ------------------------------------------------------------------------------------ tokenisation
+
+
+def test_tokenize_with_chat_template(tokenizer):
+    pairs = [PromptResponse("Hi there", "Hello!", "g", "s:1"), PromptResponse("", "Ok", None, "s:2")]
+    cfg = DataConfig(max_prompt_tokens=200, max_response_tokens=200)
+    examples, stats = tokenize_pairs(pairs, tokenizer, cfg)
+    assert tokenizer.decode(examples[0].prompt_ids) == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(examples[0].response_ids) == "Hello!" + EOS + "\n"
+    assert tokenizer.eos_token_id in examples[0].response_ids
+    assert (examples[0].label, examples[0].source) == ("g", "s:1")
+    assert tokenizer.decode(examples[1].response_ids) == "Ok" + EOS + "\n"
+    assert stats["examples"] == 2 and stats["chat_template"] is True
+    assert stats["truncated_prompts"] == stats["truncated_responses"] == 0
+    assert stats["mean_response_tokens"] == (len("Hello!") + 2 + len("Ok") + 2) / 2
+
+
+def test_tokenize_truncation_keeps_last_prompt_and_first_response_tokens(tokenizer, caplog):
+    long_prompt = "abcdefghijklmnopqrstuvwxyz" * 2
+    long_response = "0123456789" * 3
+    pairs = [PromptResponse(long_prompt, long_response, None, "s:1"), PromptResponse("Hi", "Yo", None, "s:2")]
+    cfg = DataConfig(max_prompt_tokens=30, max_response_tokens=8)
+    with caplog.at_level(logging.INFO, logger="disentanglement.data"):
+        examples, stats = tokenize_pairs(pairs, tokenizer, cfg)
+    full_prompt = f"<|im_start|>user\n{long_prompt}<|im_end|>\n<|im_start|>assistant\n"
+    full_prompt_ids = tokenizer(full_prompt, add_special_tokens=False)["input_ids"]
+    assert examples[0].prompt_ids == full_prompt_ids[-30:]
+    assert tokenizer.decode(examples[0].prompt_ids).endswith("<|im_start|>assistant\n")
+    assert tokenizer.decode(examples[0].response_ids) == long_response[:8]
+    assert len(examples[1].prompt_ids) == 21 and tokenizer.decode(examples[1].response_ids) == "Yo" + EOS + "\n"
+    assert stats["truncated_prompts"] == 1 and stats["truncated_responses"] == 1
+    assert stats["max_prompt_tokens_before_truncation"] == len(full_prompt_ids)
+    assert stats["max_response_tokens_before_truncation"] == len(long_response) + 2
+    assert "truncated 1 prompts" in caplog.text
+
+
+def test_tokenize_without_template_appends_eos(tokenizer):
+    pairs = [PromptResponse("Hi", "Hello", None, "s:1")]
+    for cfg, tok in ((DataConfig(chat_template=False), tokenizer), (DataConfig(), tiny_tokenizer(chat_template=False))):
+        examples, stats = tokenize_pairs(pairs, tok, cfg)
+        assert tok.decode(examples[0].prompt_ids) == "Hi\n"
+        assert examples[0].response_ids == tok("Hello", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert stats["chat_template"] is False
+
+
+def test_tokenize_rejects_zero_token_response(tokenizer):
+    class NoTokens:
+        chat_template = None
+        eos_token_id = 2
+
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [[5] * len(t) if t.endswith("\n") else [] for t in texts]}
+
+    with pytest.raises(DataError, match="s:7.*zero tokens"):
+        tokenize_pairs([PromptResponse("p", "r", None, "s:7")], NoTokens(), DataConfig())
+
+
+def test_tokenize_rejects_template_that_does_not_extend_the_prompt(tokenizer):
+    tok = tiny_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] + ':' + m['content'] + '|' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'ASSISTANT>' }}{% endif %}"
+    )
+    with pytest.raises(DataError, match="s:9"):
+        tokenize_pairs([PromptResponse("p", "r", None, "s:9")], tok, DataConfig())
+
+
+# ------------------------------------------------------------------------------- split and collate
+
+
+def test_split_is_deterministic_disjoint_and_covering():
+    items = list(range(50))
+    train, val = split_train_validation(items, 0.2, seed=1)
+    assert (train, val) == split_train_validation(items, 0.2, seed=1)
+    assert len(val) == 10 and sorted(train + val) == items and not set(train) & set(val)
+    assert val != split_train_validation(items, 0.2, seed=2)[1]
+    assert split_train_validation(items, 0.0, seed=0) == (items, [])
+    assert len(split_train_validation([1, 2], 0.01, seed=0)[1]) == 1
+    assert split_train_validation([1], 0.5, seed=0) == ([1], [])
+
+
+def make_example(prompt, response, label=None):
+    return Example(list(prompt), list(response), label, "test")
+
+
+def test_collate_pads_right_and_builds_masks_from_lengths():
+    pad = 0
+    examples = [
+        make_example([5, 6, 7], [8, 9], "a"),
+        make_example([5], [8, 9, 10, 11, 12], "b"),
+        make_example([4], [3]),
+    ]
+    batch = collate(examples, pad_token_id=pad, indices=[7, 3, 1])
+    assert batch.input_ids.tolist() == [
+        [5, 6, 7, 8, 9, 0],
+        [5, 8, 9, 10, 11, 12],
+        [4, 3, 0, 0, 0, 0],
+    ]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]]
+    assert batch.target_mask.tolist() == [[0, 0, 0, 1, 1, 0], [0, 1, 1, 1, 1, 1], [0, 1, 0, 0, 0, 0]]
+    assert batch.target_mask.dtype == torch.float32 and batch.input_ids.dtype == torch.long
+    assert batch.prompt_lengths.tolist() == [3, 1, 1] and batch.response_lengths.tolist() == [2, 5, 1]
+    assert batch.labels == ["a", "b", None] and batch.indices.tolist() == [7, 3, 1]
+    assert batch.attention_mask.dtype == batch.prompt_lengths.dtype == batch.indices.dtype == torch.long
+    assert len(batch) == 3
+    assert collate(examples, pad).indices.tolist() == [0, 1, 2]
+    moved = batch.to("cpu")
+    assert isinstance(moved, Batch) and torch.equal(moved.input_ids, batch.input_ids)
+
+
+def test_eos_equal_to_pad_stays_supervised(tokenizer):
+    pad = tokenizer.pad_token_id
+    assert pad == tokenizer.eos_token_id
+    (short, long), _ = tokenize_pairs(
+        [PromptResponse("Hi", "Yo", None, "a"), PromptResponse("Hi", "A longer one", None, "b")],
+        tokenizer,
+        DataConfig(),
+    )
+    batch = collate([short, long], pad_token_id=pad)
+    row = batch.input_ids[0]
+    end = len(short.prompt_ids) + len(short.response_ids)
+    eos_positions = [t for t in range(end) if row[t] == pad and t >= len(short.prompt_ids)]
+    assert eos_positions, "the response ends with <|im_end|> == pad"
+    assert all(batch.target_mask[0, t] == 1 for t in eos_positions)
+    assert batch.target_mask[0].sum() == len(short.response_ids)
+    assert batch.target_mask[0, end:].sum() == 0 and (row[end:] == pad).all()
+    # no-template path: the final eos (== pad) is supervised too
+    (plain,), _ = tokenize_pairs([PromptResponse("Hi", "Yo", None, "c")], tokenizer, DataConfig(chat_template=False))
+    batch = collate([plain, long], pad_token_id=pad)
+    last = len(plain.prompt_ids) + len(plain.response_ids) - 1
+    assert batch.input_ids[0, last] == pad and batch.target_mask[0, last] == 1
+
+
+def test_collate_rejects_empty_response():
+    with pytest.raises(DataError, match="no response tokens"):
+        collate([make_example([1], [])], pad_token_id=0)

@@ -1,0 +1,262 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.distributions import Categorical, Normal, kl_divergence
+
+from disentanglement import metrics as M
+
+# --------------------------------------------------------------------------- KL
+
+
+def test_gaussian_kl_hand_value_standard_prior():
+    # KL(N(1, e^0) || N(0, 1)) = 0.5 * (0 - 0 + (1 + 1) / 1 - 1) = 0.5
+    # KL(N(0, e^{ln 4}) || N(0, 1)) = 0.5 * (-ln 4 + 4 - 1) = 1.5 - ln 2
+    mu = torch.tensor([[1.0, 0.0]])
+    logvar = torch.tensor([[0.0, math.log(4.0)]])
+    kl = M.gaussian_kl(mu, logvar)
+    assert kl.shape == (1, 2)
+    torch.testing.assert_close(kl, torch.tensor([[0.5, 1.5 - math.log(2.0)]]))
+
+
+def test_gaussian_kl_hand_value_with_prior():
+    # KL(N(2, 1) || N(1, 4)) = 0.5 * (ln 4 - 0 + (1 + 1) / 4 - 1) = ln 2 - 0.25
+    kl = M.gaussian_kl(
+        torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.tensor([[math.log(4.0)]])
+    )
+    torch.testing.assert_close(kl, torch.tensor([[math.log(2.0) - 0.25]]))
+
+
+def test_gaussian_kl_matches_torch_distributions():
+    g = torch.Generator().manual_seed(0)
+    mu_q, lv_q, mu_p, lv_p = (torch.randn(5, 3, generator=g, dtype=torch.float64) for _ in range(4))
+    expected = kl_divergence(Normal(mu_q, (0.5 * lv_q).exp()), Normal(mu_p, (0.5 * lv_p).exp()))
+    torch.testing.assert_close(M.gaussian_kl(mu_q, lv_q, mu_p, lv_p), expected)
+    expected_std = kl_divergence(Normal(mu_q, (0.5 * lv_q).exp()), Normal(0.0, 1.0))
+    torch.testing.assert_close(M.gaussian_kl(mu_q, lv_q), expected_std)
+    # numpy input, broadcast [D] prior
+    out = M.gaussian_kl(mu_q.numpy(), lv_q.numpy(), mu_p[0].numpy(), lv_p[0].numpy())
+    exp_b = kl_divergence(Normal(mu_q, (0.5 * lv_q).exp()), Normal(mu_p[0], (0.5 * lv_p[0]).exp()))
+    torch.testing.assert_close(out, exp_b)
+
+
+def test_gaussian_kl_is_differentiable():
+    mu = torch.zeros(2, 3, requires_grad=True)
+    M.gaussian_kl(mu + 1.0, torch.zeros(2, 3)).sum().backward()
+    torch.testing.assert_close(mu.grad, torch.ones(2, 3))
+
+
+def test_categorical_kl_matches_torch_distributions():
+    g = torch.Generator().manual_seed(1)
+    log_q = torch.log_softmax(torch.randn(4, 3, 5, generator=g, dtype=torch.float64), dim=-1)
+    log_p_batch = torch.log_softmax(torch.randn(4, 3, 5, generator=g, dtype=torch.float64), dim=-1)
+    log_p_fixed = torch.log_softmax(torch.randn(3, 5, generator=g, dtype=torch.float64), dim=-1)
+    expected = kl_divergence(Categorical(logits=log_q), Categorical(logits=log_p_batch))
+    torch.testing.assert_close(M.categorical_kl(log_q, log_p_batch), expected)
+    expected_fixed = kl_divergence(Categorical(logits=log_q), Categorical(logits=log_p_fixed.expand(4, 3, 5)))
+    out = M.categorical_kl(log_q, log_p_fixed)
+    assert out.shape == (4, 3)
+    torch.testing.assert_close(out, expected_fixed)
+
+
+def test_categorical_kl_hand_value_and_zero_mass():
+    # q = (1, 0), p = (1/2, 1/2): KL = ln 2; the zero-mass code contributes 0, not nan
+    log_q = torch.tensor([[[0.0, -math.inf]]])
+    log_p = torch.log(torch.tensor([[0.5, 0.5]]))
+    torch.testing.assert_close(M.categorical_kl(log_q, log_p), torch.tensor([[math.log(2.0)]]))
+    # uniform prior over K: KL = ln K - H(q)
+    q = torch.tensor([0.5, 0.25, 0.25])
+    kl = M.categorical_kl(q.log().view(1, 1, 3), torch.full((1, 3), -math.log(3.0)))
+    h = -(q * q.log()).sum()
+    torch.testing.assert_close(kl, (math.log(3.0) - h).view(1, 1))
+
+
+# --------------------------------------------------------------------------- mutual information
+
+
+def test_gaussian_mi_collapsed_encoder_is_zero():
+    n, d = 200, 4
+    mu = torch.full((n, d), 0.3)
+    logvar = torch.full((n, d), -0.5)
+    g = torch.Generator().manual_seed(0)
+    assert abs(M.gaussian_mutual_information(mu, logvar, generator=g)) < 1e-9
+    # the analytic-entropy variant (He et al.'s calc_mi) is ~0 within estimator noise
+    g = torch.Generator().manual_seed(0)
+    assert abs(M.gaussian_mutual_information(mu, logvar, num_samples=50, generator=g, analytic_entropy=True)) < 0.05
+    assert M.active_units(mu) == 0
+
+
+def test_gaussian_mi_separated_clusters_is_log_num_clusters():
+    clusters, per_cluster, d = 5, 40, 6
+    centres = 10.0 * torch.eye(clusters, d)  # dims 5 never vary
+    mu = centres.repeat_interleave(per_cluster, dim=0)  # [200, 6]
+    logvar = torch.full_like(mu, math.log(0.01))
+    g = torch.Generator().manual_seed(0)
+    mi = M.gaussian_mutual_information(mu, logvar, num_samples=2, generator=g)
+    assert mi == pytest.approx(math.log(clusters), abs=1e-6)  # paired draws: no noise here
+    # calc_mi's analytic first term adds Monte Carlo noise (std ~ sqrt(D/2 / draws))
+    g = torch.Generator().manual_seed(0)
+    mi = M.gaussian_mutual_information(mu, logvar, num_samples=50, generator=g, analytic_entropy=True)
+    assert mi == pytest.approx(math.log(clusters), abs=0.1)
+    assert M.active_units(mu) == clusters
+    var = M.posterior_mean_variance(mu)
+    assert var.shape == (d,)
+    assert var[-1] == 0.0
+
+
+def test_gaussian_mi_distinct_examples_bounded_by_log_n():
+    n = 8
+    mu = 50.0 * torch.eye(n)
+    logvar = torch.full_like(mu, -4.0)
+    mi = M.gaussian_mutual_information(mu, logvar, num_samples=3, generator=torch.Generator().manual_seed(0))
+    assert mi == pytest.approx(math.log(n), abs=1e-6)
+
+
+def test_gaussian_mi_deterministic_given_generator():
+    g = torch.Generator().manual_seed(3)
+    mu, logvar = torch.randn(30, 3, generator=g), torch.randn(30, 3, generator=g) * 0.1
+    a = M.gaussian_mutual_information(mu, logvar, num_samples=2, generator=torch.Generator().manual_seed(7))
+    b = M.gaussian_mutual_information(
+        mu.numpy(), logvar.numpy(), num_samples=2, generator=torch.Generator().manual_seed(7), chunk_size=7
+    )
+    assert a == pytest.approx(b, abs=1e-12)
+    assert 0.0 < a <= math.log(30) + 1e-9
+
+
+def test_categorical_mi_collapsed_is_zero():
+    probs = np.tile(np.array([0.2, 0.5, 0.3]), (50, 1))
+    assert abs(M.categorical_mutual_information(probs)) < 1e-6
+    probs3 = np.tile(np.array([[0.2, 0.5, 0.3], [1.0, 0.0, 0.0]]), (50, 1, 1))  # [50, 2, 3]
+    assert abs(M.categorical_mutual_information(probs3)) < 1e-6
+    assert all(abs(v) < 1e-6 for v in M.categorical_mutual_information_per_slot(probs3))
+
+
+def test_categorical_mi_one_hot_uniform_is_log_k():
+    k = 4
+    probs = torch.eye(k).repeat(3, 1)  # [12, 4], each code used 3 times
+    assert M.categorical_mutual_information(probs) == pytest.approx(math.log(k), abs=1e-12)
+    # two slots: slot 0 identity-like over 4 codes, slot 1 collapsed
+    slot1 = torch.zeros(12, 4)
+    slot1[:, 2] = 1.0
+    probs3 = torch.stack([probs, slot1], dim=1)  # [12, 2, 4]
+    per_slot = M.categorical_mutual_information_per_slot(probs3)
+    assert per_slot == pytest.approx([math.log(k), 0.0], abs=1e-12)
+    assert M.categorical_mutual_information(probs3) == pytest.approx(math.log(k), abs=1e-12)
+
+
+def test_categorical_mi_hand_value():
+    # two examples, q1 = (1, 0), q2 = (1/2, 1/2): H(mean) = H(3/4, 1/4), mean H = ln2 / 2
+    probs = np.array([[1.0, 0.0], [0.5, 0.5]])
+    h_mean = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
+    assert M.categorical_mutual_information(probs) == pytest.approx(h_mean - 0.5 * math.log(2.0))
+
+
+def test_active_units_threshold_and_unbiased_variance():
+    mu = np.array([[0.0, 0.0, 1.0], [0.2, 2.0, 1.0]])  # ddof=1 variances: 0.02, 2.0, 0
+    np.testing.assert_allclose(M.posterior_mean_variance(mu), [0.02, 2.0, 0.0])
+    assert M.active_units(mu) == 2
+    assert M.active_units(mu, threshold=0.05) == 1
+
+
+# --------------------------------------------------------------------------- code usage
+
+
+def test_code_usage_uniform_single_and_dead():
+    u = M.code_usage(np.arange(8).repeat(3), 8)
+    assert u["perplexity"] == pytest.approx(8.0)
+    assert u["dead_codes"] == [] and u["used_codes"] == 8
+    one = M.code_usage(torch.full((10,), 2), 5)
+    assert one["perplexity"] == pytest.approx(1.0)
+    assert one["histogram"] == [0, 0, 10, 0, 0]
+    assert one["dead_codes"] == [0, 1, 3, 4] and one["used_codes"] == 1
+    # codes 0 and 1 used equally out of 4: perplexity 2
+    half = M.code_usage([0, 1, 0, 1], 4)
+    assert half["perplexity"] == pytest.approx(2.0)
+    assert half["dead_codes"] == [2, 3]
+    with pytest.raises(ValueError, match="codes must lie"):
+        M.code_usage([0, 4], 4)
+
+
+def test_code_usage_per_slot():
+    codes = np.array([[0, 1], [1, 1], [2, 1]])
+    usage = M.code_usage_per_slot(codes, 3)
+    assert len(usage) == 2
+    assert usage[0]["histogram"] == [1, 1, 1] and usage[0]["perplexity"] == pytest.approx(3.0)
+    assert usage[1]["dead_codes"] == [0, 2]
+
+
+# --------------------------------------------------------------------------- clustering vs labels
+
+
+def test_label_agreement_perfect_with_permuted_ids():
+    labels = ["greet", "ask", "greet", "thank", "ask", "thank"]
+    assign = [7, 3, 7, 0, 3, 0]
+    out = M.label_agreement(assign, labels)
+    assert out["nmi"] == pytest.approx(1.0)
+    assert out["ari"] == pytest.approx(1.0)
+    assert out["homogeneity"] == pytest.approx(1.0) and out["completeness"] == pytest.approx(1.0)
+
+
+def test_label_agreement_random_is_near_zero():
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 4, size=4000)
+    assign = rng.integers(0, 4, size=4000)
+    out = M.label_agreement(assign, labels)
+    assert out["nmi"] < 0.01
+    assert abs(out["ari"]) < 0.01
+
+
+def test_label_agreement_contingency_hand_example():
+    assign = np.array([1, 1, 0, 0, 0, 2])
+    labels = ["b", "a", "a", "a", "b", "b"]
+    c = M.label_agreement(assign, labels)["contingency"]
+    assert c["rows"] == [0, 1, 2]
+    assert c["columns"] == ["a", "b"]
+    assert c["counts"] == [[2, 1], [1, 1], [0, 1]]
+    assert all(isinstance(v, int) for v in c["rows"])  # JSON-able Python ints
+
+
+def test_kmeans_recovers_separated_clusters_and_is_deterministic():
+    rng = np.random.default_rng(0)
+    centres = np.array([[0.0, 0.0], [20.0, 0.0], [0.0, 20.0], [20.0, 20.0]])
+    truth = np.repeat(np.arange(4), 25)
+    x = centres[truth] + rng.normal(scale=0.5, size=(100, 2))
+    a = M.kmeans_assignments(x, 4, seed=0)
+    assert a.shape == (100,)
+    assert M.label_agreement(a, truth)["nmi"] == pytest.approx(1.0)
+    np.testing.assert_array_equal(a, M.kmeans_assignments(torch.as_tensor(x), 4, seed=0))
+
+
+# --------------------------------------------------------------------------- text and likelihood
+
+
+def test_distinct_n_hand_examples():
+    texts = ["a b a b", "a b c"]
+    # unigrams: a b a b a b c -> 3 distinct / 7
+    assert M.distinct_n(texts, 1) == pytest.approx(3 / 7)
+    # bigrams: (a b) (b a) (a b) | (a b) (b c) -> 3 distinct / 5 (none across texts)
+    assert M.distinct_n(texts, 2) == pytest.approx(3 / 5)
+    assert M.distinct_n(["one two"], 3) == 0.0
+    assert M.distinct_n([], 1) == 0.0
+    assert M.distinct_n(["  x\n\ty  "], 1) == 1.0
+
+
+def test_nats_to_bits():
+    assert M.nats_to_bits(math.log(2.0)) == pytest.approx(1.0)
+    np.testing.assert_allclose(M.nats_to_bits(np.array([math.log(8.0)])), [3.0])
+    torch.testing.assert_close(M.nats_to_bits(torch.tensor([math.log(4.0)])), torch.tensor([2.0]))
+
+
+def test_importance_weighted_nll():
+    x = torch.tensor([[-3.0, -1.5]])
+    torch.testing.assert_close(M.importance_weighted_nll(x), torch.tensor([3.0, 1.5]))  # K = 1: -x
+    same = torch.full((5, 2), -2.25)
+    torch.testing.assert_close(M.importance_weighted_nll(same), torch.tensor([2.25, 2.25]))
+    # K = 2, values ln 1 and ln 3: -(log(1 + 3) - log 2) = -ln 2
+    w = torch.tensor([[0.0], [math.log(3.0)]])
+    torch.testing.assert_close(M.importance_weighted_nll(w), torch.tensor([-math.log(2.0)]))
+    # the bound is never above the mean (ELBO) bound
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(10, 4, generator=g)
+    assert torch.all(M.importance_weighted_nll(r) <= -r.mean(dim=0) + 1e-6)
