@@ -258,11 +258,11 @@ def train(
             raise FileNotFoundError(f"--resume {tcfg.resume}: not a complete checkpoint directory")
     resume_state = json.loads((resume_from / "trainer_state.json").read_text()) if resume_from else None
 
+    pairs = load_pairs(config.data) if pairs is None else pairs  # data errors surface before the model loads
     if model_and_tokenizer is None:
         from .lm import load_model_and_tokenizer
 
-        dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
-        decoder, tokenizer = load_model_and_tokenizer(config.model, device="cpu", dtype=dtype)
+        decoder, tokenizer = load_model_and_tokenizer(config.model, device="cpu")
     else:
         decoder, tokenizer = model_and_tokenizer
     pad_id = tokenizer.pad_token_id

@@ -1,0 +1,267 @@
+"""Both CVAEs on tiny Llama and GPT-2 models built in-process: injection, alignment, gradients, output record."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from disentanglement.config import build_config
+from disentanglement.continuous_cvae import ContinuousCVAE
+from disentanglement.data import collate, make_hidden_factor_pairs, tokenize_pairs
+from disentanglement.losses import TERM_WEIGHT_FIELDS
+from disentanglement.models import build_cvae
+from disentanglement.regularizers import gaussian_kl
+from disentanglement.shared_discrete_cvae import SharedDiscreteCVAE
+from disentanglement.trainer import make_optimizer
+from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer
+
+ARCHITECTURES = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+ALL_TERMS = dict.fromkeys(TERM_WEIGHT_FIELDS.values(), 0.5)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def make_batch(tokenizer, n=5, chat_template=True):
+    prompts = [f"prompt {'x' * i} end" for i in range(n)]
+    pairs = make_hidden_factor_pairs(prompts, kind="clean", seed=1)
+    config = build_config({"chat_template": chat_template})
+    examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
+    return collate(examples, tokenizer.pad_token_id)
+
+
+def make_model(tokenizer, arch="llama", **overrides):
+    values = dict(ALL_TERMS, zfree_reference_scale=2.0, bow_weight=0.1)
+    values.update(overrides)
+    config = build_config(values)
+    decoder = ARCHITECTURES[arch](len(tokenizer))
+    return build_cvae(config, decoder), config
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("latent", ["discrete", "continuous"])
+@pytest.mark.parametrize("placement", ["prefix", "between"])
+def test_forward_backward_every_combination(tokenizer, arch, latent, placement):
+    extra = {"divergence_weight": 0.2} if latent == "discrete" else {}
+    model, _ = make_model(tokenizer, arch, latent=latent, latent_placement=placement, **extra)
+    model.train()
+    batch = make_batch(tokenizer)
+    out = model(batch, step=3)
+    assert torch.isfinite(out.loss)
+    assert set(out.reconstruction_terms) == set(TERM_WEIGHT_FIELDS)
+    out.loss.backward()
+    groups = model.parameter_groups()
+    assert groups["decoder"] == []
+    for param in groups["encoder"] + groups["latent"]:
+        assert param.grad is not None, "every trainable latent parameter gets a gradient"
+    for param in model.decoder.parameters():
+        assert param.grad is None and not param.requires_grad
+    if latent == "discrete":
+        assert out.latent.shape == (len(batch), 1) and out.latent.dtype == torch.long
+        assert out.divergence is not None and out.divergence > 0
+        assert torch.allclose(out.divergence_term, -0.2 * out.divergence)
+    else:
+        assert out.latent.shape == (len(batch), 16)
+    assert out.kl_per_unit.ndim == 1
+    assert "bow_loss" in out.aux_losses
+
+
+@pytest.mark.parametrize("placement", ["prefix", "between"])
+def test_conditioned_sequence_places_latent_and_aligns_tokens(tokenizer, placement):
+    model, _ = make_model(tokenizer, latent_placement=placement)
+    batch = make_batch(tokenizer)
+    P = model.num_latent_tokens
+    latent = torch.randn(len(batch), P, model.hidden_size)
+    embeds, ids, attention, target, offsets = model.conditioned_inputs(batch, latent)
+    token_embeds = model.decoder.get_input_embeddings()(batch.input_ids)
+    for b in range(len(batch)):
+        start = 0 if placement == "prefix" else int(batch.prompt_lengths[b])
+        torch.testing.assert_close(embeds[b, start : start + P], latent[b])
+        assert attention[b, start : start + P].eq(1).all() and target[b, start : start + P].eq(0).all()
+        for t in range(batch.input_ids.shape[1]):
+            c = t if t < start else t + P
+            assert ids[b, c] == batch.input_ids[b, t]
+            assert target[b, c] == batch.target_mask[b, t]
+            torch.testing.assert_close(embeds[b, c], token_embeds[b, t])
+            if batch.target_mask[b, t]:
+                assert c == t + int(offsets[b]), "supervised tokens sit at z-free position + offset"
+
+
+def test_frozen_features_match_a_manual_pass(tokenizer):
+    model, _ = make_model(tokenizer)
+    batch = make_batch(tokenizer)
+    features = model.frozen_pass(batch)
+    out = model.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
+    hidden = out.hidden_states[-1]
+    for b in range(len(batch)):
+        p, r = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
+        torch.testing.assert_close(features.prior_features[b], hidden[b, p - 1])
+        torch.testing.assert_close(features.encoder_features[b, : model.hidden_size], hidden[b, p : p + r].mean(0))
+        torch.testing.assert_close(features.encoder_features[b, model.hidden_size :], hidden[b, p + r - 1])
+        expected = F.cross_entropy(out.logits[b, p - 1 : p + r - 1], batch.input_ids[b, p : p + r], reduction="none")
+        torch.testing.assert_close(features.zfree_token_nll[b, p - 1 : p + r - 1], expected)
+        assert features.zfree_token_nll[b, : p - 1].eq(0).all() and features.zfree_token_nll[b, p + r - 1 :].eq(0).all()
+    assert not features.encoder_features.requires_grad
+
+
+def test_token_weights_follow_the_reference_surprisal(tokenizer):
+    model, _ = make_model(tokenizer, latent_placement="between")
+    batch = make_batch(tokenizer)
+    out = model(batch)
+    features = model.frozen_pass(batch)
+    for b in range(len(batch)):
+        p, r = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
+        P = model.num_latent_tokens
+        base = features.zfree_token_nll[b, p - 1 : p + r - 1]
+        # The latent sits between prompt and response: conditioned position = z-free position + P.
+        torch.testing.assert_close(out.weighting.aligned_base_token_nll[b, p - 1 + P : p + r - 1 + P], base)
+        torch.testing.assert_close(out.weighting.token_weights[b, p - 1 + P : p + r - 1 + P], base / base.sum())
+        assert out.target_mask[b].sum() == r
+
+
+def test_forward_record_terms_agree_with_the_stack(tokenizer):
+    model, config = make_model(tokenizer, latent="continuous", beta=0.5, beta_schedule="constant")
+    model.eval()
+    batch = make_batch(tokenizer)
+    out = model(batch)
+    weights = {term: getattr(config.reconstruction, field) for term, field in TERM_WEIGHT_FIELDS.items()}
+    expected = sum(weights[t] * v for t, v in out.reconstruction_terms.items())
+    torch.testing.assert_close(out.reconstruction_total, expected)
+    mu, logvar = model.posterior(model.frozen_pass(batch))
+    mu_p, logvar_p = model.prior(model.frozen_pass(batch))
+    kl = gaussian_kl(mu, logvar, mu_p, logvar_p)
+    torch.testing.assert_close(out.kl, kl.sum(1).mean())
+    torch.testing.assert_close(out.kl_term, 0.5 * kl.mean(0).sum())
+    total = out.reconstruction_total + out.kl_term + 0.1 * out.aux_losses["bow_loss"]
+    torch.testing.assert_close(out.loss, total)
+    torch.testing.assert_close(out.latent, mu)  # the posterior mean at evaluation
+
+
+def test_discrete_nearest_code_posterior_and_straight_through(tokenizer):
+    model, _ = make_model(tokenizer, codebook_size=5, num_slots=2, commitment_weight=0.25)
+    assert isinstance(model, SharedDiscreteCVAE)
+    model.train()
+    batch = make_batch(tokenizer)
+    features = model.frozen_pass(batch)
+    sample = model.encode(features, step=0)
+    e = model.encoder_outputs(features)
+    distances = torch.cdist(e.reshape(-1, e.shape[-1]), model.codebook).view(len(batch), 2, 5)
+    torch.testing.assert_close(sample.latent, distances.argmin(-1))
+    torch.testing.assert_close(sample.vector, model.codebook[sample.latent].flatten(1))
+    log_p = model.prior_log_probs(features)
+    torch.testing.assert_close(sample.kl_per_unit, -log_p.gather(-1, sample.latent.unsqueeze(-1)).squeeze(-1))
+    torch.testing.assert_close(
+        sample.aux_losses["commitment_loss"], 0.25 * (e - model.codebook[sample.latent]).pow(2).mean()
+    )
+    sample.vector.sum().backward()
+    assert model.codebook.grad is not None and model.encoder[0].weight.grad is not None
+
+
+def test_gumbel_option_kl_and_temperature(tokenizer):
+    model, _ = make_model(
+        tokenizer,
+        assignment="gumbel",
+        prior="fixed",
+        gumbel_temperature=2.0,
+        gumbel_temperature_min=0.5,
+        gumbel_anneal_steps=100,
+        codebook_size=4,
+    )
+    model.train()
+    batch = make_batch(tokenizer)
+    features = model.frozen_pass(batch)
+    sample = model.encode(features, step=100)
+    assert sample.stats["temperature"] == pytest.approx(0.5)
+    assert model.encode(features, step=50).stats["temperature"] == pytest.approx(1.0)
+    log_q = F.log_softmax(model.posterior_logits(model.encoder_outputs(features)), -1)
+    expected = (log_q.exp() * (log_q + torch.log(torch.tensor(4.0)))).sum(-1)
+    torch.testing.assert_close(sample.kl_per_unit, expected)
+    assert sample.vector.shape == (len(batch), model.latent_cfg.code_dim)
+
+
+def test_batch_prior_kl_is_kl_of_the_batch_mean(tokenizer):
+    model, _ = make_model(tokenizer, assignment="gumbel", prior="fixed", batch_prior_kl=True)
+    model.train()
+    features = model.frozen_pass(make_batch(tokenizer))
+    sample = model.encode(features, step=0)
+    q_bar = F.softmax(model.posterior_logits(model.encoder_outputs(features)), -1).mean(0)  # [M, K]
+    expected = (q_bar * (q_bar.log() + torch.log(torch.tensor(4.0)))).sum(-1)
+    torch.testing.assert_close(sample.kl_per_unit[0], expected)
+    assert torch.equal(sample.kl_per_unit[0], sample.kl_per_unit[-1])
+
+
+def test_dead_codes_restart_at_recent_encoder_outputs(tokenizer):
+    model, _ = make_model(tokenizer, codebook_size=8, dead_code_steps=3)
+    model.train()
+    features = model.frozen_pass(make_batch(tokenizer))
+    sample = model.encode(features, step=5)
+    used = set(sample.latent.flatten().tolist())
+    before = model.codebook.detach().clone()
+    model.post_step(5)
+    recent = model.encoder_outputs(features).detach().reshape(-1, model.latent_cfg.code_dim)
+    for k in range(8):
+        if k in used:
+            assert torch.equal(model.codebook[k], before[k])
+        else:  # unused since step 0: restarted near one of this batch's encoder outputs
+            assert torch.cdist(model.codebook[k : k + 1].detach(), recent).min() < 0.1
+    assert model.code_last_used.min() == 5
+
+
+def test_continuous_sampling_is_reparameterised(tokenizer):
+    model, _ = make_model(tokenizer, latent="continuous", prior="fixed")
+    assert isinstance(model, ContinuousCVAE)
+    model.train()
+    features = model.frozen_pass(make_batch(tokenizer))
+    torch.manual_seed(0)
+    a = model.encode(features, 0)
+    torch.manual_seed(0)
+    b = model.encode(features, 0)
+    torch.testing.assert_close(a.vector, b.vector)
+    a.vector.sum().backward()
+    assert model.encoder[0].weight.grad is not None
+    mu, logvar = model.posterior(features)
+    torch.testing.assert_close(a.kl_per_unit, 0.5 * (mu.pow(2) + logvar.exp() - 1 - logvar))
+    assert model.prior_vectors(features, 3).shape == (3, mu.shape[0], mu.shape[1])
+
+
+def test_optimizer_holds_every_trainable_parameter(tokenizer):
+    for overrides in ({}, {"latent": "continuous"}, {"decoder_training": "lora"}, {"decoder_training": "full"}):
+        model, config = make_model(tokenizer, **overrides)
+        optimizer = make_optimizer(model, config)
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        assert trainable == in_optimizer, overrides
+
+
+def test_lora_reference_is_the_adapter_free_model(tokenizer):
+    base = tiny_llama(len(tokenizer))
+    batch = make_batch(tokenizer)
+    with torch.no_grad():
+        expected = base(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    model, _ = make_model(tokenizer, decoder_training="lora")
+    model.decoder.base_model.model.load_state_dict(base.state_dict(), strict=False)
+    for name, param in model.decoder.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param)  # adapters now change the output
+    features = model.frozen_pass(batch)
+    logits = expected
+    for b in range(len(batch)):
+        p, r = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
+        nll = F.cross_entropy(logits[b, p - 1 : p + r - 1], batch.input_ids[b, p : p + r], reduction="none")
+        torch.testing.assert_close(features.zfree_token_nll[b, p - 1 : p + r - 1], nll)
+    with torch.no_grad():
+        adapted = model.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    assert not torch.allclose(adapted, expected)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad and n.startswith("decoder.")]
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_full_training_keeps_a_frozen_reference_copy(tokenizer):
+    model, _ = make_model(tokenizer, decoder_training="full")
+    assert model.reference_model is not None and model.reference_model is not model.decoder
+    assert all(p.requires_grad for p in model.decoder.parameters())
+    assert not any(p.requires_grad for p in model.reference_model.parameters())
+    assert not any(n.startswith("reference") for n, _ in model.named_parameters())
