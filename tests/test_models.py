@@ -206,7 +206,7 @@ def test_dead_codes_restart_at_recent_encoder_outputs(tokenizer):
         if k in used:
             assert torch.equal(model.codebook[k], before[k])
         else:  # unused since step 0: restarted near one of this batch's encoder outputs
-            assert torch.cdist(model.codebook[k : k + 1].detach(), recent).min() < 0.1
+            assert torch.cdist(model.codebook[k : k + 1].detach(), recent).min() < 0.3  # noise 0.01 * randn(64)
     assert model.code_last_used.min() == 5
 
 
@@ -265,3 +265,39 @@ def test_full_training_keeps_a_frozen_reference_copy(tokenizer):
     assert all(p.requires_grad for p in model.decoder.parameters())
     assert not any(p.requires_grad for p in model.reference_model.parameters())
     assert not any(n.startswith("reference") for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("placement", ["prefix", "between"])
+def test_windowed_lm_head_equals_full_logits(tokenizer, placement):
+    model, _ = make_model(tokenizer, latent_placement=placement)
+    batch = make_batch(tokenizer)
+    vector = torch.randn(len(batch), model.latent_vector_dim, requires_grad=True)
+    decoded = model.decode(batch, vector)
+    assert decoded.start > 0 and decoded.logits.shape[1] < decoded.input_ids.shape[1]
+    windowed = decoded.token_nll()
+    (grad_windowed,) = torch.autograd.grad(windowed.sum(), vector)
+    logits, ids, target, _ = model.decode_logits(batch, vector)
+    full = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none") * target[:, 1:]
+    (grad_full,) = torch.autograd.grad(full.sum(), vector)
+    torch.testing.assert_close(windowed, full)
+    torch.testing.assert_close(grad_windowed, grad_full)
+
+
+def test_divergence_is_the_token_weighted_js_of_two_decodes(tokenizer):
+    model, _ = make_model(tokenizer, divergence_weight=1.0)
+    model.eval()
+    batch = make_batch(tokenizer)
+    features = model.frozen_pass(batch)
+    torch.manual_seed(0)
+    out = model(batch, features)
+    torch.manual_seed(0)
+    sample = model.encode(features, 0)
+    alternative = model.alternative_vector(sample)
+    assert not torch.equal(model.codes_to_vector(sample.latent), alternative)
+    la, ids, target, _ = model.decode_logits(batch, sample.vector)
+    lb, _, _, _ = model.decode_logits(batch, alternative)
+    pa, pb = la[:, :-1].softmax(-1), lb[:, :-1].softmax(-1)
+    m = (pa + pb) / 2
+    js = 0.5 * (pa * (pa / m).log()).sum(-1) + 0.5 * (pb * (pb / m).log()).sum(-1)  # [B, N]
+    expected = (out.weighting.token_weights * js * target[:, 1:]).sum(1).mean()
+    torch.testing.assert_close(out.divergence, expected, rtol=1e-4, atol=1e-7)

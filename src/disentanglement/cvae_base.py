@@ -86,6 +86,24 @@ class CVAEOutput:
         return out
 
 
+@dataclass
+class Decoded:
+    """Decoder logits over the window of conditioned positions ``start .. Tc-1``."""
+
+    logits: torch.Tensor  # [B, Tc - start, V]
+    start: int
+    input_ids: torch.Tensor  # [B, Tc], 0 at latent positions
+    target_mask: torch.Tensor  # [B, Tc], 1 on response tokens
+    offsets: torch.Tensor  # [B], alignment_offsets of the z-free positions
+
+    def token_nll(self) -> torch.Tensor:
+        """Masked per-token NLL ``[B, Tc-1]``, zero outside the window (where nothing is supervised)."""
+        window = masked_token_nll_per_position(
+            self.logits, self.input_ids[:, self.start :], self.target_mask[:, self.start :]
+        )  # [B, Tc - start - 1]
+        return F.pad(window, (self.start, 0))
+
+
 def mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d_in, d_hidden), nn.GELU(), nn.Linear(d_hidden, d_out))
 
@@ -267,18 +285,35 @@ class CVAEBase(nn.Module):
         offsets = torch.full((B,), P, dtype=torch.long, device=device)
         return inputs_embeds, input_ids, attention_mask, target_mask, offsets
 
+    def decode(self, batch: Batch, vector: torch.Tensor, window: bool = True) -> Decoded:
+        """Run the decoder under a latent.
+
+        With ``window`` the LM head runs only from the first position that predicts a response token
+        (``logits_to_keep``): prompt and latent positions never need logits, and the head's
+        ``[B, T, V]`` output is the largest tensor of the step.
+        """
+        embeds, ids, attention, target, offsets = self.conditioned_inputs(batch, self.latent_embeddings(vector))
+        start = 0
+        if window:
+            supervised = target[:, 1:].bool()  # [B, N]
+            start = int(supervised.float().argmax(dim=1).min())  # first position predicting a response token
+        keep = ids.shape[1] - start
+        logits = self.decoder(
+            inputs_embeds=embeds, attention_mask=attention, use_cache=False, logits_to_keep=keep
+        ).logits  # [B, keep, V]
+        return Decoded(logits, start, ids, target, offsets)
+
     def decode_logits(
         self, batch: Batch, vector: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Decoder logits under a latent: ``(logits [B, Tc, V], input_ids, target_mask, offsets)``."""
-        embeds, ids, attention, target, offsets = self.conditioned_inputs(batch, self.latent_embeddings(vector))
-        logits = self.decoder(inputs_embeds=embeds, attention_mask=attention, use_cache=False).logits
-        return logits, ids, target, offsets
+        """Full decoder logits under a latent: ``(logits [B, Tc, V], input_ids, target_mask, offsets)``."""
+        decoded = self.decode(batch, vector, window=False)
+        return decoded.logits, decoded.input_ids, decoded.target_mask, decoded.offsets
 
     def conditioned_token_nll(self, batch: Batch, vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``l_t`` under a latent vector: ``(token_nll [B, N], target_mask [B, N])``."""
-        logits, ids, target, _ = self.decode_logits(batch, vector)
-        return masked_token_nll_per_position(logits, ids, target), target[:, 1:]
+        decoded = self.decode(batch, vector)
+        return decoded.token_nll(), decoded.target_mask[:, 1:]
 
     def token_weighting(
         self, batch: Batch, features: FrozenFeatures, offsets: torch.Tensor, conditioned_length: int
@@ -298,10 +333,10 @@ class CVAEBase(nn.Module):
         if features is None:
             features = self.frozen_pass(batch)
         sample = self.encode(features, step)
-        logits, ids, target, offsets = self.decode_logits(batch, sample.vector)
-        token_nll = masked_token_nll_per_position(logits, ids, target)  # [B, N]
-        target = target[:, 1:]  # [B, N]
-        weighting = self.token_weighting(batch, features, offsets, ids.shape[1])
+        decoded = self.decode(batch, sample.vector)
+        token_nll = decoded.token_nll()  # [B, N]
+        target = decoded.target_mask[:, 1:]  # [B, N]
+        weighting = self.token_weighting(batch, features, decoded.offsets, decoded.input_ids.shape[1])
         stack = reconstruction_loss_stack(
             token_nll, target, weighting, self.reconstruction_cfg, self.zfree_reference_scale
         )
@@ -319,7 +354,7 @@ class CVAEBase(nn.Module):
         if self.divergence_cfg.divergence_weight > 0:
             alternative = self.alternative_vector(sample)
             if alternative is not None:
-                divergence = self.inter_latent_divergence(batch, logits, alternative, target, weighting)
+                divergence = self.inter_latent_divergence(batch, decoded, alternative, weighting)
                 divergence_term = -self.divergence_cfg.divergence_weight * divergence
                 loss = loss + divergence_term
         return CVAEOutput(
@@ -341,18 +376,15 @@ class CVAEBase(nn.Module):
         )
 
     def inter_latent_divergence(
-        self,
-        batch: Batch,
-        logits: torch.Tensor,
-        alternative: torch.Tensor,
-        target: torch.Tensor,
-        weighting: TokenWeighting,
+        self, batch: Batch, decoded: Decoded, alternative: torch.Tensor, weighting: TokenWeighting
     ) -> torch.Tensor:
         """``mean_b sum_t pi_t D(p(.|z), p(.|z'))`` over supervised positions (DESIGN.md section 5)."""
-        alt_logits, _, _, _ = self.decode_logits(batch, alternative)
-        supervised = target.bool()  # [B, N]
-        per_token = logits.new_zeros(target.shape, dtype=torch.float32)
-        per_token[supervised] = next_token_divergence(
-            logits[:, :-1][supervised], alt_logits[:, :-1][supervised], self.divergence_cfg.divergence
+        other = self.decode(batch, alternative)
+        target = decoded.target_mask[:, 1:].bool()  # [B, N]
+        start = decoded.start
+        supervised = target[:, start:]  # [B, N - start]: the positions the window's logits cover
+        per_token = decoded.logits.new_zeros(target.shape, dtype=torch.float32)  # [B, N]
+        per_token[:, start:][supervised] = next_token_divergence(
+            decoded.logits[:, :-1][supervised], other.logits[:, :-1][supervised], self.divergence_cfg.divergence
         )
         return (weighting.token_weights.to(per_token.dtype) * per_token).sum(1).mean()
