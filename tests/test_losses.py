@@ -511,3 +511,60 @@ def test_gradients_reach_only_supervised_conditioned_logits():
         "inverse_token_base_scale_factor",
     ):
         assert not getattr(weighting, name).requires_grad, name
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked NLL: same values and gradients as the plain path, bounded saved memory
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 7, 100])
+def test_chunked_nll_matches_plain_values_and_gradients(chunk_size):
+    from disentanglement.losses import lm_head_token_nll_per_position
+
+    torch.manual_seed(0)
+    B, T, H, V = 3, 8, 5, 11
+    hidden = torch.randn(B, T, H, requires_grad=True)
+    head = torch.nn.Linear(H, V)
+    ids = torch.randint(0, V, (B, T))
+    mask = torch.zeros(B, T)
+    mask[0, 2:6] = 1
+    mask[1, 5:] = 1
+    mask[2, 1:3] = 1
+    plain = masked_token_nll_per_position(head(hidden), ids, mask)
+    grads_plain = torch.autograd.grad((plain * torch.arange(T - 1)).sum(), [hidden, head.weight])
+    chunked = lm_head_token_nll_per_position(hidden, head, ids, mask, chunk_size=chunk_size)
+    grads_chunked = torch.autograd.grad((chunked * torch.arange(T - 1)).sum(), [hidden, head.weight])
+    torch.testing.assert_close(chunked, plain)
+    for a, b in zip(grads_chunked, grads_plain, strict=True):
+        torch.testing.assert_close(a, b)
+    logits = head(hidden).detach().requires_grad_(True)
+    chunked_logits = masked_token_nll_per_position(logits, ids, mask, chunk_size=chunk_size)
+    torch.testing.assert_close(chunked_logits, plain)
+    (g,) = torch.autograd.grad(chunked_logits.sum(), logits)
+    (g_plain,) = torch.autograd.grad(masked_token_nll_per_position(logits, ids, mask).sum(), logits)
+    torch.testing.assert_close(g, g_plain)
+
+
+def test_chunked_lm_head_never_saves_a_full_logits_block():
+    from disentanglement.losses import lm_head_token_nll_per_position
+
+    B, T, H, V, chunk = 2, 16, 4, 50, 3
+    hidden = torch.randn(B, T, H, requires_grad=True)
+    head = torch.nn.Linear(H, V)
+    ids = torch.randint(0, V, (B, T))
+    mask = torch.ones(B, T)
+    largest = {"plain": 0, "chunked": 0}
+
+    def run(name, fn):
+        def pack(t):
+            largest[name] = max(largest[name], t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+        out.sum().backward()
+
+    run("plain", lambda: masked_token_nll_per_position(head(hidden), ids, mask))
+    run("chunked", lambda: lm_head_token_nll_per_position(hidden, head, ids, mask, chunk_size=chunk))
+    assert largest["plain"] >= B * (T - 1) * V  # the plain path keeps [B, T-1, V] log-probabilities
+    assert largest["chunked"] <= max(B * T * H, V * H)  # only inputs and weights are kept; logits are recomputed

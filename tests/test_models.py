@@ -273,7 +273,7 @@ def test_windowed_lm_head_equals_full_logits(tokenizer, placement):
     batch = make_batch(tokenizer)
     vector = torch.randn(len(batch), model.latent_vector_dim, requires_grad=True)
     decoded = model.decode(batch, vector)
-    assert decoded.start > 0 and decoded.logits.shape[1] < decoded.input_ids.shape[1]
+    assert decoded.start > 0 and decoded.hidden.shape[1] < decoded.input_ids.shape[1]
     windowed = decoded.token_nll()
     (grad_windowed,) = torch.autograd.grad(windowed.sum(), vector)
     logits, ids, target, _ = model.decode_logits(batch, vector)

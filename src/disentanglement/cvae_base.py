@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .config import DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
 from .data import Batch
-from .losses import masked_token_nll_per_position, reconstruction_loss_stack
+from .losses import default_chunk_size, lm_head_token_nll_per_position, reconstruction_loss_stack
 from .regularizers import beta_at, kl_objective, next_token_divergence
 from .token_weighting import TokenWeighting, shifted_nll, weighting_from_zfree_nll
 
@@ -88,9 +88,14 @@ class CVAEOutput:
 
 @dataclass
 class Decoded:
-    """Decoder logits over the window of conditioned positions ``start .. Tc-1``."""
+    """The decoder's final hidden states over the window of conditioned positions ``start .. Tc-1``.
 
-    logits: torch.Tensor  # [B, Tc - start, V]
+    Logits are produced from them by the LM head only where needed: per chunk of positions for the
+    NLL (never the whole ``[B, T, V]`` block), or at chosen positions (:meth:`logits_at`).
+    """
+
+    hidden: torch.Tensor  # [B, Tc - start, H]
+    head: nn.Module  # the LM head: [.., H] -> [.., V]
     start: int
     input_ids: torch.Tensor  # [B, Tc], 0 at latent positions
     target_mask: torch.Tensor  # [B, Tc], 1 on response tokens
@@ -98,10 +103,25 @@ class Decoded:
 
     def token_nll(self) -> torch.Tensor:
         """Masked per-token NLL ``[B, Tc-1]``, zero outside the window (where nothing is supervised)."""
-        window = masked_token_nll_per_position(
-            self.logits, self.input_ids[:, self.start :], self.target_mask[:, self.start :]
-        )  # [B, Tc - start - 1]
+        B, W, _ = self.hidden.shape
+        chunk = default_chunk_size(B, self.head.weight.shape[0])
+        window = lm_head_token_nll_per_position(
+            self.hidden, self.head, self.input_ids[:, self.start :], self.target_mask[:, self.start :], chunk
+        )  # [B, W - 1]
         return F.pad(window, (self.start, 0))
+
+    def logits_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Logits ``[S, V]`` at the window positions selected by a boolean ``[B, Tc - start]`` mask."""
+        return self.head(self.hidden[positions])
+
+    def logits(self) -> torch.Tensor:
+        """All logits of the window, ``[B, Tc - start, V]`` (materialises the full block)."""
+        return self.head(self.hidden)
+
+
+def _pad_last(mask: torch.Tensor) -> torch.Tensor:
+    """A ``[B, W-1]`` position mask extended to the ``[B, W]`` window (its last position predicts nothing)."""
+    return F.pad(mask, (0, 1), value=False)
 
 
 def mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
@@ -297,18 +317,22 @@ class CVAEBase(nn.Module):
         if window:
             supervised = target[:, 1:].bool()  # [B, N]
             start = int(supervised.float().argmax(dim=1).min())  # first position predicting a response token
-        keep = ids.shape[1] - start
-        logits = self.decoder(
-            inputs_embeds=embeds, attention_mask=attention, use_cache=False, logits_to_keep=keep
-        ).logits  # [B, keep, V]
-        return Decoded(logits, start, ids, target, offsets)
+        out = self.decoder(
+            inputs_embeds=embeds,
+            attention_mask=attention,
+            use_cache=False,
+            output_hidden_states=True,
+            logits_to_keep=1,  # the head runs on the hidden states below, chunk by chunk
+        )
+        hidden = out.hidden_states[-1][:, start:]  # [B, Tc - start, H], after the final norm
+        return Decoded(hidden, self.decoder.get_output_embeddings(), start, ids, target, offsets)
 
     def decode_logits(
         self, batch: Batch, vector: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Full decoder logits under a latent: ``(logits [B, Tc, V], input_ids, target_mask, offsets)``."""
         decoded = self.decode(batch, vector, window=False)
-        return decoded.logits, decoded.input_ids, decoded.target_mask, decoded.offsets
+        return decoded.logits(), decoded.input_ids, decoded.target_mask, decoded.offsets
 
     def conditioned_token_nll(self, batch: Batch, vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``l_t`` under a latent vector: ``(token_nll [B, N], target_mask [B, N])``."""
@@ -383,8 +407,11 @@ class CVAEBase(nn.Module):
         target = decoded.target_mask[:, 1:].bool()  # [B, N]
         start = decoded.start
         supervised = target[:, start:]  # [B, N - start]: the positions the window's logits cover
-        per_token = decoded.logits.new_zeros(target.shape, dtype=torch.float32)  # [B, N]
+        per_token = decoded.hidden.new_zeros(target.shape, dtype=torch.float32)  # [B, N]
+        # Position t of the window holds the logits that predict conditioned token start + t + 1.
         per_token[:, start:][supervised] = next_token_divergence(
-            decoded.logits[:, :-1][supervised], other.logits[:, :-1][supervised], self.divergence_cfg.divergence
+            decoded.logits_at(_pad_last(supervised)),
+            other.logits_at(_pad_last(supervised)),
+            self.divergence_cfg.divergence,
         )
         return (weighting.token_weights.to(per_token.dtype) * per_token).sum(1).mean()

@@ -14,7 +14,7 @@ Two stages, as in the seed: compute the masked per-token NLL once
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -52,15 +52,37 @@ TERMS_NEEDING_SCALE = frozenset(
 
 
 def masked_token_nll_per_position(
-    logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor
+    logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor, chunk_size: int | None = None
 ) -> torch.Tensor:
     """Masked per-token NLL ``[B, T-1]`` from logits ``[B, T, V]`` and ids/mask ``[B, T]``.
 
     ``out[b, t] = -log softmax(logits[b, t])[input_ids[b, t+1]] * target_mask[b, t+1]``.
-    ``target_mask`` here is the ``[B, T]`` token mask (1 on response tokens). Computed by one
-    ``F.cross_entropy`` call, which never materialises a second ``[B, T, V]`` tensor.
+    ``target_mask`` here is the ``[B, T]`` token mask (1 on response tokens). One
+    ``F.cross_entropy`` call on a view of ``logits`` (no second ``[B, T, V]`` tensor beyond what it
+    needs), or, with ``chunk_size``, checkpointed chunks of positions (one chunk's worth at a time).
     """
-    return shifted_nll(logits, input_ids, target_mask)
+    return shifted_nll(logits, input_ids, target_mask, chunk_size=chunk_size)
+
+
+def lm_head_token_nll_per_position(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    input_ids: torch.Tensor,
+    target_mask: torch.Tensor,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """:func:`masked_token_nll_per_position` of ``head(hidden)`` without materialising the logits.
+
+    ``hidden`` is ``[B, T, H]`` (final hidden states); with ``chunk_size`` the LM head and the
+    cross-entropy run per chunk of positions under checkpointing, so the peak extra memory is one
+    ``[B, chunk_size, V]`` block.
+    """
+    return shifted_nll(hidden, input_ids, target_mask, head=head, chunk_size=chunk_size)
+
+
+def default_chunk_size(batch_size: int, vocab_size: int, budget_elements: int = 1 << 24) -> int:
+    """Positions per chunk so that one ``[B, chunk, V]`` float32 block stays near 64 MiB."""
+    return max(1, budget_elements // max(1, batch_size * vocab_size))
 
 
 def uniform_token_weights(target_mask: torch.Tensor) -> torch.Tensor:

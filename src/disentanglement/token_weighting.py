@@ -12,10 +12,12 @@ with ``b_t`` the aligned z-free surprisal floored at ``eps`` before the power.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -145,21 +147,44 @@ def align_to_conditioned(
     return out
 
 
-def shifted_nll(logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+def shifted_nll(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    target_mask: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
     """Masked next-token NLL ``[B, T-1]``; shared by the reference scorer and ``losses``.
 
     ``out[b, t] = -log softmax(logits[b, t])[input_ids[b, t+1]] * target_mask[b, t+1]``.
-    One ``cross_entropy`` call: no second ``[B, T, V]`` float tensor is materialised.
+
+    ``logits`` is ``[B, T, V]``, or, when ``head`` is given, the hidden states ``[B, T, H]`` that
+    ``head`` (the LM head) turns into logits. With ``chunk_size`` the positions are processed in
+    chunks under activation checkpointing, so the peak extra memory is one ``[B, chunk, V]`` block
+    in the forward and the backward pass: with ``head`` the full ``[B, T, V]`` logits never exist.
+    Without chunking it is one ``cross_entropy`` call on a view, which materialises nothing beyond
+    what ``cross_entropy`` itself needs.
     """
-    bsz, seq, vocab = logits.shape
-    if input_ids.shape != (bsz, seq) or target_mask.shape != (bsz, seq):
+    bsz, seq = input_ids.shape
+    if logits.shape[:2] != (bsz, seq) or target_mask.shape != (bsz, seq):
         raise ValueError(
             f"logits {tuple(logits.shape)}, input_ids {tuple(input_ids.shape)} and target_mask "
             f"{tuple(target_mask.shape)} must agree on [B, T]"
         )
     targets = input_ids[:, 1:].masked_fill(~target_mask[:, 1:].to(torch.bool), -100)  # [B, T-1]
-    nll = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), targets.reshape(-1), reduction="none", ignore_index=-100)
-    return nll.view(bsz, seq - 1)
+    inputs = logits[:, :-1]  # [B, T-1, V or H], a view
+
+    def block_nll(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        scores = head(x) if head is not None else x  # [B, c, V]
+        return F.cross_entropy(scores.transpose(1, 2), y, reduction="none", ignore_index=-100)  # [B, c]
+
+    if chunk_size is None or chunk_size >= seq - 1:
+        return block_nll(inputs, targets)
+    blocks = [
+        checkpoint(block_nll, inputs[:, i : i + chunk_size], targets[:, i : i + chunk_size], use_reentrant=False)
+        for i in range(0, seq - 1, chunk_size)
+    ]
+    return torch.cat(blocks, dim=1)
 
 
 @torch.no_grad()
