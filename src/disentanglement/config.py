@@ -294,6 +294,12 @@ class TrainConfig:
     resume: str | None = option(None, "'auto' = latest complete checkpoint in output_dir, or a checkpoint path.")
     tensorboard: bool = option(False, "Also log to TensorBoard under output_dir/tensorboard.")
     max_nonfinite_steps: int = option(5, "Stop with a diagnostic after this many consecutive non-finite losses.")
+    feature_cache: bool = option(
+        True, "Run the frozen pass once per data set and reuse it (off: one frozen pass every step)."
+    )
+    feature_cache_dir: str | None = option(
+        None, "Where the frozen-pass cache is stored (default: OUTPUT_DIR/feature_cache); keyed by a fingerprint."
+    )
     device: Literal["auto", "cpu", "cuda"] = option("auto", "auto = CUDA with bf16 when present, else CPU.")
     progress: bool = option(True, "Show a progress bar.")
 

@@ -7,14 +7,23 @@ a training step then costs one decoder forward and backward.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .cvae_base import CVAEBase, FrozenFeatures
 from .data import Batch, Example, collate
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,6 +40,12 @@ class FeatureCache:
     def example_base_losses(self) -> torch.Tensor:
         """``b_base`` per example, ``[E]``: the mean z-free NLL over its response tokens."""
         return torch.stack([nll.double().mean() for nll in self.response_nll])
+
+    def subset(self, start: int, stop: int) -> FeatureCache:
+        """The cache of examples ``start .. stop - 1`` (re-indexed from 0)."""
+        return FeatureCache(
+            self.response_nll[start:stop], self.prior_features[start:stop], self.encoder_features[start:stop]
+        )
 
     def features(self, batch: Batch) -> FrozenFeatures:
         """The cached :class:`FrozenFeatures` of a collated batch (``batch.indices`` index the cache)."""
@@ -80,3 +95,84 @@ def build_feature_cache(
 def batch_features(model: CVAEBase, batch: Batch, cache: FeatureCache | None) -> FrozenFeatures:
     """Cached features when a cache is given, else a fresh frozen pass."""
     return cache.features(batch) if cache is not None else model.frozen_pass(batch)
+
+
+# -- persistence ---------------------------------------------------------------------------------
+FEATURE_PASS_VERSION = (
+    "frozen-pass-v1: last-layer hidden states; prior = last prompt token; encoder = mean response ++ last token"
+)
+
+
+def feature_fingerprint(model: CVAEBase, examples: Sequence[Example]) -> str:
+    """A hash of everything the frozen pass depends on: the reference's weights and every example's
+    token ids (which fix the tokenizer, chat template, length caps and data), and the pass itself."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(FEATURE_PASS_VERSION.encode())
+    with model.reference_context() as reference:
+        state = reference.state_dict()
+        for name in sorted(state):
+            if "lora_" in name:  # the reference is the adapter-free model
+                continue
+            tensor = state[name].detach().cpu().contiguous()
+            digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    for example in examples:
+        digest.update(json.dumps([example.prompt_ids, example.response_ids]).encode())
+    return digest.hexdigest()
+
+
+def save_feature_cache(cache: FeatureCache, path: Path, fingerprint: str) -> None:
+    """Write the cache as safetensors (temporary file, then rename)."""
+    lengths = torch.tensor([len(n) for n in cache.response_nll], dtype=torch.long)
+    tensors = {
+        "response_nll": torch.cat(cache.response_nll) if cache.response_nll else torch.zeros(0),
+        "response_lengths": lengths,
+        "prior_features": cache.prior_features.contiguous(),
+        "encoder_features": cache.encoder_features.contiguous(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    save_file(tensors, str(tmp), metadata={"fingerprint": fingerprint, "version": FEATURE_PASS_VERSION})
+    os.replace(tmp, path)
+
+
+def load_feature_cache(path: Path, fingerprint: str) -> FeatureCache | None:
+    """The cache at ``path`` if it exists and was built for ``fingerprint``, else None."""
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as handle:
+        if (handle.metadata() or {}).get("fingerprint") != fingerprint:
+            return None
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    nll = list(torch.split(tensors["response_nll"], tensors["response_lengths"].tolist()))
+    return FeatureCache(nll, tensors["prior_features"], tensors["encoder_features"])
+
+
+def load_or_build_feature_cache(
+    model: CVAEBase,
+    examples: Sequence[Example],
+    pad_token_id: int,
+    cache_dir: str | Path | None,
+    batch_size: int = 16,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> FeatureCache:
+    """Reuse the on-disk cache whose fingerprint matches, else run the frozen pass and store it.
+
+    A cache built for other weights, tokenizer, template, caps or data has another fingerprint and
+    is never used: it is rebuilt (and the old file replaced).
+    """
+    if cache_dir is None:
+        return build_feature_cache(model, examples, pad_token_id, batch_size, device, progress)
+    fingerprint = feature_fingerprint(model, examples)
+    path = Path(cache_dir) / "frozen_pass.safetensors"
+    cache = load_feature_cache(path, fingerprint)
+    if cache is not None and len(cache) == len(examples):
+        logger.info("frozen pass: reusing %s (fingerprint %s)", path, fingerprint)
+        return cache
+    if path.exists():
+        logger.info("frozen pass: %s was built for other weights or data; rebuilding", path)
+    cache = build_feature_cache(model, examples, pad_token_id, batch_size, device, progress)
+    save_feature_cache(cache, path, fingerprint)
+    logger.info("frozen pass: cached %d examples in %s (fingerprint %s)", len(cache), path, fingerprint)
+    return cache

@@ -36,7 +36,7 @@ from transformers import get_cosine_schedule_with_warmup
 from .config import RunConfig, load_run_config, write_run_config
 from .cvae_base import CVAEBase
 from .data import Example, collate, limit_examples, load_pairs, split_train_validation, tokenize_pairs
-from .features import FeatureCache, build_feature_cache
+from .features import FeatureCache, batch_features, load_or_build_feature_cache
 from .losses import estimate_zfree_reference_scale
 from .models import build_cvae
 
@@ -196,7 +196,7 @@ class TrainResult:
     last_metrics: dict[str, float]
     model: CVAEBase
     data: PreparedData
-    cache: FeatureCache
+    cache: FeatureCache | None  # the frozen pass over train + validation (None when neither needed it)
 
 
 def _mean_records(records: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -208,7 +208,7 @@ def _mean_records(records: Sequence[dict[str, float]]) -> dict[str, float]:
 def validate(
     model: CVAEBase,
     examples: Sequence[Example],
-    cache: FeatureCache,
+    cache: FeatureCache | None,
     pad_id: int,
     config: RunConfig,
     step: int,
@@ -225,7 +225,7 @@ def validate(
         for start in range(0, min(len(examples), size * config.train.eval_batches), size):
             indices = list(range(start, min(start + size, len(examples))))
             batch = collate([examples[i] for i in indices], pad_id, indices=indices).to(device)
-            records.append(model(batch, features=cache.features(batch), step=step).scalars())
+            records.append(model(batch, features=batch_features(model, batch, cache), step=step).scalars())
     finally:
         model.train(was_training)
     return {f"val_{k}": v for k, v in _mean_records(records).items()}
@@ -273,19 +273,25 @@ def train(
 
     model = build_cvae(config, decoder).to(device)
     all_examples = data.train + data.validation
-    cache = build_feature_cache(
-        model, all_examples, pad_id, batch_size=max(tcfg.batch_size, 16), device=device, progress=tcfg.progress
-    )
-    train_cache = FeatureCache(
-        cache.response_nll[: len(data.train)],
-        cache.prior_features[: len(data.train)],
-        cache.encoder_features[: len(data.train)],
-    )
-    val_cache = FeatureCache(
-        cache.response_nll[len(data.train) :],
-        cache.prior_features[len(data.train) :],
-        cache.encoder_features[len(data.train) :],
-    )
+    n_train = len(data.train)
+    cache: FeatureCache | None = None
+    needs_c_base = resume_state is None and config.reconstruction.zfree_reference_scale is None
+    if tcfg.feature_cache or needs_c_base:
+        cache_dir = (tcfg.feature_cache_dir or output_dir / "feature_cache") if tcfg.feature_cache else None
+        cache = load_or_build_feature_cache(
+            model,
+            all_examples,
+            pad_id,
+            cache_dir,
+            batch_size=max(tcfg.batch_size, 16),
+            device=device,
+            progress=tcfg.progress,
+        )
+    train_cache = cache.subset(0, n_train) if cache is not None else None
+    # Without the cache option, steps and validation run the frozen pass themselves (cache is then
+    # only the one-off pass that estimates c_base).
+    step_cache = train_cache if tcfg.feature_cache else None
+    val_cache = cache.subset(n_train, len(all_examples)) if cache is not None and tcfg.feature_cache else None
 
     if resume_state is not None:
         c_base = float(resume_state["zfree_reference_scale"])
@@ -333,7 +339,7 @@ def train(
                 indices = order.next_indices(tcfg.batch_size)
                 batch = collate([data.train[i] for i in indices], pad_id, indices=indices).to(device)
                 with accelerator.autocast():
-                    out = model(batch, features=train_cache.features(batch), step=step)
+                    out = model(batch, features=batch_features(core, batch, step_cache), step=step)
                 if not torch.isfinite(out.loss):
                     finite = False
                     bad = {k: v for k, v in out.scalars().items() if not math.isfinite(v)}

@@ -1,0 +1,113 @@
+"""The frozen pass done once: cached features equal a fresh pass, the on-disk cache is reused only
+when its fingerprint matches, and training with and without it gives the same losses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import disentanglement.features as features_module
+from disentanglement.config import build_config
+from disentanglement.data import collate, make_hidden_factor_pairs, tokenize_pairs
+from disentanglement.features import build_feature_cache, feature_fingerprint, load_or_build_feature_cache
+from disentanglement.models import build_cvae
+from disentanglement.trainer import train
+from helpers import tiny_llama, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    return make_hidden_factor_pairs([f"what about item {'y' * (i % 7)} {i}" for i in range(24)], kind="clean")
+
+
+def setup(tokenizer, pairs, **overrides):
+    config = build_config(dict(chat_template=False, **overrides))
+    examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
+    model = build_cvae(config, tiny_llama(len(tokenizer)))
+    return model, examples
+
+
+def test_cached_features_equal_a_fresh_frozen_pass(tokenizer, pairs):
+    model, examples = setup(tokenizer, pairs)
+    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, batch_size=5, progress=False)
+    indices = [3, 0, 17, 9]
+    batch = collate([examples[i] for i in indices], tokenizer.pad_token_id, indices=indices)
+    cached, fresh = cache.features(batch), model.frozen_pass(batch)
+    torch.testing.assert_close(cached.zfree_token_nll, fresh.zfree_token_nll, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cached.prior_features, fresh.prior_features, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cached.encoder_features, fresh.encoder_features, rtol=1e-4, atol=1e-5)
+    for i, example in enumerate(examples):
+        assert cache.response_nll[i].shape == (len(example.response_ids),)
+
+
+def test_disk_cache_reused_only_for_the_same_weights_and_data(tokenizer, pairs, tmp_path, monkeypatch):
+    model, examples = setup(tokenizer, pairs)
+    first = load_or_build_feature_cache(model, examples, tokenizer.pad_token_id, tmp_path, progress=False)
+    assert (tmp_path / "frozen_pass.safetensors").is_file()
+
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("a matching cache must be reused")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(features_module, "build_feature_cache", must_not_build)
+        again = load_or_build_feature_cache(model, examples, tokenizer.pad_token_id, tmp_path, progress=False)
+    torch.testing.assert_close(again.encoder_features, first.encoder_features)
+    assert all(torch.equal(a, b) for a, b in zip(again.response_nll, first.response_nll, strict=True))
+
+    fingerprint = feature_fingerprint(model, examples)
+    # Other length caps (so other token ids) -> another fingerprint -> rebuilt, never used silently.
+    capped_model, capped = setup(tokenizer, pairs, max_response_tokens=5)
+    assert feature_fingerprint(capped_model, capped) != fingerprint
+    rebuilt = load_or_build_feature_cache(capped_model, capped, tokenizer.pad_token_id, tmp_path, progress=False)
+    assert all(len(n) <= 5 for n in rebuilt.response_nll)
+    # Other weights -> another fingerprint.
+    other_model = build_cvae(build_config({"chat_template": False}), tiny_llama(len(tokenizer), seed=1))
+    assert feature_fingerprint(other_model, examples) != fingerprint
+
+
+def test_lora_adapters_do_not_change_the_fingerprint(tokenizer, pairs):
+    model, examples = setup(tokenizer, pairs, decoder_training="lora")
+    before = feature_fingerprint(model, examples)
+    for name, param in model.decoder.named_parameters():
+        if "lora_" in name:
+            torch.nn.init.normal_(param)
+    assert feature_fingerprint(model, examples) == before
+
+
+def test_training_with_and_without_the_cache_gives_the_same_losses(tokenizer, pairs, tmp_path):
+    def run(name, use_cache):
+        config = build_config(
+            dict(
+                output_dir=str(tmp_path / name),
+                max_steps=4,
+                batch_size=4,
+                progress=False,
+                chat_template=False,
+                feature_cache=use_cache,
+                eval_every=2,
+                eval_batches=1,
+                token_weighted_weight=1.0,
+                normalized_concentration_corrected_token_weighted_weight=1.0,
+                latent="continuous",
+            )
+        )
+        train(config, (tiny_llama(len(tokenizer)), tokenizer), pairs)
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    cached, uncached = run("cached", True), run("uncached", False)
+    assert (tmp_path / "cached" / "feature_cache" / "frozen_pass.safetensors").is_file()
+    assert not (tmp_path / "uncached" / "feature_cache").exists()
+    for a, b in zip(cached, uncached, strict=True):
+        for key in (
+            "loss",
+            "reconstruction_loss",
+            "normalized_concentration_corrected_token_weighted_reconstruction_loss",
+        ):
+            assert a[key] == pytest.approx(b[key], rel=1e-4), (a["step"], key)
