@@ -229,3 +229,13 @@ def test_cli_flags_override_the_config_file(tmp_path, monkeypatch, tokenizer, pa
     config = seen["config"]
     assert config.latent.latent == "continuous" and config.kl.beta == 0.3
     assert config.train.max_steps == 7 and config.train.seed == 3 and config.train.resume == "auto"
+
+
+def test_gradient_accumulation_equals_one_large_batch(tmp_path, tokenizer, pairs):
+    common = dict(max_steps=2, dead_code_steps=0, max_grad_norm=1e9, eval_every=0, save_every=100)
+    big = run(tmp_path / "big", tokenizer, pairs, batch_size=8, **common)
+    accumulated = run(tmp_path / "acc", tokenizer, pairs, batch_size=4, gradient_accumulation_steps=2, **common)
+    for name, value in big.model.trainable_state_dict().items():
+        torch.testing.assert_close(accumulated.model.trainable_state_dict()[name], value, rtol=1e-5, atol=1e-6)
+    a, b = read_metrics(tmp_path / "big"), read_metrics(tmp_path / "acc")
+    assert a[0]["loss"] == pytest.approx(b[0]["loss"], rel=1e-5)
