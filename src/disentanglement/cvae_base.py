@@ -196,7 +196,7 @@ class CVAEBase(nn.Module):
         return None
 
     def post_step(self, step: int) -> None:
-        """Called after each optimizer step (e.g. dead-code restart)."""
+        """Called after the optimizer step whose forward passes ran with ``step`` (e.g. dead-code restart)."""
 
     # -- parameters ----------------------------------------------------------------------------
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:

@@ -132,7 +132,10 @@ class SharedDiscreteCVAE(CVAEBase):
 
     @torch.no_grad()
     def post_step(self, step: int) -> None:
-        """Restart codes unused for ``dead_code_steps`` steps at random recent encoder outputs."""
+        """Restart codes unused for ``dead_code_steps`` steps at random recent encoder outputs.
+
+        ``step`` is the index of the step just taken; codes chosen in it have been unused for 0 steps.
+        """
         window = self.latent_cfg.dead_code_steps
         if self.latent_cfg.assignment != "nearest" or window == 0 or self._recent_encodings is None:
             return

@@ -369,8 +369,8 @@ def train(
             nonfinite = 0
             optimizer.step()
             scheduler.step()
+            core.post_step(step)  # with the index of the step just taken, as its forward saw it
             step += 1
-            core.post_step(step)
             record = _mean_records(records)
             record.update(step=step, grad_norm=grad_norm)
             for group in optimizer.param_groups:
