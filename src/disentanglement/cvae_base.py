@@ -23,7 +23,7 @@ from .config import DivergenceConfig, KLConfig, LatentConfig, ReconstructionLoss
 from .data import Batch
 from .losses import default_chunk_size, lm_head_token_nll_per_position, reconstruction_loss_stack
 from .regularizers import beta_at, kl_objective, next_token_divergence
-from .token_weighting import TokenWeighting, shifted_nll, weighting_from_zfree_nll
+from .token_weighting import TokenWeighting, weighting_from_zfree_nll
 
 
 @dataclass
@@ -255,12 +255,25 @@ class CVAEBase(nn.Module):
             reference.eval()
             try:
                 out = reference(
-                    input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True
+                    input_ids=batch.input_ids,
+                    attention_mask=batch.attention_mask,
+                    output_hidden_states=True,
+                    logits_to_keep=1,  # the head runs below, only from the first response prediction on
                 )
+                head = reference.get_output_embeddings()
             finally:
                 reference.train(was_training)
-        hidden = out.hidden_states[-1].float()  # [B, T, H]
-        zfree_nll = shifted_nll(out.logits.float(), batch.input_ids, batch.target_mask)  # [B, T-1]
+            hidden = out.hidden_states[-1]  # [B, T, H], after the final norm
+            start = int((batch.prompt_lengths - 1).min())  # first position that predicts a response token
+            window = lm_head_token_nll_per_position(
+                hidden[:, start:],
+                head,
+                batch.input_ids[:, start:],
+                batch.target_mask[:, start:],
+                default_chunk_size(batch.input_ids.shape[0], head.weight.shape[0]),
+            )
+        zfree_nll = F.pad(window.float(), (start, 0))  # [B, T-1]
+        hidden = hidden.float()
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         prior_features = hidden[rows, batch.prompt_lengths - 1]  # [B, H]
         mask = batch.target_mask.to(hidden.dtype).unsqueeze(-1)  # [B, T, 1]

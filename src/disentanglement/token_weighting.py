@@ -176,12 +176,23 @@ def shifted_nll(
 
     def block_nll(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         scores = head(x) if head is not None else x  # [B, c, V]
-        return F.cross_entropy(scores.transpose(1, 2), y, reduction="none", ignore_index=-100)  # [B, c]
+        if scores.is_contiguous():  # vocabulary-last cross-entropy is the fast kernel; reshape is a view here
+            nll = F.cross_entropy(
+                scores.reshape(-1, scores.shape[-1]), y.reshape(-1), reduction="none", ignore_index=-100
+            )
+            return nll.view(y.shape)
+        return F.cross_entropy(scores.transpose(1, 2), y, reduction="none", ignore_index=-100)  # no copy
 
     if chunk_size is None or chunk_size >= seq - 1:
+        if head is None and logits.is_contiguous():
+            # All T positions as one contiguous view; the last predicts nothing (target -100).
+            padded = F.pad(targets, (0, 1), value=-100)  # [B, T]
+            return block_nll(logits, padded)[:, :-1]
         return block_nll(inputs, targets)
+    # Under no_grad nothing is saved for backward, so chunks need no checkpointing.
+    run = (lambda f, *a: checkpoint(f, *a, use_reentrant=False)) if torch.is_grad_enabled() else (lambda f, *a: f(*a))
     blocks = [
-        checkpoint(block_nll, inputs[:, i : i + chunk_size], targets[:, i : i + chunk_size], use_reentrant=False)
+        run(block_nll, inputs[:, i : i + chunk_size], targets[:, i : i + chunk_size])
         for i in range(0, seq - 1, chunk_size)
     ]
     return torch.cat(blocks, dim=1)

@@ -178,7 +178,8 @@ def make_optimizer(model: CVAEBase, config: RunConfig) -> torch.optim.Optimizer:
     groups = [
         {"params": params, "lr": lrs[name], "name": name} for name, params in model.parameter_groups().items() if params
     ]
-    return torch.optim.AdamW(groups, weight_decay=config.train.weight_decay)
+    # The fused kernel is one call per step instead of one per tensor (measurably cheaper for small heads).
+    return torch.optim.AdamW(groups, weight_decay=config.train.weight_decay, fused=True)
 
 
 def choose_device(preference: str) -> torch.device:
