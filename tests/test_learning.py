@@ -47,6 +47,7 @@ def validation_cache(result) -> FeatureCache:
     return FeatureCache(cache.response_nll[n:], cache.prior_features[n:], cache.encoder_features[n:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("latent", "steps"),
     [("discrete", 150), ("continuous", 150)],
@@ -65,12 +66,21 @@ def test_latent_recovers_the_hidden_factor(tmp_path, embedded, hidden_factor_pai
     assert all(not p.requires_grad for p in decoder.parameters())
 
 
+@pytest.mark.slow
 def test_real_defaults_train_a_few_steps(tmp_path, embedded):
     """The embedded model with the chatterbot corpus and the chat template, as the main job runs it."""
     decoder, tokenizer = embedded
     config = build_config(
-        dict(output_dir=str(tmp_path), max_steps=3, max_examples=48, batch_size=4, eval_every=3, eval_batches=1,
-             progress=False, token_weighted_weight=1.0)
+        dict(
+            output_dir=str(tmp_path),
+            max_steps=3,
+            max_examples=48,
+            batch_size=4,
+            eval_every=3,
+            eval_batches=1,
+            progress=False,
+            token_weighted_weight=1.0,
+        )
     )
     result = train(config, (decoder, tokenizer))
     assert result.final_step == 3 and result.checkpoint is not None

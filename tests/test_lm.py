@@ -24,13 +24,6 @@ from disentanglement.lm import (
 from helpers import tiny_llama, tiny_tokenizer
 
 
-@pytest.fixture
-def require_slow(request):
-    """Slow tests run only when selected with ``-m slow``."""
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("slow: run with -m slow")
-
-
 def test_default_source_is_embedded_gguf():
     source = resolve_model_source(None)
     assert source.kind == "gguf"
@@ -180,7 +173,7 @@ def test_gguf_fingerprint_is_sha256(tmp_path):
 
 
 @pytest.mark.slow
-def test_embedded_gguf_cache_gives_identical_logits(tmp_path, require_slow, capsys):
+def test_embedded_gguf_cache_gives_identical_logits(tmp_path, capsys):
     cfg = ModelConfig(model_cache_dir=str(tmp_path))
     start = time.perf_counter()
     first, tokenizer = load_model_and_tokenizer(cfg)

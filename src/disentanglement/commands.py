@@ -1,7 +1,450 @@
-"""Subcommands that work on a trained checkpoint: eval, generate, inspect."""
+"""Subcommands that work on a trained checkpoint: ``eval``, ``generate`` and ``inspect``.
+
+    disentangle eval CHECKPOINT [--data validation|train|chatterbot|FILE.jsonl] [--output report.json]
+    disentangle generate CHECKPOINT --prompt "..." [--slot S | --codes 0,2 | --all-combinations] [...]
+    disentangle inspect CHECKPOINT [--data ...] --index I [--output-dir DIR]
+
+``CHECKPOINT`` is a checkpoint directory (``RUN/checkpoints/step-NNNNNN``) or a run directory
+(its latest complete checkpoint is used). Each subcommand has a ``run_*`` function that the parser
+calls and that tests call with an injected ``model_and_tokenizer`` (the decoder and tokenizer the
+checkpoint's trainable weights are loaded onto).
+
+Data (``--data``): ``validation`` (default) and ``train`` rebuild the run's own split
+deterministically from its stored config (``trainer.prepare_data``); ``chatterbot`` or a ``.jsonl``
+path is loaded with the run's keys, chat template and truncation. ``--max-examples`` keeps a
+seeded subset.
+"""
 
 from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the heavy modules (torch, transformers) load when a command runs, not for --help
+    from .config import RunConfig
+    from .data import Example
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("validation", "train")
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def resolve_run(checkpoint: str | Path) -> tuple[Path, Path]:
+    """``(checkpoint_dir, run_dir)`` of a checkpoint directory or a run directory."""
+    from .trainer import latest_checkpoint
+
+    path = Path(checkpoint)
+    if (path / "checkpoints").is_dir():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"{path} holds no complete checkpoint")
+        return found, path
+    if not (path / "trainer_state.json").is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint or run directory (no trainer_state.json, no checkpoints/)")
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return path, run_dir
+
+
+def load_checkpoint(checkpoint: str | Path, model_and_tokenizer=None, device: str = "auto"):
+    """``(model, tokenizer, config, trainer_state, checkpoint_dir, run_dir)``, the model in eval mode on ``device``.
+
+    Loads through ``trainer.load_trained`` (looked up at call time, so tests can replace it).
+    """
+    from . import trainer
+
+    checkpoint_dir, run_dir = resolve_run(checkpoint)
+    model, tokenizer, config, state = trainer.load_trained(checkpoint_dir, model_and_tokenizer)
+    model = model.to(trainer.choose_device(device)).eval()
+    return model, tokenizer, config, state, checkpoint_dir, run_dir
+
+
+def load_examples(
+    data: str | None, config: RunConfig, tokenizer: Any, max_examples: int | None = None, seed: int = 0
+) -> tuple[list[Example], str]:
+    """The examples named by ``--data`` (see the module docstring) and a description of them."""
+    from .data import limit_examples, load_pairs, tokenize_pairs
+    from .trainer import prepare_data
+
+    data = data or "validation"
+    if data in SPLITS:
+        prepared = prepare_data(config, tokenizer)
+        examples = prepared.validation if data == "validation" else prepared.train
+        description = f"{data} split of {config.data.data}"
+    else:
+        pairs = load_pairs(dataclasses.replace(config.data, data=data))
+        examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
+        description = data
+    if max_examples is not None:
+        if max_examples < 1:
+            raise ValueError(f"--max-examples must be >= 1, got {max_examples}")
+        examples = limit_examples(examples, max_examples, seed)
+        description += f" (at most {max_examples} examples, seed {seed})"
+    if not examples:
+        raise ValueError(f"no examples in {description}")
+    return examples, description
+
+
+def _slug(data: str | None) -> str:
+    data = data or "validation"
+    name = data if data in (*SPLITS, "chatterbot") else Path(data).stem
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def _write_json(path: str | Path, obj: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, allow_nan=False, default=str) + "\n")
+    return path
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "checkpoint", help="checkpoint directory (RUN/checkpoints/step-NNNNNN) or run directory (latest checkpoint)"
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run the model")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every sample drawn (results are deterministic)")
+
+
+# --------------------------------------------------------------------------- eval
+
+
+def run_eval(
+    checkpoint: str | Path,
+    *,
+    data: str | None = None,
+    output: str | Path | None = None,
+    max_examples: int | None = None,
+    iw_samples: int = 8,
+    prior_samples: int = 16,
+    exact_limit: int = 64,
+    seed: int = 0,
+    batch_size: int = 16,
+    device: str = "auto",
+    progress: bool = True,
+    model_and_tokenizer=None,
+) -> tuple[dict, Path, Path]:
+    """Evaluate a checkpoint (:func:`evaluation.evaluate`); write the JSON report and a Markdown summary.
+
+    ``output`` defaults to ``RUN/eval/eval_<data>.json``; the summary is the same path with ``.md``.
+    Returns ``(report, json_path, markdown_path)``.
+    """
+    from .evaluation import evaluate
+    from .features import build_feature_cache
+    from .report import write_markdown_summary
+
+    if iw_samples < 1 or prior_samples < 1 or batch_size < 1:
+        raise ValueError("--iw-samples, --prior-samples and --batch-size must be >= 1")
+    model, tokenizer, config, state, checkpoint_dir, run_dir = load_checkpoint(checkpoint, model_and_tokenizer, device)
+    examples, description = load_examples(data, config, tokenizer, max_examples, seed)
+    model_device = next(model.parameters()).device
+    cache = build_feature_cache(
+        model, examples, tokenizer.pad_token_id, batch_size, model_device, progress, description="frozen pass"
+    )
+    body = evaluate(
+        model,
+        examples,
+        cache,
+        tokenizer.pad_token_id,
+        iw_samples=iw_samples,
+        prior_samples=prior_samples,
+        exact_limit=exact_limit,
+        batch_size=batch_size,
+        seed=seed,
+        progress=progress,
+    )
+    report = {
+        "title": f"Evaluation of {checkpoint_dir}",
+        "checkpoint": str(checkpoint_dir),
+        "step": state.get("step"),
+        "data": description,
+        **body,
+    }
+    json_path = Path(output) if output is not None else run_dir / "eval" / f"eval_{_slug(data)}.json"
+    _write_json(json_path, report)
+    md_path = write_markdown_summary(report, json_path.with_suffix(".md"))
+    return report, json_path, md_path
+
+
+def eval_summary_lines(report: dict) -> list[str]:
+    """The headline numbers of an evaluation report, one per line."""
+    lines = [
+        f"examples: {report['examples']} ({report['response_tokens']} response tokens) from {report['data']}",
+        f"latent gain:  {report['latent_gain_nats_per_token']:+.4f} nats/token "
+        f"(token-weighted {report['token_weighted_latent_gain_nats_per_token']:+.4f}); prior as "
+        f"{report['prior_mixture']['method']} over {report['prior_mixture']['latents']} latents",
+        f"z-free gain:  {report['zfree_gain_nats_per_token']:+.4f} nats/token "
+        f"(token-weighted {report['token_weighted_zfree_gain_nats_per_token']:+.4f})",
+        f"IW NLL:       {report['iw_nll']['nats_per_token']:.4f} nats/token, perplexity "
+        f"{report['iw_nll']['perplexity']:.3f}; KL {report['kl']['total']:.4f}; MI {report['mutual_information']:.4f}",
+    ]
+    if "code_perplexity" in report:
+        lines.append(f"code perplexity per slot: {[round(v, 3) for v in report['code_perplexity']]}")
+    if "active_units" in report:
+        lines.append(f"active units: {report['active_units']}")
+    if "label_nmi" in report:
+        lines.append(
+            f"labels: NMI {report['label_nmi']:.3f}, ARI {report['label_ari']:.3f}, homogeneity "
+            f"{report['label_homogeneity']:.3f}, completeness {report['label_completeness']:.3f}"
+        )
+    return lines
+
+
+def _add_eval(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="evaluate a checkpoint: gains, ELBO, IW bound, KL, MI, code usage, label agreement",
+        description="Evaluate a checkpoint; write a JSON report and a Markdown summary next to it.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_common(parser)
+    parser.add_argument("--data", default="validation", help="validation, train, chatterbot or a .jsonl file")
+    parser.add_argument("--output", help="JSON report path (default RUN/eval/eval_<data>.json); .md next to it")
+    parser.add_argument("--max-examples", type=int, help="evaluate at most this many examples (seeded subset)")
+    parser.add_argument("--iw-samples", type=int, default=8, help="posterior samples k of the IW bound")
+    parser.add_argument(
+        "--prior-samples", type=int, default=16, help="prior samples (continuous, or too many code combinations)"
+    )
+    parser.add_argument(
+        "--exact-limit", type=int, default=64, help="enumerate the discrete prior exactly up to this many combinations"
+    )
+    parser.add_argument("--batch-size", type=int, default=16, help="examples per forward pass")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
+    parser.set_defaults(func=_eval_main)
+
+
+def _eval_main(args: argparse.Namespace) -> int:
+    report, json_path, md_path = run_eval(
+        args.checkpoint,
+        data=args.data,
+        output=args.output,
+        max_examples=args.max_examples,
+        iw_samples=args.iw_samples,
+        prior_samples=args.prior_samples,
+        exact_limit=args.exact_limit,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        device=args.device,
+        progress=args.progress,
+    )
+    print("\n".join(eval_summary_lines(report)))
+    print(f"report:  {json_path}")
+    print(f"summary: {md_path}")
+    return 0
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def run_generate(
+    checkpoint: str | Path,
+    prompts: list[str],
+    *,
+    output: str | Path | None = None,
+    device: str = "auto",
+    batch_size: int = 16,
+    model_and_tokenizer=None,
+    **options: Any,
+) -> dict:
+    """Generate from a checkpoint (:func:`generation.generate`; ``options`` are its keyword arguments,
+    ``sampling`` a :class:`generation.SamplingOptions`). Writes the result as JSON to ``output`` when given."""
+    from .generation import generate
+
+    model, tokenizer, config, state, checkpoint_dir, _ = load_checkpoint(checkpoint, model_and_tokenizer, device)
+    result = generate(model, tokenizer, config, prompts, batch_size=batch_size, **options)
+    result = {"checkpoint": str(checkpoint_dir), "step": state.get("step"), **result}
+    if output is not None:
+        _write_json(output, result)
+    return result
+
+
+def _add_generate(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate responses under chosen latents (codes, prior samples, posteriors, interpolations)",
+        description="Generate responses to prompts under chosen latents; print a table (or JSON) and the "
+        "diversity (distinct-1/2) across latents and samples.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_common(parser)
+    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    parser.add_argument(
+        "--mode",
+        choices=("codes", "prior", "posterior", "interpolate"),
+        help="latents: codes (discrete default), prior (continuous default), posterior of --reference-response, "
+        "interpolate (continuous) between two reference responses' posteriors",
+    )
+    discrete = parser.add_argument_group("discrete latents")
+    discrete.add_argument("--slot", type=int, help="sweep every code of this slot (default 0 unless --codes is given)")
+    discrete.add_argument("--codes", help="force codes per slot, comma-separated, '-' = prior mode (e.g. 0,2 or -,3)")
+    discrete.add_argument("--all-combinations", action="store_true", help="every combination of the unforced slots")
+    discrete.add_argument("--max-combinations", type=int, default=64, help="limit of --all-combinations")
+    continuous = parser.add_argument_group("continuous latents")
+    continuous.add_argument("--reference-response", help="response whose posterior is used (posterior, interpolate)")
+    continuous.add_argument("--reference-response-b", help="second reference response (interpolate)")
+    continuous.add_argument("--steps", type=int, default=5, help="interpolation points, ends included")
+    parser.add_argument(
+        "--num-samples", type=int, default=1, help="responses per latent (prior mode: latents drawn, one response each)"
+    )
+    sampling = parser.add_argument_group("sampling (as transformers' generate)")
+    sampling.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    sampling.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    sampling.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass")
+    sampling.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per response at most")
+    parser.add_argument("--batch-size", type=int, default=16, help="rows per generate call (left-padded)")
+    parser.add_argument("--output", help="write the generations and diversity as JSON here")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the text table")
+    parser.set_defaults(func=_generate_main)
+
+
+def _generate_main(args: argparse.Namespace) -> int:
+    from .generation import SamplingOptions, format_generations
+
+    sampling = SamplingOptions(
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
+    result = run_generate(
+        args.checkpoint,
+        args.prompt,
+        output=args.output,
+        device=args.device,
+        batch_size=args.batch_size,
+        mode=args.mode,
+        slot=args.slot,
+        codes=args.codes,
+        all_combinations=args.all_combinations,
+        max_combinations=args.max_combinations,
+        num_samples=args.num_samples,
+        reference_response=args.reference_response,
+        reference_response_b=args.reference_response_b,
+        steps=args.steps,
+        sampling=sampling,
+    )
+    print(json.dumps(result, indent=1) if args.json else format_generations(result))
+    if args.output:
+        print(f"written: {args.output}")
+    return 0
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def run_inspect(
+    checkpoint: str | Path,
+    *,
+    data: str | None = None,
+    index: int = 0,
+    output_dir: str | Path | None = None,
+    alpha: float | None = None,
+    prior_samples: int = 16,
+    exact_limit: int = 64,
+    max_examples: int | None = None,
+    plots: bool = True,
+    seed: int = 0,
+    batch_size: int = 16,
+    device: str = "auto",
+    progress: bool = True,
+    model_and_tokenizer=None,
+) -> dict[str, Any]:
+    """Write the token report of example ``index`` of ``data`` and the run's plots.
+
+    ``output_dir`` defaults to ``RUN/inspect``. Files: ``inspect_<index>.html`` and ``.json`` (the
+    sidecar), ``training_curves.png``, ``kl.png``, ``schedules.png`` (from ``RUN/metrics.jsonl``),
+    ``code_usage.png`` (discrete) and ``code_label_heatmap.png`` (labelled data), the last two over
+    the whole ``data`` set. Returns ``{"html", "json", "plots"}`` (paths).
+    """
+    from .features import build_feature_cache
+    from .inspection import write_example_report, write_run_plots
+
+    model, tokenizer, config, state, checkpoint_dir, run_dir = load_checkpoint(checkpoint, model_and_tokenizer, device)
+    examples, description = load_examples(data, config, tokenizer, max_examples, seed)
+    if not 0 <= index < len(examples):
+        raise ValueError(f"--index {index} is outside [0, {len(examples)}) for {description}")
+    out_dir = Path(output_dir) if output_dir is not None else run_dir / "inspect"
+    extra = {"checkpoint": str(checkpoint_dir), "step": state.get("step"), "data": description}
+    html_path, json_path = write_example_report(
+        out_dir,
+        index,
+        model,
+        tokenizer,
+        examples[index],
+        extra_meta=extra,
+        alpha=alpha,
+        prior_samples=prior_samples,
+        exact_limit=exact_limit,
+        seed=seed,
+    )
+    written: list[Path] = []
+    if plots:
+        model_device = next(model.parameters()).device
+        cache = build_feature_cache(
+            model, examples, tokenizer.pad_token_id, batch_size, model_device, progress, description="frozen pass"
+        )
+        written = write_run_plots(
+            out_dir, model, examples, cache, tokenizer.pad_token_id, run_dir / "metrics.jsonl", seed=seed
+        )
+    return {"html": html_path, "json": json_path, "plots": written}
+
+
+def _add_inspect(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="token heat map of one example (HTML + JSON) and the run's plots (PNG)",
+        description="Write a self-contained HTML page colouring one example's response tokens by z-free "
+        "surprisal, token weight, inverse weight, conditioned NLL and gain (with a JSON sidecar), and PNG "
+        "plots of the run: training curves, KL and schedules, code usage, code x label heat map.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_common(parser)
+    parser.add_argument("--data", default="validation", help="validation, train, chatterbot or a .jsonl file")
+    parser.add_argument("--index", type=int, default=0, help="index of the example in --data")
+    parser.add_argument("--output-dir", help="where to write (default RUN/inspect)")
+    parser.add_argument("--alpha", type=float, help="token-weight alpha (default: the run's configured alpha)")
+    parser.add_argument("--prior-samples", type=int, default=16, help="prior samples for the prior-mixture NLL")
+    parser.add_argument("--exact-limit", type=int, default=64, help="exact discrete prior up to this many combinations")
+    parser.add_argument("--max-examples", type=int, help="use at most this many examples of --data (seeded subset)")
+    parser.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True, help="write the PNG plots")
+    parser.add_argument("--batch-size", type=int, default=16, help="examples per forward pass")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
+    parser.set_defaults(func=_inspect_main)
+
+
+def _inspect_main(args: argparse.Namespace) -> int:
+    paths = run_inspect(
+        args.checkpoint,
+        data=args.data,
+        index=args.index,
+        output_dir=args.output_dir,
+        alpha=args.alpha,
+        prior_samples=args.prior_samples,
+        exact_limit=args.exact_limit,
+        max_examples=args.max_examples,
+        plots=args.plots,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        device=args.device,
+        progress=args.progress,
+    )
+    print(f"token report: {paths['html']}")
+    print(f"sidecar:      {paths['json']}")
+    for path in paths["plots"]:
+        print(f"plot:         {path}")
+    return 0
 
 
 def add_subcommands(subparsers) -> None:
     """Register ``eval``, ``generate`` and ``inspect`` on the ``disentangle`` parser."""
+    _add_eval(subparsers)
+    _add_generate(subparsers)
+    _add_inspect(subparsers)

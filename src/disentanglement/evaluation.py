@@ -1,18 +1,56 @@
-"""Reading the latent off data: posterior codes / means of a trained CVAE over examples."""
+"""Reading the latent off data and measuring what it does (``disentangle eval``).
+
+Shapes: ``E`` examples of the evaluated set, ``B`` of a batch, ``N`` conditioned positions,
+``S`` latents of a prior mixture (codes, code combinations or samples), ``k`` importance samples,
+``M`` slots and ``K`` codes (discrete), ``D`` dimensions (continuous), ``U`` KL units (slots or
+dimensions). Every quantity is in nats unless its name says bits (``bits = nats / ln 2``).
+
+Per response token ``t`` of an example (DESIGN.md section 2): ``b_t`` the z-free reference NLL,
+``l_t`` the conditioned decoder's NLL under the posterior latent (argmax code / posterior mean),
+``r_t`` the NLL under the prior mixture (:func:`mixture_token_nll`), ``pi_t`` the token weights at
+the model's configured alpha.
+
+- z-free gain = ``b_t - l_t`` (positive: the conditioned decoder beats the z-free reference);
+  "uniform" averages over every response token of the set, "token-weighted" is
+  ``mean_b sum_t pi_t (b_t - l_t)``. The same under prior latents uses ``r_t`` for ``l_t``.
+- latent gain = ``r_t - l_t`` (positive: the posterior latent carries information about ``y``
+  beyond what latents drawn from the prior give). A learned latent embedding alone beats the
+  z-free model (it is a tuned prompt), so only the latent gain says whether ``z`` is used.
+"""
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from .continuous_cvae import ContinuousCVAE
-from .cvae_base import CVAEBase
-from .data import Example, collate
+from .cvae_base import CVAEBase, FrozenFeatures
+from .data import Batch, Example, collate
 from .features import FeatureCache
-from .metrics import kmeans_assignments, label_agreement
+from .losses import reconstruction_loss_stack
+from .metrics import (
+    active_units,
+    categorical_mutual_information_per_slot,
+    code_usage_per_slot,
+    gaussian_mutual_information,
+    importance_weighted_nll,
+    kmeans_assignments,
+    label_agreement,
+    nats_to_bits,
+    posterior_mean_variance,
+)
+from .regularizers import categorical_kl, gaussian_kl
 from .shared_discrete_cvae import SharedDiscreteCVAE
+from .token_weighting import TokenWeighting
+
+_LOG_2PI = math.log(2.0 * math.pi)
 
 
 @torch.no_grad()
@@ -69,3 +107,424 @@ def label_recovery(
     latents = posterior_latents(model, examples, cache, pad_token_id)
     assignments = latent_assignments(model, latents, len(set(labels)), seed=seed)
     return label_agreement(assignments, labels)
+
+
+# --------------------------------------------------------------------------- the posterior
+
+
+@dataclass
+class PosteriorSummary:
+    """What the evaluation needs of ``q(z | x, y)`` and ``p(z | x)`` for a batch.
+
+    ``vector`` is the latent the decoder sees at evaluation: the argmax code of every slot
+    (discrete) or the posterior mean (continuous). Discrete ``log_q`` is the effective posterior:
+    one-hot at the nearest code for the default "nearest" assignment (``0`` / ``-inf``), the
+    softmax of the posterior logits for "gumbel".
+    """
+
+    vector: torch.Tensor  # [B, L]
+    kl_per_unit: torch.Tensor  # [B, U], per-example KL(q || p) per slot or dimension
+    codes: torch.Tensor | None = None  # [B, M]
+    log_q: torch.Tensor | None = None  # [B, M, K]
+    log_p: torch.Tensor | None = None  # [B, M, K]
+    mu: torch.Tensor | None = None  # [B, D]
+    logvar: torch.Tensor | None = None  # [B, D]
+    prior_mu: torch.Tensor | None = None  # [B, D]
+    prior_logvar: torch.Tensor | None = None  # [B, D]
+
+
+def posterior_summary(model: CVAEBase, features: FrozenFeatures) -> PosteriorSummary:
+    """The posterior and prior of a batch (per-example KL, never the batch-averaged variant)."""
+    if isinstance(model, SharedDiscreteCVAE):
+        logits = model.posterior_logits(model.encoder_outputs(features)).float()  # [B, M, K]
+        codes = logits.argmax(-1)  # [B, M]
+        log_p = model.prior_log_probs(features).float()  # [B, M, K]
+        if model.latent_cfg.assignment == "nearest":
+            one_hot = F.one_hot(codes, model.codebook_size).bool()
+            log_q = torch.zeros_like(logits).masked_fill(~one_hot, float("-inf"))
+            kl = -log_p.gather(-1, codes.unsqueeze(-1)).squeeze(-1)  # KL(one-hot || p) = -log p(k* | x)
+        else:
+            log_q = F.log_softmax(logits, dim=-1)
+            kl = categorical_kl(log_q, log_p)
+        return PosteriorSummary(model.codes_to_vector(codes), kl, codes=codes, log_q=log_q, log_p=log_p)
+    if isinstance(model, ContinuousCVAE):
+        mu, logvar = model.posterior(features)
+        mu_p, logvar_p = model.prior(features)
+        kl = gaussian_kl(mu, logvar, mu_p, logvar_p)  # [B, D]
+        return PosteriorSummary(mu, kl, mu=mu, logvar=logvar, prior_mu=mu_p, prior_logvar=logvar_p)
+    raise TypeError(f"unknown CVAE type {type(model).__name__}")
+
+
+def _diag_gaussian_log_density(z: torch.Tensor, mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
+    """``log N(z; mu, diag(e^logvar))`` summed over the last dimension: ``[..., D] -> [...]``."""
+    return -0.5 * (_LOG_2PI + logvar + (z - mu).pow(2) * torch.exp(-logvar)).sum(-1)
+
+
+# --------------------------------------------------------------------------- decoding under latents
+
+
+def conditioned_nll(model: CVAEBase, batch: Batch, vector: torch.Tensor) -> torch.Tensor:
+    """``l_t`` under latent ``vector`` ``[B, L]``: ``[B, N]`` float, zero off the response."""
+    token_nll, _ = model.conditioned_token_nll(batch, vector)
+    return token_nll.float()
+
+
+def batch_weighting(model: CVAEBase, batch: Batch, features: FrozenFeatures) -> TokenWeighting:
+    """Token weights at the configured alpha, aligned to the conditioned positions ``[B, N]``."""
+    B, T = batch.input_ids.shape
+    P = model.num_latent_tokens
+    offsets = torch.full((B,), P, dtype=torch.long, device=batch.input_ids.device)
+    return model.token_weighting(batch, features, offsets, T + P)
+
+
+@dataclass
+class PriorMixture:
+    """Latents drawn from (or enumerating) the prior for a batch, with log mixture weights."""
+
+    vectors: torch.Tensor  # [S, B, L]
+    log_weights: torch.Tensor  # [S, B], logsumexp over S is 0 for every example
+    method: str  # "exact" (every code or code combination, weighted by p(k | x)) or "samples"
+
+    @property
+    def size(self) -> int:
+        return self.vectors.shape[0]
+
+
+def prior_mixture(
+    model: CVAEBase,
+    features: FrozenFeatures,
+    prior_samples: int = 16,
+    exact_limit: int = 64,
+    log_p: torch.Tensor | None = None,
+) -> PriorMixture:
+    """The prior ``p(z | x)`` as a finite mixture.
+
+    Discrete: every combination of codes over the ``M`` slots (``K^M`` of them, exactly weighted
+    by ``prod_m p(k_m | x)``) when ``K^M <= exact_limit``; otherwise ``prior_samples`` code
+    tuples drawn from the prior, equally weighted. Continuous: ``prior_samples`` draws from
+    ``p(z | x)``, equally weighted. Sampling uses the global torch generator (seed it).
+    """
+    B = features.prior_features.shape[0]
+    if isinstance(model, SharedDiscreteCVAE):
+        M, K = model.num_slots, model.codebook_size
+        if log_p is None:
+            log_p = model.prior_log_probs(features).float()  # [B, M, K]
+        slots = torch.arange(M, device=log_p.device)
+        combinations = K**M
+        if combinations <= exact_limit:
+            combos = torch.tensor(list(itertools.product(range(K), repeat=M)), device=log_p.device)  # [S, M]
+            vectors = model.codes_to_vector(combos).unsqueeze(1).expand(-1, B, -1)  # [S, B, L]
+            log_w = torch.stack([log_p[:, slots, c].sum(-1) for c in combos])  # [S, B]
+            return PriorMixture(vectors, log_w, "exact")
+        probs = log_p.exp().reshape(B * M, K)
+        codes = torch.multinomial(probs, prior_samples, replacement=True).view(B, M, prior_samples).permute(2, 0, 1)
+        vectors = torch.stack([model.codes_to_vector(c) for c in codes])  # [S, B, L]
+        return PriorMixture(vectors, log_p.new_full((prior_samples, B), -math.log(prior_samples)), "samples")
+    vectors = model.prior_vectors(features, prior_samples)  # [S, B, D]
+    return PriorMixture(vectors, vectors.new_full((prior_samples, B), -math.log(prior_samples)).float(), "samples")
+
+
+def mixture_token_nll(token_nll: torch.Tensor, log_weights: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token NLL of the mixture ``sum_s w_s p(y | x, z_s)``, ``[B, N]``.
+
+    ``token_nll`` is ``[S, B, N]`` (``l_t`` under each latent, zero off the response),
+    ``log_weights`` ``[S, B]`` (normalised), ``target_mask`` ``[B, N]``. Token ``t`` gets the
+    mixture's own next-token NLL ``-log sum_s w_{s,t} p(y_t | x, y_<t, z_s)``, with
+    ``w_{s,t}`` proportional to ``w_s p(y_<t | x, z_s)`` (the chain rule of the mixture), so the
+    tokens of an example sum exactly to the sequence NLL ``-log sum_s w_s p(y | x, z_s)``.
+    """
+    nll = token_nll.double() * target_mask.double()
+    after = nll.cumsum(-1)  # [S, B, N], -log p(y_<=t | z_s)
+    before = after - nll  # -log p(y_<t | z_s)
+    log_w = log_weights.double().unsqueeze(-1)  # [S, B, 1]
+    per_token = torch.logsumexp(log_w - before, 0) - torch.logsumexp(log_w - after, 0)  # [B, N]
+    return (per_token * target_mask.double()).to(token_nll.dtype)
+
+
+def importance_samples(
+    model: CVAEBase, batch: Batch, summary: PosteriorSummary, num_samples: int
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``log p(y | x, z_k) + log p(z_k | x) - log q(z_k | x, y)`` for ``z_k ~ q``, ``[k, B]``,
+    the sequence NLL ``-log p(y | x, z_k)`` ``[k, B]``, and whether the bound is exact.
+
+    With the default discrete "nearest" assignment the posterior is one-hot at ``k*``, so every
+    sample is ``k*`` and the bound is exact at ``-log p(y | x, k*) - log p(k* | x)`` (one decoder
+    pass). "gumbel": codes drawn from the softmax posterior of each slot. Continuous:
+    reparameterised draws from the diagonal Gaussian posterior. Uses the global torch generator.
+    """
+    if summary.codes is not None:
+        assert summary.log_q is not None and summary.log_p is not None
+        M = summary.codes.shape[1]
+        slots = torch.arange(M, device=summary.codes.device)
+        if isinstance(model, SharedDiscreteCVAE) and model.latent_cfg.assignment == "nearest":
+            seq = conditioned_nll(model, batch, summary.vector).double().sum(-1)  # [B]
+            log_prior = summary.log_p.gather(-1, summary.codes.unsqueeze(-1)).squeeze(-1).sum(-1).double()
+            return (-seq + log_prior).unsqueeze(0), seq.unsqueeze(0), True
+        B, _, K = summary.log_q.shape
+        rows = torch.arange(B, device=summary.codes.device).unsqueeze(1)  # [B, 1]
+        log_w, seqs = [], []
+        for _ in range(num_samples):
+            codes = torch.multinomial(summary.log_q.exp().reshape(B * M, K), 1).view(B, M)
+            seq = conditioned_nll(model, batch, model.codes_to_vector(codes)).double().sum(-1)
+            log_p = summary.log_p[rows, slots, codes].sum(-1).double()
+            log_q = summary.log_q[rows, slots, codes].sum(-1).double()
+            log_w.append(-seq + log_p - log_q)
+            seqs.append(seq)
+        return torch.stack(log_w), torch.stack(seqs), False
+    assert summary.mu is not None and summary.logvar is not None
+    mu, logvar = summary.mu.float(), summary.logvar.float()
+    log_w, seqs = [], []
+    for _ in range(num_samples):
+        z = mu + (0.5 * logvar).exp() * torch.randn_like(mu)
+        seq = conditioned_nll(model, batch, z).double().sum(-1)
+        log_p = _diag_gaussian_log_density(z, summary.prior_mu.float(), summary.prior_logvar.float()).double()
+        log_q = _diag_gaussian_log_density(z, mu, logvar).double()
+        log_w.append(-seq + log_p - log_q)
+        seqs.append(seq)
+    return torch.stack(log_w), torch.stack(seqs), False
+
+
+# --------------------------------------------------------------------------- scoring a batch
+
+
+@dataclass
+class BatchScores:
+    """Token-level and per-example scores of one batch (see the module docstring)."""
+
+    target: torch.Tensor  # [B, N], m_t on the conditioned layout
+    zfree_nll: torch.Tensor  # [B, N], b_t
+    posterior_nll: torch.Tensor  # [B, N], l_t under the posterior latent
+    prior_nll: torch.Tensor  # [B, N], r_t under the prior mixture
+    weighting: TokenWeighting
+    summary: PosteriorSummary
+    mixture: PriorMixture
+    reconstruction_terms: dict[str, float]
+    iw_log_weights: torch.Tensor  # [k, B]
+    iw_sequence_nll: torch.Tensor  # [k, B]
+    iw_exact: bool
+
+
+@torch.no_grad()
+def score_batch(
+    model: CVAEBase,
+    batch: Batch,
+    features: FrozenFeatures,
+    iw_samples: int = 8,
+    prior_samples: int = 16,
+    exact_limit: int = 64,
+) -> BatchScores:
+    """Everything :func:`evaluate` and the token report need of one batch, in one place."""
+    weighting = batch_weighting(model, batch, features)
+    summary = posterior_summary(model, features)
+    posterior, target = model.conditioned_token_nll(batch, summary.vector)  # [B, N] each
+    posterior, target = posterior.float(), target.float()
+    stack = reconstruction_loss_stack(
+        posterior, target, weighting, model.reconstruction_cfg, model.zfree_reference_scale
+    )
+    mixture = prior_mixture(model, features, prior_samples, exact_limit, log_p=summary.log_p)
+    per_latent = torch.stack([conditioned_nll(model, batch, mixture.vectors[s]) for s in range(mixture.size)])
+    prior = mixture_token_nll(per_latent, mixture.log_weights, target)
+    iw_log_w, iw_seq, exact = importance_samples(model, batch, summary, iw_samples)
+    return BatchScores(
+        target=target,
+        zfree_nll=weighting.aligned_base_token_nll.float() * target,
+        posterior_nll=posterior * target,
+        prior_nll=prior,
+        weighting=weighting,
+        summary=summary,
+        mixture=mixture,
+        reconstruction_terms={k: float(v) for k, v in stack.terms.items()},
+        iw_log_weights=iw_log_w,
+        iw_sequence_nll=iw_seq,
+        iw_exact=exact,
+    )
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _both_units(report: dict, name: str, nats: float) -> None:
+    report[f"{name}_nats_per_token"] = nats
+    report[f"{name}_bits_per_token"] = float(nats_to_bits(nats))
+
+
+@torch.no_grad()
+def evaluate(
+    model: CVAEBase,
+    examples: Sequence[Example],
+    cache: FeatureCache,
+    pad_token_id: int,
+    *,
+    iw_samples: int = 8,
+    prior_samples: int = 16,
+    exact_limit: int = 64,
+    batch_size: int = 16,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """The evaluation report of a trained CVAE on ``examples`` (a JSON-able dict).
+
+    ``cache`` holds the frozen-pass features of ``examples`` (same indexing). Deterministic given
+    ``seed`` (prior and importance samples, k-means); the caller's random state is left untouched.
+
+    Keys (``*`` = ``nats_per_token`` and ``bits_per_token``; "uniform" over every response token of
+    the set, ``token_weighted_`` = ``mean_b sum_t pi_t (...)`` at the configured alpha):
+
+    - ``zfree_nll_*``, ``posterior_nll_*``, ``prior_nll_*``: mean per-token NLL of the z-free
+      reference, of the decoder under the posterior latent, and under the prior mixture;
+    - ``zfree_gain_*`` / ``token_weighted_zfree_gain_*``: z-free minus posterior-latent NLL;
+      ``prior_zfree_gain_*`` / ``token_weighted_prior_zfree_gain_*``: z-free minus prior-mixture NLL;
+    - ``latent_gain_*`` / ``token_weighted_latent_gain_*``: prior-mixture minus posterior-latent NLL;
+      ``latent_gain_nats_per_example`` is the same summed over each example's response (a
+      per-token gain is at most about ``I(x; z) / n_b``, small for long responses even when the
+      latent is fully used); ``prior_mixture`` says how the prior was represented (exact over
+      codes, or samples). The token-weighted variant uses the mixture's per-token NLL of
+      :func:`mixture_token_nll`;
+    - ``reconstruction_terms``: the six terms of DESIGN.md section 4 under the posterior latent;
+    - ``elbo`` (nats per example: ``-(sum_t l_t) - KL``, the reconstruction averaged over the
+      importance samples), ``negative_elbo_nats_per_token``;
+    - ``iw_nll``: ``{samples, exact, nats_per_example, nats_per_token, bits_per_token, perplexity}``,
+      the importance-weighted bound on ``-log p(y | x)`` (exact for the "nearest" assignment);
+    - ``kl``: ``{total, per_slot | per_dimension}``, per-example KL(q || p) averaged;
+    - ``mutual_information`` (aggregate-posterior estimator, nats; discrete also
+      ``mutual_information_per_slot``);
+    - continuous: ``active_units`` (variance of the posterior mean > 0.01),
+      ``posterior_mean_variance``; discrete: ``code_usage`` (per slot), ``code_perplexity``
+      (per slot), ``dead_codes`` (per slot);
+    - with a label on every example: ``label_nmi``, ``label_ari``, ``label_homogeneity``,
+      ``label_completeness`` and ``label_contingency`` between the argmax codes (the code tuple
+      with several slots; continuous: k-means of the posterior means with as many clusters as
+      labels) and the labels; several slots also ``label_agreement_per_slot``.
+    """
+    if not examples:
+        raise ValueError("evaluate needs at least one example")
+    if len(cache) != len(examples):
+        raise ValueError(f"the feature cache holds {len(cache)} examples, but {len(examples)} were given")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    E = len(examples)
+    order = sorted(range(E), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
+    n_tokens = np.zeros(E)
+    sums = {key: np.zeros(E) for key in ("zfree", "posterior", "prior", "tw_zfree", "tw_posterior", "tw_prior")}
+    iw_nll = np.zeros(E)
+    recon_mean = np.zeros(E)
+    kl_units: list[np.ndarray | None] = [None] * E
+    term_sums: dict[str, float] = {}
+    codes: list[np.ndarray | None] = [None] * E
+    q_probs: list[np.ndarray | None] = [None] * E
+    mus: list[np.ndarray | None] = [None] * E
+    logvars: list[np.ndarray | None] = [None] * E
+    mixture_method, mixture_size, iw_exact = "", 0, False
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            starts = range(0, E, batch_size)
+            for start in tqdm(starts, desc="eval", disable=not progress, unit="batch"):
+                chunk = order[start : start + batch_size]
+                batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
+                s = score_batch(model, batch, cache.features(batch), iw_samples, prior_samples, exact_limit)
+                pi = s.weighting.token_weights.double()
+                values = {
+                    "zfree": s.zfree_nll.double(),
+                    "posterior": s.posterior_nll.double(),
+                    "prior": s.prior_nll.double(),
+                }
+                per_example = {k: v.sum(-1).cpu().numpy() for k, v in values.items()}
+                per_example.update({f"tw_{k}": (pi * v).sum(-1).cpu().numpy() for k, v in values.items()})
+                iw = importance_weighted_nll(s.iw_log_weights).cpu().numpy()
+                recon = s.iw_sequence_nll.mean(0).cpu().numpy()
+                counts = s.target.sum(-1).cpu().numpy()
+                for key, value in s.reconstruction_terms.items():
+                    term_sums[key] = term_sums.get(key, 0.0) + value * len(chunk)
+                summary = s.summary
+                for row, index in enumerate(chunk):
+                    n_tokens[index] = counts[row]
+                    for key, value in per_example.items():
+                        sums[key][index] = value[row]
+                    iw_nll[index] = iw[row]
+                    recon_mean[index] = recon[row]
+                    kl_units[index] = summary.kl_per_unit[row].double().cpu().numpy()
+                    if summary.codes is not None:
+                        codes[index] = summary.codes[row].cpu().numpy()
+                        q_probs[index] = summary.log_q[row].exp().double().cpu().numpy()
+                    else:
+                        mus[index] = summary.mu[row].double().cpu().numpy()
+                        logvars[index] = summary.logvar[row].double().cpu().numpy()
+                mixture_method, mixture_size, iw_exact = s.mixture.method, s.mixture.size, s.iw_exact
+    finally:
+        model.train(was_training)
+
+    total_tokens = float(n_tokens.sum())
+    kl = np.stack(kl_units)  # [E, U]
+    kl_total = kl.sum(1)  # [E]
+    discrete = isinstance(model, SharedDiscreteCVAE)
+    report: dict = {
+        "latent": "discrete" if discrete else "continuous",
+        "examples": E,
+        "response_tokens": int(total_tokens),
+        "seed": seed,
+        "token_weight_alpha": float(model.reconstruction_cfg.token_weight_alpha),
+        "zfree_reference_scale": model.zfree_reference_scale,
+    }
+    for name in ("zfree", "posterior", "prior"):
+        _both_units(report, f"{name}_nll", float(sums[name].sum() / total_tokens))
+
+    def gains(prefix: str, worse: str, better: str) -> None:
+        _both_units(report, f"{prefix}gain", float((sums[worse] - sums[better]).sum() / total_tokens))
+        _both_units(report, f"token_weighted_{prefix}gain", float((sums[f"tw_{worse}"] - sums[f"tw_{better}"]).mean()))
+
+    gains("zfree_", "zfree", "posterior")
+    gains("prior_zfree_", "zfree", "prior")
+    gains("latent_", "prior", "posterior")
+    report["latent_gain_nats_per_example"] = float((sums["prior"] - sums["posterior"]).mean())
+    report["prior_mixture"] = {"method": mixture_method, "latents": mixture_size}
+    report["reconstruction_terms"] = {k: v / E for k, v in term_sums.items()}
+    report["elbo"] = float((-recon_mean - kl_total).mean())
+    report["negative_elbo_nats_per_token"] = float((recon_mean + kl_total).sum() / total_tokens)
+    iw_per_token = float(iw_nll.sum() / total_tokens)
+    report["iw_nll"] = {
+        "samples": 1 if iw_exact else iw_samples,
+        "exact": iw_exact,
+        "nats_per_example": float(iw_nll.mean()),
+        "nats_per_token": iw_per_token,
+        "bits_per_token": float(nats_to_bits(iw_per_token)),
+        "perplexity": math.exp(iw_per_token),
+    }
+    unit = "per_slot" if discrete else "per_dimension"
+    report["kl"] = {"total": float(kl_total.mean()), unit: [float(v) for v in kl.mean(0)]}
+
+    labels = [e.label for e in examples]
+    has_labels = E >= 2 and all(label is not None for label in labels)
+    if discrete:
+        code_array = np.stack(codes).astype(np.int64)  # [E, M]
+        probs = np.stack(q_probs)  # [E, M, K]
+        mi = categorical_mutual_information_per_slot(probs)
+        report["mutual_information"] = float(sum(mi))
+        report["mutual_information_per_slot"] = mi
+        usage = code_usage_per_slot(code_array, model.codebook_size)
+        report["code_usage"] = usage
+        report["code_perplexity"] = [u["perplexity"] for u in usage]
+        report["dead_codes"] = [u["dead_codes"] for u in usage]
+        if has_labels:
+            assignments = latent_assignments(model, {"codes": code_array}, len(set(labels)), seed=seed)
+            if code_array.shape[1] > 1:
+                report["label_agreement_per_slot"] = [
+                    label_agreement(code_array[:, m], labels) for m in range(code_array.shape[1])
+                ]
+    else:
+        mu = np.stack(mus)
+        logvar = np.stack(logvars)
+        generator = torch.Generator().manual_seed(seed)
+        report["mutual_information"] = gaussian_mutual_information(mu, logvar, generator=generator)
+        report["active_units"] = active_units(mu)
+        report["posterior_mean_variance"] = [float(v) for v in posterior_mean_variance(mu)]
+        if has_labels:
+            assignments = latent_assignments(model, {"mu": mu}, min(len(set(labels)), E), seed=seed)
+    if has_labels:
+        agreement = label_agreement(assignments, labels)
+        report["label_assignment"] = "argmax code" if discrete else "k-means of posterior means"
+        for key in ("nmi", "ari", "homogeneity", "completeness", "contingency"):
+            report[f"label_{key}"] = agreement[key]
+    return report

@@ -1,0 +1,668 @@
+"""What one training step costs: plain prefix tuning against the CVAE objective (DESIGN.md section 7).
+
+Usage::
+
+    python benchmarks/step_cost.py --model tiny|embedded [--batch-size 8] [--repeats R] [--warmup W]
+        [--threads N] [--device auto|cpu|cuda] [--skip-memory] [--skip-scaling]
+
+``--repeats``/``--warmup`` default to 20/3 for ``tiny`` and 10/2 for ``embedded`` (whose step takes
+seconds on 2 CPU cores; a full embedded run then stays near 5 minutes). On a machine shared with other
+work, ``--threads 1`` avoids OpenMP threads waiting on each other when a core is taken (with 2 threads
+on 2 busy cores the tiny model's steps become 10-30 times slower and very noisy); the header and the
+footer print the load average so that a noisy run can be recognised.
+
+A *step* is forward + backward + AdamW step + ``zero_grad`` on the trainable parameters, with the
+model in train mode (the frozen decoder stays in eval mode, as in training). Every case runs on the
+same decoder object and the same list of batches:
+
+(a) plain prefix tuning: one trainable latent vector ``[latent_vector_dim]``, expanded over the
+    batch and passed through the CVAE's own ``decode`` (same injection, same windowed and chunked
+    LM head), loss = uniform token-mean cross-entropy (``losses.reconstruction_loss``); AdamW over
+    that vector and ``latent_projection``. No encoder, no reference, no features.
+(b) the CVAE (discrete, default nearest-code recipe), raw reconstruction term only (the other five
+    weights 0, beta 0), features from a :class:`FeatureCache` built once beforehand.
+(c) the same CVAE class with all six reconstruction terms weighted (``token_weight_alpha`` 1,
+    ``zfree_reference_scale`` = c_base of the cache), KL with a constant beta > 0, cached features.
+(d) as (c) without the cache: ``forward(batch, None)`` runs ``frozen_pass`` itself every step.
+(e) one no-grad ``frozen_pass(batch)`` alone, to check that (d) - (c) is about one such pass.
+
+(b)-(d) also run ``post_step`` (dead-code restart), as the trainer does after each optimizer step;
+the cached features are looked up inside the timed step (``cache.features(batch)``), as in training.
+The optimizer is ``trainer.make_optimizer`` (its settings, e.g. ``foreach``/``fused``, also serve (a)),
+so a change there shows here. Gradient clipping and metric logging of the trainer are not part of a step.
+
+Timing: ``--warmup`` untimed repetitions, then ``--repeats`` timed ones; each repetition runs every
+case once on the same batch (round-robin, the starting case rotating every repetition), so that load
+from other work on the machine falls on all cases alike. Reported: the median (and quartiles) per
+case, ratios of medians to (a), and, as a cross-check robust to drifting load and to batches of
+different lengths, the median of the per-repetition (paired) ratios.
+
+Peak memory, CPU: each case runs in a fresh subprocess (this script with ``--measure-memory CASE``)
+that loads the same decoder and the same first batches, then returns freed memory to the OS
+(``gc.collect`` and glibc's ``malloc_trim``), resets the kernel's resident-set high-water mark by
+writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0), runs 2 steps (the first one's
+allocations, optimizer state included, count) and reads ``VmHWM`` from
+``/proc/self/status``: peak = VmHWM - RSS at the reset. The subprocess runs with a fixed
+``MALLOC_MMAP_THRESHOLD_`` (64 KiB) so that every sizeable tensor is its own mmap that is returned on
+free; RSS then follows live tensors and a buffer freed during setup cannot hide a step's allocation.
+This is exact for the high-water mark (no sampling can miss a short peak). Where ``clear_refs`` is
+not writable, a background thread samples ``VmRSS`` every millisecond instead (a lower bound).
+CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus the memory
+allocated before the steps, in the main process. On CUDA the weights stay float32 and steps run under
+bf16 autocast, as the trainer's ``mixed_precision="bf16"`` (this path has not been run on a GPU yet).
+
+Scaling: the tiny in-process Llama (built here, hidden 32, 2 layers), batches of identical
+lengths (no padding), case (c) and (a) against response length at a fixed vocabulary and against
+vocabulary size at a fixed length, interleaved round-robin like the main table; a least-squares
+line ``t = t0 + k x`` says whether the cost grows linearly (small residuals) and what the fixed
+per-step overhead ``t0`` is.
+
+The last line printed is one JSON object: ``model``, ``c_over_a``, ``c_over_b``, ``d_over_a``,
+``e_over_a`` (ratios of medians), ``peak_mib`` (``a``-``d``, MiB; null with ``--skip-memory``) and
+``ms`` (median ms per step of ``a``-``e``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from disentanglement.config import RunConfig, build_config
+from disentanglement.cvae_base import CVAEBase
+from disentanglement.data import Batch, Example, collate
+from disentanglement.features import FeatureCache, build_feature_cache
+from disentanglement.losses import estimate_zfree_reference_scale, reconstruction_loss
+from disentanglement.models import build_cvae
+from disentanglement.trainer import make_optimizer
+
+CASES = ("a", "b", "c", "d", "e")
+STEP_CASES = ("a", "b", "c", "d")
+DESCRIPTIONS = {
+    "a": "prefix tuning: latent vector, uniform CE",
+    "b": "CVAE, raw reconstruction only, cached",
+    "c": "CVAE, 6 terms + weighting + KL, cached",
+    "d": "as (c), frozen pass every step",
+    "e": "one no-grad frozen pass alone",
+}
+TARGET_C_OVER_A = 1.10
+TARGET_C_OVER_B = 1.03
+MEMORY_STEPS = 2  # steps per memory measurement (the first step's allocations count: optimizer state too)
+# Defaults of --repeats / --warmup per model: the embedded model's step takes seconds on 2 cores.
+DEFAULT_REPEATS = {"tiny": 20, "embedded": 10}
+DEFAULT_WARMUP = {"tiny": 3, "embedded": 2}
+
+# The tiny model of the tests (tests/helpers.tiny_llama), built here so the script needs no tests/.
+TINY_VOCAB = 1024
+TINY_PROMPT_RANGE = (8, 24)  # synthetic prompt lengths, inclusive
+TINY_RESPONSE_RANGE = (8, 40)  # synthetic response lengths, inclusive
+SCALING_PROMPT = 16
+SCALING_LENGTHS = (16, 32, 64, 128)  # response tokens, at TINY_VOCAB
+SCALING_LENGTH_VOCAB = TINY_VOCAB
+SCALING_VOCABS = (1024, 4096, 16384, 65536)  # at SCALING_VOCAB_LENGTH response tokens
+SCALING_VOCAB_LENGTH = 32
+
+
+# -- models and data ---------------------------------------------------------------------------------------
+def tiny_llama(vocab_size: int, seed: int = 0) -> nn.Module:
+    """A 2-layer LlamaForCausalLM (hidden 32, 2 heads), seeded, in eval mode (as tests/helpers.tiny_llama)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.eval()
+
+
+def synthetic_examples(
+    count: int, vocab_size: int, prompt_range: tuple[int, int], response_range: tuple[int, int], seed: int = 0
+) -> list[Example]:
+    """Random token ids (3 .. V-1, past the special ids) with a prompt/response split."""
+    rng = random.Random(seed)
+    examples = []
+    for i in range(count):
+        p = rng.randint(*prompt_range)
+        r = rng.randint(*response_range)
+        ids = [rng.randrange(3, vocab_size) for _ in range(p + r)]
+        examples.append(Example(ids[:p], ids[p:], None, f"synthetic:#{i}"))
+    return examples
+
+
+def embedded_examples(count: int) -> tuple[nn.Module, list[Example], int]:
+    """The embedded SmolLM2-135M and ``count`` chatterbot pairs (seeded shuffle), chat template, default caps."""
+    from disentanglement.config import ModelConfig
+    from disentanglement.data import load_chatterbot, tokenize_pairs
+    from disentanglement.lm import load_model_and_tokenizer
+
+    decoder, tokenizer = load_model_and_tokenizer(ModelConfig())
+    pairs = load_chatterbot()
+    random.Random(0).shuffle(pairs)
+    examples, _ = tokenize_pairs(pairs[:count], tokenizer, build_config().data)
+    return decoder, examples, tokenizer.pad_token_id
+
+
+def batches_of(examples: Sequence[Example], batch_size: int, pad_id: int, device: torch.device) -> list[Batch]:
+    """Consecutive batches; ``indices`` are positions in ``examples`` (they index the feature cache)."""
+    return [
+        collate(examples[i : i + batch_size], pad_id, indices=range(i, i + batch_size)).to(device)
+        for i in range(0, len(examples) - batch_size + 1, batch_size)
+    ]
+
+
+# -- the cases -----------------------------------------------------------------------------------------
+def cvae_config(kind: str, c_base: float | None = None) -> RunConfig:
+    """(b): raw reconstruction only; (c)/(d): all six terms, token weighting and a constant beta."""
+    if kind == "b":
+        return build_config({"reconstruction_weight": 1.0, "beta": 0.0, "beta_schedule": "constant"})
+    return build_config(
+        {
+            "reconstruction_weight": 1.0,
+            "sequence_reconstruction_weight": 1.0,
+            "token_weighted_weight": 1.0,
+            "normalized_concentration_corrected_token_weighted_weight": 1.0,
+            "normalized_inverse_surprisal_token_weighted_weight": 1.0,
+            "zfree_relative_weight": 1.0,
+            "token_weight_alpha": 1.0,
+            "zfree_reference_scale": c_base,
+            "beta": 0.02,
+            "beta_schedule": "constant",
+        }
+    )
+
+
+def seeded_cvae(config: RunConfig, decoder: nn.Module, device: torch.device) -> CVAEBase:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build_cvae(config, decoder).to(device)
+    return model.train()
+
+
+Step = Callable[[Batch], None]
+
+
+def prefix_tuning_step(model: CVAEBase, config: RunConfig) -> Step:
+    """(a): a trainable latent vector through the model's own ``decode``; uniform token-mean CE."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        vector = nn.Parameter(torch.randn(model.latent_vector_dim, device=model.latent_projection.weight.device))
+    params = [vector, *model.latent_projection.parameters()]
+    # The trainer's optimizer settings (AdamW; its foreach/fused choice too), over these parameters only.
+    reference = make_optimizer(model, config)
+    settings = {k: reference.defaults[k] for k in ("foreach", "fused") if k in reference.defaults}
+    optimizer = type(reference)(params, lr=config.train.latent_lr, weight_decay=config.train.weight_decay, **settings)
+
+    def step(batch: Batch) -> None:
+        decoded = model.decode(batch, vector.unsqueeze(0).expand(len(batch), -1))
+        loss = reconstruction_loss(decoded.token_nll(), decoded.target_mask[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def cvae_step(model: CVAEBase, config: RunConfig, cache: FeatureCache | None) -> Step:
+    """(b)-(d): ``forward`` (cached features, or the frozen pass inside it), backward, AdamW, ``post_step``."""
+    optimizer = make_optimizer(model, config)
+    counter = [0]
+
+    def step(batch: Batch) -> None:
+        features = cache.features(batch) if cache is not None else None
+        out = model(batch, features, step=counter[0])
+        out.loss.backward()
+        optimizer.step()
+        model.post_step(counter[0])
+        optimizer.zero_grad(set_to_none=True)
+        counter[0] += 1
+
+    return step
+
+
+def frozen_pass_step(model: CVAEBase) -> Step:
+    """(e): one no-grad frozen pass."""
+
+    def step(batch: Batch) -> None:
+        model.frozen_pass(batch)
+
+    return step
+
+
+@dataclass
+class Setup:
+    model_name: str
+    device: torch.device
+    batches: list[Batch]
+    steps: dict[str, Step]
+    c_base: float
+    mean_prompt: float
+    mean_response: float
+    mean_width: float  # mean padded z-free length T of the batches
+    vocab_size: int
+    hidden_size: int
+
+
+def build_setup(args: argparse.Namespace, n_batches: int, cases: Sequence[str] = CASES) -> Setup:
+    """The decoder, ``n_batches`` batches, the feature cache over them, and one step function per case."""
+    device = choose_device(args.device)
+    count = args.batch_size * n_batches
+    if args.model == "tiny":
+        decoder = tiny_llama(TINY_VOCAB)
+        examples = synthetic_examples(count, TINY_VOCAB, TINY_PROMPT_RANGE, TINY_RESPONSE_RANGE)
+        pad_id = 2
+    else:
+        decoder, examples, pad_id = embedded_examples(count)
+    decoder = decoder.to(device=device, dtype=torch.float32)  # as the trainer: float32 weights (bf16 autocast on CUDA)
+    batches = batches_of(examples, args.batch_size, pad_id, device)
+
+    model_b = seeded_cvae(cvae_config("b"), decoder, device)
+    cache = build_feature_cache(model_b, examples, pad_id, batch_size=args.batch_size, device=device, progress=False)
+    c_base = estimate_zfree_reference_scale(cache.example_base_losses())
+    config_b, config_c = cvae_config("b"), cvae_config("c", c_base)
+    steps: dict[str, Step] = {}
+    if "a" in cases:
+        steps["a"] = prefix_tuning_step(seeded_cvae(config_b, decoder, device), config_b)
+    if "b" in cases:
+        steps["b"] = cvae_step(model_b, config_b, cache)
+    if "c" in cases or "e" in cases:
+        model_c = seeded_cvae(config_c, decoder, device)
+        steps["c"] = cvae_step(model_c, config_c, cache)
+        steps["e"] = frozen_pass_step(model_c)
+    if "d" in cases:
+        steps["d"] = cvae_step(seeded_cvae(config_c, decoder, device), config_c, None)
+    return Setup(
+        model_name=args.model,
+        device=device,
+        batches=batches,
+        steps={k: with_autocast(v, device) for k, v in steps.items() if k in cases},
+        c_base=c_base,
+        mean_prompt=statistics.fmean(len(e.prompt_ids) for e in examples),
+        mean_response=statistics.fmean(len(e.response_ids) for e in examples),
+        mean_width=statistics.fmean(b.input_ids.shape[1] for b in batches),
+        vocab_size=decoder.get_output_embeddings().weight.shape[0],
+        hidden_size=decoder.get_input_embeddings().weight.shape[1],
+    )
+
+
+# -- timing --------------------------------------------------------------------------------------------
+def choose_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def with_autocast(step: Step, device: torch.device) -> Step:
+    """On CUDA, the step under bf16 autocast (the trainer's ``mixed_precision="bf16"``); unchanged on CPU."""
+    if device.type != "cuda":
+        return step
+
+    def autocast_step(batch: Batch) -> None:
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+            step(batch)
+
+    return autocast_step
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_round_robin(
+    steps: dict[str, Step],
+    batches_for: Callable[[str, int], Batch],
+    repeats: int,
+    warmup: int,
+    device: torch.device,
+) -> dict[str, list[float]]:
+    """Seconds per step of each case; every repetition runs each case once, the first case rotating."""
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(warmup + repeats):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            batch = batches_for(name, rep)
+            synchronize(device)
+            start = time.perf_counter()
+            steps[name](batch)
+            synchronize(device)
+            if rep >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """Median over repetitions of ``num[i] / den[i]`` (same batch, adjacent in time)."""
+    return median([n / d for n, d in zip(num, den, strict=True)])
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares ``y = t0 + k x``: ``(t0, k, max |residual| / y)``."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    k = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    t0 = my - k * mx
+    worst = max(abs(y - (t0 + k * x)) / y for x, y in zip(xs, ys, strict=True))
+    return t0, k, worst
+
+
+# -- peak memory ---------------------------------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _release_freed_memory() -> None:
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _reset_high_water_mark() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        return False
+    return True
+
+
+class RssSampler:
+    """Fallback: the largest ``VmRSS`` seen by a thread polling every millisecond (a lower bound)."""
+
+    def __init__(self) -> None:
+        self.peak_kib = _status_kib("VmRSS")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_kib = max(self.peak_kib, _status_kib("VmRSS"))
+            time.sleep(0.001)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_kib = max(self.peak_kib, _status_kib("VmRSS"))
+
+
+def measure_memory_here(args: argparse.Namespace, case: str) -> dict:
+    """In a fresh process: the same decoder and first batches, then the peak RSS growth over a few steps."""
+    setup = build_setup(args, MEMORY_STEPS, cases=(case,))
+    step = setup.steps[case]
+    _release_freed_memory()
+    baseline = _status_kib("VmRSS")
+    if _reset_high_water_mark():
+        method = "VmHWM after clear_refs"
+        for batch in setup.batches:
+            step(batch)
+        peak = _status_kib("VmHWM")
+    else:
+        method = "VmRSS sampled every 1 ms"
+        with RssSampler() as sampler:
+            for batch in setup.batches:
+                step(batch)
+        peak = sampler.peak_kib
+    return {"case": case, "peak_mib": (peak - baseline) / 1024, "baseline_mib": baseline / 1024, "method": method}
+
+
+def measure_memory_subprocesses(args: argparse.Namespace) -> tuple[dict[str, float | None], str]:
+    """Peak MiB of each case, each in a fresh subprocess of this script."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+    peaks: dict[str, float | None] = {}
+    method = ""
+    for case in CASES:
+        command = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--model",
+            args.model,
+            "--batch-size",
+            str(args.batch_size),
+            "--device",
+            "cpu",
+            "--measure-memory",
+            case,
+        ]
+        if args.threads is not None:
+            command += ["--threads", str(args.threads)]
+        result = subprocess.run(command, capture_output=True, text=True, env=env)
+        lines = result.stdout.strip().splitlines()
+        if result.returncode != 0 or not lines:
+            print(f"  memory of ({case}) failed (exit {result.returncode}): {result.stderr.strip()[-500:]}")
+            peaks[case] = None
+            continue
+        record = json.loads(lines[-1])
+        peaks[case] = record["peak_mib"]
+        method = f"{record['method']}; RSS after setup {record['baseline_mib']:.0f} MiB"
+    return peaks, method
+
+
+def measure_memory_cuda(setup: Setup) -> tuple[dict[str, float | None], str]:
+    peaks: dict[str, float | None] = {}
+    batches = setup.batches[:MEMORY_STEPS]
+    for case, step in setup.steps.items():
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+        for batch in batches:
+            step(batch)
+        torch.cuda.synchronize()
+        peaks[case] = (torch.cuda.max_memory_allocated() - baseline) / 2**20
+    return peaks, "torch.cuda.max_memory_allocated - allocated before the steps"
+
+
+# -- scaling -------------------------------------------------------------------------------------------
+def scaling(args: argparse.Namespace) -> None:
+    """(c) and (a) against response length and vocabulary size on the tiny model (no padding)."""
+    device = choose_device(args.device)
+    n_batches = max(1, min(args.repeats, 4))
+    points: list[tuple[str, int, int]] = [("length", r, SCALING_LENGTH_VOCAB) for r in SCALING_LENGTHS]
+    points += [("vocab", SCALING_VOCAB_LENGTH, v) for v in SCALING_VOCABS]
+    steps: dict[str, Step] = {}
+    batches: dict[str, list[Batch]] = {}
+    decoders: dict[int, nn.Module] = {}
+    for kind, length, vocab in points:
+        if vocab not in decoders:
+            decoders[vocab] = tiny_llama(vocab).to(device)
+        decoder = decoders[vocab]
+        span = (SCALING_PROMPT, SCALING_PROMPT)
+        examples = synthetic_examples(args.batch_size * n_batches, vocab, span, (length, length), seed=length)
+        point_batches = batches_of(examples, args.batch_size, 2, device)
+        model_c = seeded_cvae(cvae_config("b"), decoder, device)
+        cache = build_feature_cache(model_c, examples, 2, batch_size=args.batch_size, device=device, progress=False)
+        config_c = cvae_config("c", estimate_zfree_reference_scale(cache.example_base_losses()))
+        config_a = cvae_config("b")
+        for case, step in (
+            ("c", cvae_step(seeded_cvae(config_c, decoder, device), config_c, cache)),
+            ("a", prefix_tuning_step(seeded_cvae(config_a, decoder, device), config_a)),
+        ):
+            name = f"{kind}:{length}:{vocab}:{case}"
+            steps[name] = with_autocast(step, device)
+            batches[name] = point_batches
+    times = time_round_robin(steps, lambda name, rep: batches[name][rep % n_batches], args.repeats, args.warmup, device)
+    ms = {name: 1000 * median(values) for name, values in times.items()}
+
+    B = args.batch_size
+    print(f"\nScaling, tiny Llama (hidden 32, 2 layers), case (c) and (a), B={B}, prompt {SCALING_PROMPT} tokens")
+    print(f"response length at V={SCALING_LENGTH_VOCAB} (B*T = tokens per batch, z-free):")
+    print(f"  {'resp':>5} {'B*T':>6} {'(c) ms':>9} {'us/token':>9} {'marginal us/token':>18} {'(a) ms':>9} {'c/a':>6}")
+    xs, ys = [], []
+    previous = None
+    for length in SCALING_LENGTHS:
+        c = ms[f"length:{length}:{SCALING_LENGTH_VOCAB}:c"]
+        a = ms[f"length:{length}:{SCALING_LENGTH_VOCAB}:a"]
+        tokens = B * (SCALING_PROMPT + length)
+        marginal = "" if previous is None else f"{1000 * (c - previous[1]) / (tokens - previous[0]):.2f}"
+        print(f"  {length:>5} {tokens:>6} {c:>9.2f} {1000 * c / tokens:>9.2f} {marginal:>18} {a:>9.2f} {c / a:>6.3f}")
+        xs.append(tokens)
+        ys.append(c)
+        previous = (tokens, c)
+    t0, k, worst = linear_fit(xs, ys)
+    print(f"  fit (c): t = {t0:.2f} ms + {1000 * k:.3f} us x (B*T); largest residual {100 * worst:.1f}% of t")
+    print(f"vocabulary size at response length {SCALING_VOCAB_LENGTH}:")
+    print(f"  {'V':>6} {'(c) ms':>9} {'ms per 1k V':>12} {'marginal ms/1k V':>17} {'(a) ms':>9} {'c/a':>6}")
+    xs, ys = [], []
+    previous = None
+    for vocab in SCALING_VOCABS:
+        c = ms[f"vocab:{SCALING_VOCAB_LENGTH}:{vocab}:c"]
+        a = ms[f"vocab:{SCALING_VOCAB_LENGTH}:{vocab}:a"]
+        marginal = "" if previous is None else f"{1000 * (c - previous[1]) / (vocab - previous[0]):.3f}"
+        print(f"  {vocab:>6} {c:>9.2f} {1000 * c / vocab:>12.3f} {marginal:>17} {a:>9.2f} {c / a:>6.3f}")
+        xs.append(vocab)
+        ys.append(c)
+        previous = (vocab, c)
+    t0, k, worst = linear_fit(xs, ys)
+    print(f"  fit (c): t = {t0:.2f} ms + {1000 * k:.4f} ms x (V / 1000); largest residual {100 * worst:.1f}% of t")
+
+
+# -- main ----------------------------------------------------------------------------------------------
+def load_text() -> str:
+    one, five, _ = os.getloadavg()
+    return f"{one:.1f} (1 min) / {five:.1f} (5 min) on {os.cpu_count()} cores"
+
+
+def check(label: str, value: float, bound: float) -> str:
+    verdict = "PASS" if value <= bound else "FAIL"
+    return f"  {label} = {value:.3f}  (target <= {bound:.3f})  {verdict}"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=["tiny", "embedded"], default="tiny")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed repetitions, each running every case once (20 tiny, 10 embedded)",
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="untimed repetitions first (3 tiny, 2 embedded)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-scaling", action="store_true")
+    parser.add_argument("--measure-memory", choices=CASES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.repeats = DEFAULT_REPEATS[args.model] if args.repeats is None else args.repeats
+    args.warmup = DEFAULT_WARMUP[args.model] if args.warmup is None else args.warmup
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    if args.measure_memory:
+        print(json.dumps(measure_memory_here(args, args.measure_memory)))
+        return
+
+    started = time.perf_counter()
+    setup = build_setup(args, n_batches=max(1, args.repeats))
+    device = setup.device
+    print(
+        f"model {args.model} (V={setup.vocab_size}, H={setup.hidden_size}) on {device}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch {args.batch_size}, "
+        f"{len(setup.batches)} batches (mean prompt {setup.mean_prompt:.1f}, response {setup.mean_response:.1f}, "
+        f"padded width {setup.mean_width:.1f} tokens); warm-up {args.warmup}, repeats {args.repeats}; "
+        f"c_base {setup.c_base:.3f}; load average {load_text()}"
+    )
+    busy = os.getloadavg()[0]
+    if device.type == "cpu" and torch.get_num_threads() > 1 and busy > (os.cpu_count() or 1) - 0.5:
+        print(
+            f"WARNING: the machine is busy (load {busy:.1f} on {os.cpu_count()} cores) and torch uses "
+            f"{torch.get_num_threads()} threads: OpenMP threads waiting for a taken core can make steps many "
+            "times slower and scatter them; compare with --threads 1"
+        )
+    times = time_round_robin(
+        setup.steps, lambda name, rep: setup.batches[rep % len(setup.batches)], args.repeats, args.warmup, device
+    )
+    ms = {case: 1000 * median(values) for case, values in times.items()}
+    ratio = {case: ms[case] / ms["a"] for case in CASES}
+    paired = {case: paired_ratio(times[case], times["a"]) for case in CASES}
+
+    peaks: dict[str, float | None] = dict.fromkeys(CASES)
+    memory_method = "skipped"
+    if not args.skip_memory:
+        if device.type == "cuda":
+            peaks, memory_method = measure_memory_cuda(setup)
+        else:
+            peaks, memory_method = measure_memory_subprocesses(args)
+
+    print(f"\n{'case':<5}{'':<42}{'median ms':>10}{'q1-q3 ms':>18}{'/ (a)':>8}{'paired':>8}{'peak MiB':>10}")
+    for case in CASES:
+        q1, q3 = quartiles(times[case])
+        peak = peaks.get(case)
+        peak_text = "-" if peak is None else f"{peak:.1f}"
+        print(
+            f"({case})  {DESCRIPTIONS[case]:<42}{ms[case]:>10.2f}{f'{1000 * q1:.2f}-{1000 * q3:.2f}':>18}"
+            f"{ratio[case]:>8.3f}{paired[case]:>8.3f}{peak_text:>10}"
+        )
+    print(f"peak memory: {memory_method}")
+
+    c_over_b = ms["c"] / ms["b"]
+    print("\ntargets (ratios of medians; paired medians in brackets):")
+    print(check("(c)/(a)", ratio["c"], TARGET_C_OVER_A) + f"  [{paired['c']:.3f}]")
+    print(check("(c)/(b)", c_over_b, TARGET_C_OVER_B) + f"  [{paired_ratio(times['c'], times['b']):.3f}]")
+    print(check("(d)/(a)", ratio["d"], 1 + ratio["e"]) + f"  [{paired['d']:.3f}]  (bound = 1 + (e)/(a))")
+    extra = (ms["d"] - ms["c"]) / ms["e"]
+    print(f"  (d) - (c) = {ms['d'] - ms['c']:.2f} ms = {extra:.2f} x (e) ({ms['e']:.2f} ms, one no-grad frozen pass)")
+
+    if not args.skip_scaling:
+        scaling(args)
+    print(f"\n(total {time.perf_counter() - started:.0f} s; load average {load_text()})")
+    summary = {
+        "model": args.model,
+        "c_over_a": round(ratio["c"], 4),
+        "c_over_b": round(c_over_b, 4),
+        "d_over_a": round(ratio["d"], 4),
+        "e_over_a": round(ratio["e"], 4),
+        "peak_mib": {case: None if peaks.get(case) is None else round(peaks[case], 1) for case in STEP_CASES},
+        "ms": {case: round(ms[case], 3) for case in CASES},
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

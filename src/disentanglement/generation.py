@@ -1,0 +1,484 @@
+"""Generation from a trained CVAE with a chosen latent (``disentangle generate``).
+
+The decoder generates from ``inputs_embeds`` laid out as in training: ``[z][x]`` (``prefix``) or
+``[x][z]`` (``between``), the response following. Batched prompts are LEFT-padded (pad
+embeddings first, attention mask 0 there), so that every row's last position is its last
+prompt (or latent) position; transformers derives position ids from the attention mask. The
+prompt text is :func:`data.prompt_text_for_generation` (the chat template when the run used one),
+tokenised and truncated exactly as in training. Only the new tokens are decoded, up to the first
+end-of-sequence token.
+
+Latent choices (``mode``):
+
+- ``codes`` (discrete, default): every code of one slot (``slot``), the other slots fixed at
+  ``codes`` where given and at the prompt's prior mode ``argmax_k p(k | x)`` elsewhere; or every
+  combination of the unforced slots (``all_combinations``, at most ``max_combinations``); or exactly
+  the forced codes when ``codes`` fixes every slot and no ``slot`` is named.
+- ``prior``: ``num_samples`` latents drawn from ``p(z | x)`` (one response each).
+- ``posterior``: the posterior of ``(prompt, reference_response)`` (argmax codes / posterior mean).
+- ``interpolate`` (continuous): ``steps`` points on the line between the posterior means of two
+  reference responses.
+
+Diversity: distinct-1 and distinct-2 (whitespace tokens) over the responses to each prompt, across
+latents and samples, and their mean over prompts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .config import DataConfig, RunConfig
+from .cvae_base import CVAEBase, FrozenFeatures
+from .data import PromptResponse, collate, prompt_text_for_generation, tokenize_pairs
+from .evaluation import PosteriorSummary, posterior_summary
+from .metrics import distinct_n
+from .shared_discrete_cvae import SharedDiscreteCVAE
+
+logger = logging.getLogger(__name__)
+MODES = ("codes", "prior", "posterior", "interpolate")
+
+
+@dataclass
+class SamplingOptions:
+    """Decoding options, passed to transformers' ``generate``."""
+
+    greedy: bool = False
+    temperature: float = 0.7
+    top_p: float = 0.9
+    max_new_tokens: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        if self.greedy:
+            return {"do_sample": False, "max_new_tokens": self.max_new_tokens}
+        return {
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": 0,
+            "max_new_tokens": self.max_new_tokens,
+        }
+
+
+# --------------------------------------------------------------------------- prompts and latents
+
+
+def encode_prompts(prompts: Sequence[str], tokenizer: Any, data_cfg: DataConfig) -> list[list[int]]:
+    """Prompt token ids as in training: formatted, tokenised without special tokens, last tokens kept."""
+    if not prompts:
+        raise ValueError("at least one prompt is needed")
+    texts = [prompt_text_for_generation(p, tokenizer, data_cfg) for p in prompts]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    out = []
+    for prompt, ids in zip(prompts, encoded, strict=True):
+        ids = list(ids)[-data_cfg.max_prompt_tokens :]
+        if not ids:
+            raise ValueError(f"the prompt {prompt!r} tokenises to zero tokens")
+        out.append(ids)
+    return out
+
+
+def _device(model: CVAEBase) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def prompt_features(model: CVAEBase, prompt_ids: Sequence[list[int]], pad_token_id: int) -> FrozenFeatures:
+    """The prior's features of prompts alone: the reference's last hidden state at the last prompt token.
+
+    The model is causal, so this equals the training features of ``[x][y]`` at that position. Only
+    ``prior_features`` is filled (``[B, H]``); the other fields are empty.
+    """
+    device = _device(model)
+    lengths = torch.tensor([len(ids) for ids in prompt_ids], device=device)
+    ids = torch.full((len(prompt_ids), int(lengths.max())), pad_token_id, dtype=torch.long, device=device)
+    for row, seq in enumerate(prompt_ids):
+        ids[row, : len(seq)] = torch.tensor(seq, device=device)
+    attention = (torch.arange(ids.shape[1], device=device).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    with model.reference_context() as reference:
+        was_training = reference.training
+        reference.eval()
+        try:
+            out = reference(input_ids=ids, attention_mask=attention, output_hidden_states=True)
+        finally:
+            reference.train(was_training)
+    hidden = out.hidden_states[-1].float()
+    prior = hidden[torch.arange(len(prompt_ids), device=device), lengths - 1]  # [B, H]
+    empty = prior.new_zeros(len(prompt_ids), 0)
+    return FrozenFeatures(zfree_token_nll=empty, prior_features=prior, encoder_features=empty)
+
+
+@torch.no_grad()
+def reference_posterior(
+    model: CVAEBase, tokenizer: Any, data_cfg: DataConfig, prompt: str, response: str
+) -> PosteriorSummary:
+    """The posterior of one ``(prompt, response)`` pair, tokenised as in training."""
+    examples, _ = tokenize_pairs([PromptResponse(prompt, response, None, "reference response")], tokenizer, data_cfg)
+    batch = collate(examples, tokenizer.pad_token_id).to(_device(model))
+    return posterior_summary(model, model.frozen_pass(batch))
+
+
+def generation_inputs(
+    model: CVAEBase, prompt_ids: Sequence[list[int]], vectors: torch.Tensor, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``inputs_embeds [R, W, H]`` and ``attention_mask [R, W]`` for ``[z][x]`` or ``[x][z]``.
+
+    ``prompt_ids`` has one entry per row, ``vectors`` is ``[R, L]``.
+    """
+    device = _device(model)
+    embed = model.decoder.get_input_embeddings()
+    latent = model.latent_embeddings(vectors.to(device))  # [R, P, H]
+    rows = []
+    for row, ids in enumerate(prompt_ids):
+        tokens = embed(torch.tensor(ids, device=device))  # [Tx, H]
+        z = latent[row].to(tokens.dtype)
+        rows.append(torch.cat([z, tokens]) if model.latent_cfg.latent_placement == "prefix" else torch.cat([tokens, z]))
+    width = max(r.shape[0] for r in rows)
+    pad = embed(torch.tensor([pad_token_id], device=device))[0]  # [H]
+    embeds = pad.expand(len(rows), width, -1).clone()
+    attention = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        embeds[i, width - r.shape[0] :] = r
+        attention[i, width - r.shape[0] :] = 1
+    return embeds, attention
+
+
+def _eos_ids(model: CVAEBase, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    config = getattr(model.decoder, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is not None:
+        ids.update(int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]))
+    return ids
+
+
+@torch.no_grad()
+def generate_texts(
+    model: CVAEBase,
+    tokenizer: Any,
+    prompt_ids: Sequence[list[int]],
+    vectors: torch.Tensor,
+    sampling: SamplingOptions,
+    batch_size: int = 16,
+) -> list[str]:
+    """One response per row (``prompt_ids[r]`` under latent ``vectors[r]``), new tokens only.
+
+    Uses the global torch generator for sampling (the caller seeds it).
+    """
+    eos = _eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
+    was_training = model.training
+    model.eval()
+    texts: list[str] = []
+    try:
+        for start in range(0, len(prompt_ids), batch_size):
+            chunk = list(prompt_ids[start : start + batch_size])
+            embeds, attention = generation_inputs(model, chunk, vectors[start : start + batch_size], pad)
+            out = model.decoder.generate(
+                inputs_embeds=embeds,
+                attention_mask=attention,
+                pad_token_id=pad,
+                eos_token_id=sorted(eos) or None,
+                **sampling.generate_kwargs(),
+            )
+            for row in out.tolist():
+                cut = next((i for i, t in enumerate(row) if t in eos), len(row))
+                texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+    finally:
+        model.train(was_training)
+    return texts
+
+
+# --------------------------------------------------------------------------- what to generate
+
+
+@dataclass
+class LatentChoice:
+    """One latent to decode for one prompt, with a JSON-able description."""
+
+    prompt_index: int
+    label: str
+    description: dict[str, Any]
+    vector: torch.Tensor  # [L]
+
+
+def parse_codes(text: str | None, num_slots: int, codebook_size: int) -> list[int | None] | None:
+    """``"0,2"`` -> ``[0, 2]``; ``-`` leaves a slot free (its prior mode, or swept). None stays None."""
+    if text is None:
+        return None
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) != num_slots:
+        raise ValueError(f"--codes needs one entry per slot ({num_slots}), got {len(parts)} in {text!r}")
+    codes: list[int | None] = []
+    for part in parts:
+        if part in ("-", "*", ""):
+            codes.append(None)
+            continue
+        try:
+            code = int(part)
+        except ValueError:
+            raise ValueError(f"--codes entries must be integers or '-', got {part!r}") from None
+        if not 0 <= code < codebook_size:
+            raise ValueError(f"--codes entry {code} is outside [0, {codebook_size})")
+        codes.append(code)
+    return codes
+
+
+def _discrete_plan(
+    model: SharedDiscreteCVAE,
+    features: FrozenFeatures,
+    mode: str,
+    slot: int | None,
+    codes: list[int | None] | None,
+    all_combinations: bool,
+    max_combinations: int,
+    num_samples: int,
+    posteriors: list[PosteriorSummary] | None,
+) -> list[LatentChoice]:
+    M, K = model.num_slots, model.codebook_size
+    log_p = model.prior_log_probs(features)  # [B, M, K]
+    B = log_p.shape[0]
+    choices: list[LatentChoice] = []
+
+    def add(p: int, combo: Sequence[int], label: str, **extra: Any) -> None:
+        codes_t = torch.tensor([list(combo)], device=log_p.device)
+        choices.append(LatentChoice(p, label, dict(extra, codes=list(combo)), model.codes_to_vector(codes_t)[0]))
+
+    if mode == "prior":
+        for p in range(B):
+            draws = torch.multinomial(log_p[p].exp(), num_samples, replacement=True).T  # [S, M]
+            for s, combo in enumerate(draws.tolist()):
+                add(p, combo, f"prior#{s} codes={','.join(map(str, combo))}", prior_sample=s)
+        return choices
+    if mode == "posterior":
+        assert posteriors is not None
+        for p, summary in enumerate(posteriors):
+            combo = summary.codes[0].tolist()
+            add(p, combo, f"posterior codes={','.join(map(str, combo))}", posterior_of="reference_response")
+        return choices
+    if slot is not None and not 0 <= slot < M:
+        raise ValueError(f"--slot {slot} is outside [0, {M})")
+    forced = codes if codes is not None else [None] * M
+    sweep = slot if slot is not None else (0 if codes is None else None)
+    for p in range(B):
+        mode_codes = log_p[p].argmax(-1).tolist()  # [M], the prior mode
+        base = [forced[m] if forced[m] is not None else mode_codes[m] for m in range(M)]
+        if all_combinations:
+            options = [[forced[m]] if forced[m] is not None else list(range(K)) for m in range(M)]
+            combos = list(itertools.islice(itertools.product(*options), max_combinations))
+            total = math.prod(len(o) for o in options)
+            if p == 0 and total > max_combinations:
+                logger.warning("generating the first %d of %d code combinations", max_combinations, total)
+        elif sweep is not None:
+            combos = [tuple(base[:sweep] + [k] + base[sweep + 1 :]) for k in range(K)]
+        else:
+            combos = [tuple(base)]
+        for combo in combos:
+            add(p, combo, f"codes={','.join(map(str, combo))}")
+    return choices
+
+
+def _continuous_plan(
+    model: CVAEBase,
+    features: FrozenFeatures,
+    mode: str,
+    num_samples: int,
+    steps: int,
+    posteriors: list[PosteriorSummary] | None,
+    posteriors_b: list[PosteriorSummary] | None,
+) -> list[LatentChoice]:
+    choices: list[LatentChoice] = []
+    B = features.prior_features.shape[0]
+
+    def z_list(z: torch.Tensor) -> list[float]:
+        return [round(float(v), 5) for v in z]
+
+    if mode == "prior":
+        draws = model.prior_vectors(features, num_samples)  # [S, B, D]
+        for p in range(B):
+            for s in range(num_samples):
+                choices.append(
+                    LatentChoice(p, f"prior#{s}", {"prior_sample": s, "z": z_list(draws[s, p])}, draws[s, p])
+                )
+    elif mode == "posterior":
+        assert posteriors is not None
+        for p, summary in enumerate(posteriors):
+            mu = summary.mu[0]
+            choices.append(LatentChoice(p, "posterior", {"posterior_of": "reference_response", "z": z_list(mu)}, mu))
+    else:  # interpolate
+        assert posteriors is not None and posteriors_b is not None
+        for p, (a, b) in enumerate(zip(posteriors, posteriors_b, strict=True)):
+            for i in range(steps):
+                t = i / (steps - 1) if steps > 1 else 0.0
+                z = (1 - t) * a.mu[0] + t * b.mu[0]
+                choices.append(LatentChoice(p, f"t={t:.2f}", {"t": t, "z": z_list(z)}, z))
+    return choices
+
+
+def generate(
+    model: CVAEBase,
+    tokenizer: Any,
+    config: RunConfig,
+    prompts: Sequence[str],
+    *,
+    mode: str | None = None,
+    slot: int | None = None,
+    codes: str | Sequence[int | None] | None = None,
+    all_combinations: bool = False,
+    max_combinations: int = 64,
+    num_samples: int = 1,
+    reference_response: str | None = None,
+    reference_response_b: str | None = None,
+    steps: int = 5,
+    sampling: SamplingOptions | None = None,
+    batch_size: int = 16,
+) -> dict[str, Any]:
+    """Generate responses to ``prompts`` under chosen latents (see the module docstring).
+
+    ``num_samples`` is the number of responses per latent, except in ``prior`` mode where it is
+    the number of latents drawn (one response each). Returns a JSON-able dict: ``latent``,
+    ``mode``, ``sampling``, ``prompts``, ``generations`` (one record per response: ``prompt_index``,
+    ``prompt``, ``latent`` label, ``latent_description``, ``sample``, ``text``) and ``diversity``
+    (``distinct_1``, ``distinct_2`` averaged over prompts, and ``per_prompt``). Deterministic given
+    ``sampling.seed``; the caller's random state is left untouched.
+    """
+    sampling = sampling or SamplingOptions()
+    discrete = isinstance(model, SharedDiscreteCVAE)
+    mode = mode or ("codes" if discrete else "prior")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "codes" and not discrete:
+        raise ValueError("mode 'codes' needs a discrete model; use prior, posterior or interpolate")
+    if mode == "interpolate" and discrete:
+        raise ValueError("mode 'interpolate' needs a continuous model")
+    if mode in ("posterior", "interpolate") and reference_response is None:
+        raise ValueError(f"mode {mode!r} needs --reference-response")
+    if mode == "interpolate" and reference_response_b is None:
+        raise ValueError("mode 'interpolate' needs --reference-response-b")
+    if num_samples < 1 or steps < 1 or max_combinations < 1:
+        raise ValueError("num_samples, steps and max_combinations must be >= 1")
+    if codes is not None and not isinstance(codes, str):
+        codes = ",".join("-" if c is None else str(c) for c in codes)
+    pad = tokenizer.pad_token_id
+    prompt_ids = encode_prompts(prompts, tokenizer, config.data)
+    device = _device(model)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            torch.manual_seed(sampling.seed)
+            features = prompt_features(model, prompt_ids, pad)
+            posteriors = posteriors_b = None
+            if reference_response is not None and mode in ("posterior", "interpolate"):
+                posteriors = [
+                    reference_posterior(model, tokenizer, config.data, p, reference_response) for p in prompts
+                ]
+            if mode == "interpolate":
+                posteriors_b = [
+                    reference_posterior(model, tokenizer, config.data, p, reference_response_b) for p in prompts
+                ]
+            if discrete:
+                parsed = parse_codes(codes, model.num_slots, model.codebook_size)
+                choices = _discrete_plan(
+                    model,
+                    features,
+                    mode,
+                    slot,
+                    parsed,
+                    all_combinations,
+                    max_combinations,
+                    num_samples,
+                    posteriors,
+                )
+            else:
+                choices = _continuous_plan(model, features, mode, num_samples, steps, posteriors, posteriors_b)
+            repeats = 1 if mode == "prior" else num_samples
+            rows = [(c, s) for c in choices for s in range(repeats)]
+            vectors = torch.stack([c.vector for c, _ in rows])
+            texts = generate_texts(
+                model, tokenizer, [prompt_ids[c.prompt_index] for c, _ in rows], vectors, sampling, batch_size
+            )
+    finally:
+        model.train(was_training)
+    generations = [
+        {
+            "prompt_index": c.prompt_index,
+            "prompt": prompts[c.prompt_index],
+            "latent": c.label,
+            "latent_description": c.description,
+            "sample": s,
+            "text": text,
+        }
+        for (c, s), text in zip(rows, texts, strict=True)
+    ]
+    per_prompt = []
+    for p, prompt in enumerate(prompts):
+        mine = [g["text"] for g in generations if g["prompt_index"] == p]
+        per_prompt.append(
+            {
+                "prompt": prompt,
+                "responses": len(mine),
+                "distinct_1": distinct_n(mine, 1),
+                "distinct_2": distinct_n(mine, 2),
+            }
+        )
+    result: dict[str, Any] = {
+        "latent": "discrete" if discrete else "continuous",
+        "mode": mode,
+        "sampling": asdict(sampling),
+        "prompts": list(prompts),
+        "generations": generations,
+        "diversity": {
+            "distinct_1": sum(d["distinct_1"] for d in per_prompt) / len(per_prompt),
+            "distinct_2": sum(d["distinct_2"] for d in per_prompt) / len(per_prompt),
+            "per_prompt": per_prompt,
+        },
+    }
+    if discrete and mode == "codes":
+        result["slot"] = slot if slot is not None else (0 if codes is None and not all_combinations else None)
+        result["all_combinations"] = all_combinations
+    if reference_response is not None:
+        result["reference_response"] = reference_response
+    if reference_response_b is not None:
+        result["reference_response_b"] = reference_response_b
+    return result
+
+
+def format_generations(result: dict[str, Any]) -> str:
+    """A readable text table: per prompt, one line per latent and sample, then the diversity."""
+    lines: list[str] = []
+    for p, prompt in enumerate(result["prompts"]):
+        rows = [g for g in result["generations"] if g["prompt_index"] == p]
+        labels = [g["latent"] + (f" #{g['sample']}" if g["sample"] else "") for g in rows]
+        width = max([len("latent"), *map(len, labels)])
+        lines.append(f"prompt {p}: {prompt!r}")
+        lines.append(f"  {'latent'.ljust(width)} | response")
+        lines.append(f"  {'-' * width}-+-{'-' * 40}")
+        for label, g in zip(labels, rows, strict=True):
+            text = g["text"].replace("\n", "\\n")
+            lines.append(f"  {label.ljust(width)} | {text}")
+        d = result["diversity"]["per_prompt"][p]
+        lines.append(
+            f"  distinct-1 {d['distinct_1']:.3f}  distinct-2 {d['distinct_2']:.3f}  ({d['responses']} responses)"
+        )
+        lines.append("")
+    d = result["diversity"]
+    lines.append(f"mean over prompts: distinct-1 {d['distinct_1']:.3f}  distinct-2 {d['distinct_2']:.3f}")
+    return "\n".join(lines)

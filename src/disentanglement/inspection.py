@@ -1,0 +1,183 @@
+"""Looking at one example and at a run (``disentangle inspect``).
+
+For one example the token report colours each response token by, selectably:
+
+- ``zfree_surprisal``: ``b_t``, the z-free reference's NLL;
+- ``token_weight``: ``pi_t`` at the configured alpha (or the one given);
+- ``inverse_token_weight``: ``pi_inv_t`` at the same alpha;
+- ``conditioned_nll``: ``l_t``, the decoder's NLL under the posterior latent (argmax code / mean);
+- ``gain``: ``b_t - l_t`` (positive where the conditioned decoder beats the z-free reference);
+- ``prior_nll``: the prior mixture's per-token NLL (:func:`evaluation.mixture_token_nll`);
+- ``latent_gain``: ``prior_nll - conditioned_nll`` (where the posterior latent helps).
+
+The page is self-contained (:func:`report.write_token_report`, no network) with a JSON sidecar
+holding the same numbers. The run's plots: training curves, KL and schedules from
+``metrics.jsonl``; code usage per slot (discrete) and the code (or k-means cluster) x label heat map
+over the inspected data set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .cvae_base import CVAEBase
+from .data import Example, collate
+from .evaluation import latent_assignments, posterior_latents, score_batch
+from .features import FeatureCache
+from .metrics import code_usage_per_slot, label_agreement
+from .report import (
+    plot_code_usage,
+    plot_contingency_heatmap,
+    plot_training_curves,
+    read_metrics_jsonl,
+    write_token_report,
+)
+from .shared_discrete_cvae import SharedDiscreteCVAE
+from .token_weighting import token_weighting_from_base_nll
+
+QUANTITIES = (
+    "zfree_surprisal",
+    "token_weight",
+    "inverse_token_weight",
+    "conditioned_nll",
+    "gain",
+    "prior_nll",
+    "latent_gain",
+)
+
+
+def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each token decoded on its own (special tokens kept), so that there is one string per token."""
+    return [tokenizer.decode([int(i)], skip_special_tokens=False) for i in ids]
+
+
+@torch.no_grad()
+def token_values(
+    model: CVAEBase,
+    tokenizer: Any,
+    example: Example,
+    alpha: float | None = None,
+    prior_samples: int = 16,
+    exact_limit: int = 64,
+    seed: int = 0,
+) -> tuple[list[str], dict[str, list[float]], dict[str, Any]]:
+    """``(tokens, values, meta)`` of one example's response tokens (see the module docstring).
+
+    ``values`` maps each of :data:`QUANTITIES` to one number per response token, in order;
+    ``meta`` holds the example's text, label, latent and per-token summaries.
+    """
+    device = next(model.parameters()).device
+    batch = collate([example], tokenizer.pad_token_id).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            features = model.frozen_pass(batch)
+            scores = score_batch(
+                model, batch, features, iw_samples=1, prior_samples=prior_samples, exact_limit=exact_limit
+            )
+    finally:
+        model.train(was_training)
+    cfg = model.reconstruction_cfg
+    alpha = cfg.token_weight_alpha if alpha is None else float(alpha)
+    weighting = scores.weighting
+    if alpha != cfg.token_weight_alpha:
+        weighting = token_weighting_from_base_nll(
+            weighting.aligned_base_token_nll, scores.target, alpha, cfg.token_weight_eps
+        )
+    mask = scores.target[0].bool()
+    if int(mask.sum()) != len(example.response_ids):
+        raise RuntimeError(f"{int(mask.sum())} supervised positions for {len(example.response_ids)} response tokens")
+    b = scores.zfree_nll[0][mask].double()
+    l = scores.posterior_nll[0][mask].double()
+    r = scores.prior_nll[0][mask].double()
+    values = {
+        "zfree_surprisal": b,
+        "token_weight": weighting.token_weights[0][mask].double(),
+        "inverse_token_weight": weighting.inverse_token_weights[0][mask].double(),
+        "conditioned_nll": l,
+        "gain": b - l,
+        "prior_nll": r,
+        "latent_gain": r - l,
+    }
+    summary = scores.summary
+    if summary.codes is not None:
+        latent: dict[str, Any] = {"codes": summary.codes[0].tolist()}
+    else:
+        latent = {"posterior_mean": [round(float(v), 5) for v in summary.mu[0]]}
+    pi = values["token_weight"]
+    n = len(example.response_ids)
+    meta = {
+        "source": example.source,
+        "label": example.label,
+        "prompt": tokenizer.decode(example.prompt_ids, skip_special_tokens=False),
+        "response": tokenizer.decode(example.response_ids, skip_special_tokens=False),
+        "response_tokens": n,
+        "token_weight_alpha": alpha,
+        "latent": latent,
+        "prior_mixture": {"method": scores.mixture.method, "latents": scores.mixture.size},
+        "zfree_nll_per_token": float(b.mean()),
+        "conditioned_nll_per_token": float(l.mean()),
+        "prior_nll_per_token": float(r.mean()),
+        "gain_per_token": float((b - l).mean()),
+        "token_weighted_gain": float((pi * (b - l)).sum()),
+        "latent_gain_per_token": float((r - l).mean()),
+        "token_weighted_latent_gain": float((pi * (r - l)).sum()),
+    }
+    return token_texts(tokenizer, example.response_ids), {k: v.tolist() for k, v in values.items()}, meta
+
+
+def write_example_report(
+    out_dir: str | Path,
+    index: int,
+    model: CVAEBase,
+    tokenizer: Any,
+    example: Example,
+    title: str | None = None,
+    extra_meta: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Path, Path]:
+    """Write ``inspect_<index>.html`` and its ``.json`` sidecar under ``out_dir``."""
+    tokens, values, meta = token_values(model, tokenizer, example, **kwargs)
+    meta = dict(extra_meta or {}, index=index, **meta)
+    title = title or f"Example {index}: {example.source}"
+    return write_token_report(Path(out_dir) / f"inspect_{index}.html", tokens, values, title, meta)
+
+
+def write_run_plots(
+    out_dir: str | Path,
+    model: CVAEBase,
+    examples: Sequence[Example],
+    cache: FeatureCache,
+    pad_token_id: int,
+    metrics_path: str | Path | None = None,
+    seed: int = 0,
+) -> list[Path]:
+    """Training curves (when ``metrics_path`` exists), code usage (discrete) and the latent x label heat map.
+
+    Code usage and the heat map are computed over ``examples`` (argmax codes; continuous:
+    k-means of posterior means with as many clusters as labels). The heat map needs a label on
+    every example. Returns the paths written.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    if metrics_path is not None and Path(metrics_path).is_file():
+        written += plot_training_curves(read_metrics_jsonl(metrics_path), out_dir)
+    if not examples:
+        return written
+    latents = posterior_latents(model, examples, cache, pad_token_id)
+    if isinstance(model, SharedDiscreteCVAE):
+        usage = code_usage_per_slot(latents["codes"], model.codebook_size)
+        written.append(plot_code_usage(usage, out_dir / "code_usage.png"))
+    labels = [e.label for e in examples]
+    if len(examples) >= 2 and all(label is not None for label in labels):
+        assignments = latent_assignments(model, latents, min(len(set(labels)), len(examples)), seed=seed)
+        agreement = label_agreement(assignments, labels)
+        written.append(plot_contingency_heatmap(agreement["contingency"], out_dir / "code_label_heatmap.png"))
+    return written

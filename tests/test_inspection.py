@@ -1,0 +1,203 @@
+"""``disentangle inspect``: the token report of one example and the run's plots, on checkpoints trained
+on the synthetic hidden-factor data (``conftest.py``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from html.parser import HTMLParser
+
+import pytest
+
+from conftest import model_and_tokenizer
+from disentanglement import cli, trainer
+from disentanglement.commands import load_examples, run_inspect
+from disentanglement.inspection import QUANTITIES
+
+PNG = b"\x89PNG\r\n\x1a\n"
+VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+
+class Page(HTMLParser):
+    """Checks that tags nest and close; collects the token spans, their text and every tag seen."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.stack: list[str] = []
+        self.errors: list[str] = []
+        self.tags: list[str] = []
+        self.spans: list[dict[str, str]] = []
+        self.texts: list[str] = []
+        self._in_token = 0
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        if tag in VOID:
+            return
+        self.stack.append(tag)
+        attrs = dict(attrs)
+        if tag == "span" and "tok" in (attrs.get("class") or "").split():
+            self.spans.append(attrs)
+            self.texts.append("")
+            self._in_token = len(self.stack)
+
+    def handle_startendtag(self, tag, attrs):
+        if tag not in VOID:
+            self.errors.append(f"self-closing <{tag}/>")
+
+    def handle_endtag(self, tag):
+        if tag in VOID:
+            return
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:]}")
+            return
+        if self._in_token == len(self.stack):
+            self._in_token = 0
+        self.stack.pop()
+
+    def handle_data(self, data):
+        if self._in_token:
+            self.texts[-1] += data
+
+
+def parse(text: str) -> Page:
+    page = Page()
+    page.feed(text)
+    page.close()
+    assert not page.errors, page.errors
+    assert not page.stack, f"unclosed {page.stack}"
+    return page
+
+
+def visible(token: str) -> str:
+    """A token as the page shows it (line breaks drawn as a return arrow)."""
+    return token.replace("\r", "\u240d").replace("\n", "\u21b5")
+
+
+@pytest.fixture(scope="module")
+def discrete_inspection(discrete_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("inspect")
+    paths = run_inspect(
+        discrete_run.checkpoint, index=3, output_dir=out, progress=False, model_and_tokenizer=model_and_tokenizer()
+    )
+    return paths, out
+
+
+def test_html_is_well_formed_and_agrees_with_its_sidecar(discrete_run, discrete_inspection):
+    paths, out = discrete_inspection
+    assert paths["html"] == out / "inspect_3.html" and paths["json"] == out / "inspect_3.json"
+    sidecar = json.loads(paths["json"].read_text())
+    text = paths["html"].read_text()
+    assert text.startswith("<!DOCTYPE html>") and "http://" not in text and "https://" not in text
+    page = parse(text)
+
+    _, tok, config, _ = discrete_run.load()
+    example = load_examples("validation", config, tok)[0][3]
+    tokens = sidecar["tokens"]
+    # every response token exactly once, in order
+    assert len(tokens) == len(page.spans) == len(example.response_ids)
+    assert [int(s["data-i"]) for s in page.spans] == list(range(len(tokens)))
+    assert "".join(tokens) == tok.decode(example.response_ids, skip_special_tokens=False)
+    assert page.texts == [visible(t) for t in tokens]
+    assert [s["data-token"] for s in page.spans] == tokens
+    # the page's numbers are the sidecar's
+    assert set(sidecar["values"]) == set(QUANTITIES)
+    for key, values in sidecar["values"].items():
+        assert len(values) == len(tokens)
+        assert [s[f"data-{key}"] for s in page.spans] == [f"{v:.4g}" for v in values]
+    values = sidecar["values"]
+    for i in range(len(tokens)):
+        assert values["gain"][i] == pytest.approx(values["zfree_surprisal"][i] - values["conditioned_nll"][i])
+        assert values["latent_gain"][i] == pytest.approx(values["prior_nll"][i] - values["conditioned_nll"][i])
+    assert sum(values["token_weight"]) == pytest.approx(1.0)
+    assert sum(values["inverse_token_weight"]) == pytest.approx(1.0)
+    meta = sidecar["meta"]
+    assert meta["index"] == 3 and meta["label"] == example.label and meta["token_weight_alpha"] == 1.0
+    assert meta["latent"]["codes"][0] in range(config.latent.codebook_size)
+    assert meta["gain_per_token"] == pytest.approx(sum(values["gain"]) / len(tokens))
+    # the weights follow surprisal at alpha = 1: pi_t proportional to b_t
+    b, pi = values["zfree_surprisal"], values["token_weight"]
+    assert pi == pytest.approx([v / sum(b) for v in b], rel=1e-4)
+
+
+def test_plots_are_written_and_non_empty(discrete_inspection):
+    paths, out = discrete_inspection
+    names = {p.name for p in paths["plots"]}
+    assert {"training_curves.png", "kl.png", "schedules.png", "code_usage.png", "code_label_heatmap.png"} <= names
+    for path in paths["plots"]:
+        data = path.read_bytes()
+        assert path.parent == out and data.startswith(PNG) and len(data) > 1000
+
+
+def test_markup_in_token_text_is_escaped(discrete_run, tmp_path):
+    response = '<script>alert("x")</script> & <b>bold</b>'
+    data = tmp_path / "markup.jsonl"
+    data.write_text(json.dumps({"prompt": "red <i>cat</i> 5", "response": response, "label": "0"}) + "\n")
+    paths = run_inspect(
+        discrete_run.checkpoint,
+        data=str(data),
+        index=0,
+        output_dir=tmp_path / "out",
+        plots=False,
+        model_and_tokenizer=model_and_tokenizer(),
+    )
+    assert paths["plots"] == []
+    text = paths["html"].read_text()
+    page = parse(text)
+    assert page.tags.count("script") == 2  # the page's own data and code, nothing from the tokens
+    assert "b" not in page.tags and "i" not in page.tags
+    assert "<script>alert" not in text and "&lt;" in text and "&amp;" in text
+    sidecar = json.loads(paths["json"].read_text())
+    assert "".join(page.texts) == "".join(sidecar["tokens"]) == response + "<|im_end|>"
+    assert sidecar["meta"]["prompt"] == "red <i>cat</i> 5\n"
+
+
+def test_alpha_override_gives_uniform_weights(discrete_run, tmp_path):
+    paths = run_inspect(
+        discrete_run.checkpoint,
+        index=0,
+        alpha=0.0,
+        plots=False,
+        output_dir=tmp_path,
+        model_and_tokenizer=model_and_tokenizer(),
+    )
+    sidecar = json.loads(paths["json"].read_text())
+    n = len(sidecar["tokens"])
+    assert sidecar["meta"]["token_weight_alpha"] == 0.0
+    assert sidecar["values"]["token_weight"] == pytest.approx([1 / n] * n)
+
+
+def test_continuous_inspection(continuous_run, tmp_path):
+    paths = run_inspect(
+        continuous_run.run_dir,
+        index=0,
+        prior_samples=4,
+        output_dir=tmp_path,
+        progress=False,
+        model_and_tokenizer=model_and_tokenizer(),
+    )
+    sidecar = json.loads(paths["json"].read_text())
+    assert len(sidecar["meta"]["latent"]["posterior_mean"]) == continuous_run.config.latent.latent_dim
+    assert all(v is not None and math.isfinite(v) for vals in sidecar["values"].values() for v in vals)
+    names = {p.name for p in paths["plots"]}
+    assert "code_label_heatmap.png" in names and "code_usage.png" not in names and "training_curves.png" in names
+
+
+@pytest.fixture
+def injected_loader(monkeypatch):
+    original = trainer.load_trained
+    monkeypatch.setattr(trainer, "load_trained", lambda checkpoint, _=None: original(checkpoint, model_and_tokenizer()))
+
+
+def test_cli_inspect(discrete_run, tmp_path, injected_loader, capsys):
+    argv = ["inspect", str(discrete_run.checkpoint), "--index", "1", "--no-plots", "--output-dir", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert "inspect_1.html" in capsys.readouterr().out
+    assert (tmp_path / "inspect_1.html").is_file() and (tmp_path / "inspect_1.json").is_file()
+    assert cli.main(["inspect", str(discrete_run.checkpoint), "--index", "4000", "--no-plots"]) == 2
+    assert "--index 4000" in capsys.readouterr().err
+
+
+def test_default_output_dir_is_next_to_the_checkpoints(discrete_run, injected_loader):
+    assert cli.main(["inspect", str(discrete_run.run_dir), "--index", "0", "--no-plots", "--no-progress"]) == 0
+    assert (discrete_run.run_dir / "inspect" / "inspect_0.html").is_file()
