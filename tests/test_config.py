@@ -404,3 +404,9 @@ def test_write_and_load_run_config_round_trip(tmp_path):
     path = tmp_path / "resolved.yaml"
     write_run_config(run, path)
     assert load_run_config(path) == run
+
+
+def test_divergence_needs_the_discrete_latent():
+    with pytest.raises(ConfigError, match="divergence_weight.*discrete"):
+        build_config({"latent": "continuous", "divergence_weight": 0.1})
+    assert build_config({"latent": "discrete", "divergence_weight": 0.1}).divergence.divergence_weight == 0.1

@@ -301,3 +301,27 @@ def test_divergence_is_the_token_weighted_js_of_two_decodes(tokenizer):
     js = 0.5 * (pa * (pa / m).log()).sum(-1) + 0.5 * (pb * (pb / m).log()).sum(-1)  # [B, N]
     expected = (out.weighting.token_weights * js * target[:, 1:]).sum(1).mean()
     torch.testing.assert_close(out.divergence, expected, rtol=1e-4, atol=1e-7)
+
+
+def test_frozen_pass_surprisal_equals_the_seed_reference_scorer(tokenizer):
+    from disentanglement.token_weighting import score_zfree_reference
+
+    model, _ = make_model(tokenizer)
+    batch = make_batch(tokenizer)
+    expected = score_zfree_reference(model.decoder, batch.input_ids, batch.attention_mask, batch.target_mask)
+    torch.testing.assert_close(model.frozen_pass(batch).zfree_token_nll, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_logged_unit_kl_is_raw_and_the_objective_has_free_bits(tokenizer):
+    model, _ = make_model(tokenizer, latent="continuous", free_bits=5.0, beta=1.0, beta_schedule="constant")
+    model.eval()
+    batch = make_batch(tokenizer)
+    out = model(batch)
+    mu, logvar = model.posterior(model.frozen_pass(batch))
+    mu_p, logvar_p = model.prior(model.frozen_pass(batch))
+    raw = gaussian_kl(mu, logvar, mu_p, logvar_p).mean(0)
+    record = out.scalars()
+    for i, value in enumerate(raw.tolist()):
+        assert record[f"kl_unit_{i}"] == pytest.approx(value, rel=1e-5, abs=1e-7)
+        assert record[f"kl_objective_unit_{i}"] == pytest.approx(max(value, 5.0), rel=1e-5)
+    torch.testing.assert_close(out.kl_term, raw.clamp_min(5.0).sum())

@@ -240,7 +240,9 @@ class ModelConfig:
     lora_dropout: float = option(0.0, "LoRA dropout.")
     lora_target_modules: list[str] = option(["q_proj", "v_proj"], "Module names that get LoRA adapters.")
     dtype: Literal["auto", "float32", "bfloat16"] = option(
-        "auto", "Weights dtype: auto = bfloat16 on CUDA, float32 on CPU."
+        "auto",
+        "Weights dtype when loading: auto = float32 weights (training adds bf16 autocast on CUDA); "
+        "bfloat16 halves memory.",
     )
 
     def __post_init__(self) -> None:
@@ -333,6 +335,13 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if self.divergence.divergence_weight > 0 and self.latent.latent != "discrete":
+            raise ConfigError(
+                f"DivergenceConfig.divergence_weight is {self.divergence.divergence_weight}, but the inter-latent "
+                f"divergence exists only for the discrete latent (LatentConfig.latent is {self.latent.latent!r})"
+            )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -54,7 +54,8 @@ class CVAEOutput:
     reconstruction_terms: dict[str, torch.Tensor]
     reconstruction_total: torch.Tensor
     kl: torch.Tensor  # mean over the batch of the per-example KL, nats
-    kl_per_unit: torch.Tensor  # [U], batch-mean KL per slot or dimension (after free bits / per-token scaling)
+    kl_per_unit: torch.Tensor  # [U], batch-mean KL per slot or dimension, nats
+    kl_objective_per_unit: torch.Tensor  # [U], what enters the objective: after per-token division and free bits
     kl_term: torch.Tensor
     beta: float
     divergence: torch.Tensor | None
@@ -79,8 +80,11 @@ class CVAEOutput:
         )
         if self.divergence is not None:
             out["divergence"] = float(self.divergence.detach())
-        for i, v in enumerate(self.kl_per_unit.tolist()):
-            out[f"kl_unit_{i}"] = v
+        for i, (raw, objective) in enumerate(
+            zip(self.kl_per_unit.tolist(), self.kl_objective_per_unit.tolist(), strict=True)
+        ):
+            out[f"kl_unit_{i}"] = raw  # batch-mean KL of the unit in nats (a collapsed unit shows 0)
+            out[f"kl_objective_unit_{i}"] = objective  # after per-token division and free bits
         out.update({k: float(v.detach()) for k, v in self.aux_losses.items()})
         out.update(self.stats)
         return out
@@ -286,6 +290,15 @@ class CVAEBase(nn.Module):
         """``[B, L] -> [B, P, H]`` soft latent embeddings."""
         return self.latent_projection(vector).view(vector.shape[0], self.num_latent_tokens, self.hidden_size)
 
+    def alignment_offsets(self, batch: Batch) -> torch.Tensor:
+        """``[B]``: z-free position ``t`` of a response token is conditioned position ``t + offset``.
+
+        Both placements put the ``P`` latent embeddings before every response token.
+        """
+        return torch.full(
+            (batch.input_ids.shape[0],), self.num_latent_tokens, dtype=torch.long, device=batch.input_ids.device
+        )
+
     def conditioned_inputs(
         self, batch: Batch, latent_embeds: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -315,8 +328,7 @@ class CVAEBase(nn.Module):
         input_ids = batch.input_ids.gather(1, source).masked_fill(is_latent, 0)
         attention_mask = batch.attention_mask.gather(1, source).masked_fill(is_latent, 1)
         target_mask = batch.target_mask.gather(1, source).masked_fill(is_latent, 0)
-        offsets = torch.full((B,), P, dtype=torch.long, device=device)
-        return inputs_embeds, input_ids, attention_mask, target_mask, offsets
+        return inputs_embeds, input_ids, attention_mask, target_mask, self.alignment_offsets(batch)
 
     def decode(self, batch: Batch, vector: torch.Tensor, window: bool = True) -> Decoded:
         """Run the decoder under a latent.
@@ -399,7 +411,8 @@ class CVAEBase(nn.Module):
             reconstruction_terms=stack.terms,
             reconstruction_total=stack.total,
             kl=sample.kl_per_unit.sum(1).mean(),
-            kl_per_unit=kl_per_unit.detach(),
+            kl_per_unit=sample.kl_per_unit.detach().mean(0),
+            kl_objective_per_unit=kl_per_unit.detach(),
             kl_term=kl_term,
             beta=beta,
             divergence=divergence,

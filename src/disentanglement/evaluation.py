@@ -171,10 +171,9 @@ def conditioned_nll(model: CVAEBase, batch: Batch, vector: torch.Tensor) -> torc
 
 def batch_weighting(model: CVAEBase, batch: Batch, features: FrozenFeatures) -> TokenWeighting:
     """Token weights at the configured alpha, aligned to the conditioned positions ``[B, N]``."""
-    B, T = batch.input_ids.shape
-    P = model.num_latent_tokens
-    offsets = torch.full((B,), P, dtype=torch.long, device=batch.input_ids.device)
-    return model.token_weighting(batch, features, offsets, T + P)
+    return model.token_weighting(
+        batch, features, model.alignment_offsets(batch), batch.input_ids.shape[1] + model.num_latent_tokens
+    )
 
 
 @dataclass

@@ -169,11 +169,6 @@ def term_weights(config: ReconstructionLossConfig) -> dict[str, float]:
     return {term: float(getattr(config, field)) for term, field in TERM_WEIGHT_FIELDS.items()}
 
 
-def needs_reference(config: ReconstructionLossConfig) -> bool:
-    """Whether any enabled term needs the reference's token weighting."""
-    return any(w != 0 for t, w in term_weights(config).items() if t in TERMS_NEEDING_WEIGHTING)
-
-
 def reconstruction_loss_stack(
     token_nll: torch.Tensor,
     target_mask: torch.Tensor,

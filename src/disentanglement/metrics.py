@@ -25,6 +25,9 @@ from sklearn.metrics import (
 )
 from sklearn.metrics.cluster import contingency_matrix
 
+# The KL divergences live with the other latent regularisers; re-exported for evaluation code.
+from .regularizers import categorical_kl, gaussian_kl  # noqa: F401
+
 _LOG_2PI = math.log(2.0 * math.pi)
 
 
@@ -43,48 +46,6 @@ def _as_numpy(x: Any) -> np.ndarray:
 def _python_scalar(v: Any) -> Any:
     """numpy scalar -> Python scalar, so that results are JSON-able."""
     return v.item() if isinstance(v, np.generic) else v
-
-
-# --------------------------------------------------------------------------- KL divergences
-
-
-def gaussian_kl(
-    mu_q: Any,
-    logvar_q: Any,
-    mu_p: Any | None = None,
-    logvar_p: Any | None = None,
-) -> torch.Tensor:
-    """Per-dimension ``KL(N(mu_q, e^logvar_q) || N(mu_p, e^logvar_p))``, ``[B, D]``.
-
-    ``mu_q``, ``logvar_q`` are ``[B, D]``; ``mu_p``, ``logvar_p`` broadcast against them
-    (``[B, D]`` or ``[D]``), and each defaults to the standard normal's (0 and 0):
-
-        KL_d = 0.5 * (logvar_p - logvar_q + (e^logvar_q + (mu_q - mu_p)^2) / e^logvar_p - 1)
-    """
-    mu_q, logvar_q = _as_tensor(mu_q), _as_tensor(logvar_q)
-    mu_p = torch.zeros_like(mu_q) if mu_p is None else _as_tensor(mu_p).to(mu_q)
-    logvar_p = torch.zeros_like(logvar_q) if logvar_p is None else _as_tensor(logvar_p).to(logvar_q)
-    return 0.5 * (logvar_p - logvar_q + (logvar_q.exp() + (mu_q - mu_p).pow(2)) * torch.exp(-logvar_p) - 1.0)
-
-
-def categorical_kl(log_q: Any, log_p: Any) -> torch.Tensor:
-    """Per-slot ``KL(q || p) = sum_k q_k (log q_k - log p_k)``, ``[B, M]``.
-
-    ``log_q`` is ``[B, M, K]`` log-probabilities; ``log_p`` is ``[M, K]`` (a fixed prior) or
-    ``[B, M, K]`` (a learned prior). Codes with ``q_k = 0`` contribute 0 (also where
-    ``log p_k = -inf``); a code with ``q_k > 0`` and ``p_k = 0`` gives ``inf``.
-    """
-    log_q = _as_tensor(log_q)
-    log_p = _as_tensor(log_p).to(log_q)
-    if log_q.dim() != 3:
-        raise ValueError(f"log_q must be [B, M, K], got shape {tuple(log_q.shape)}")
-    if log_p.dim() == 2:
-        log_p = log_p.unsqueeze(0)
-    if log_p.dim() != 3 or log_p.shape[1:] != log_q.shape[1:]:
-        raise ValueError(f"log_p must be [M, K] or [B, M, K] matching log_q {tuple(log_q.shape)}")
-    q = log_q.exp()
-    terms = torch.where(q > 0, q * (log_q - log_p), torch.zeros_like(q))  # [B, M, K]
-    return terms.sum(dim=-1)
 
 
 # --------------------------------------------------------------------------- mutual information

@@ -8,34 +8,58 @@ continuous one), ``K`` codes, ``N`` conditioned positions, ``V`` vocabulary.
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .config import KLConfig
 
 
+def _as_tensor(x: Any) -> torch.Tensor:
+    """A float tensor of ``x`` (numpy or torch); integer input becomes float32."""
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    return t if t.is_floating_point() else t.to(torch.float32)
+
+
 def gaussian_kl(
-    mu_q: torch.Tensor,
-    logvar_q: torch.Tensor,
-    mu_p: torch.Tensor | None = None,
-    logvar_p: torch.Tensor | None = None,
+    mu_q: Any,
+    logvar_q: Any,
+    mu_p: Any | None = None,
+    logvar_p: Any | None = None,
 ) -> torch.Tensor:
-    """Per-dimension ``KL(N(mu_q, var_q) || N(mu_p, var_p))``, ``[B, D]``; the prior is N(0, I) when omitted."""
-    if mu_p is None:
-        mu_p = torch.zeros_like(mu_q)
-    if logvar_p is None:
-        logvar_p = torch.zeros_like(logvar_q)
-    return 0.5 * (logvar_p - logvar_q + (logvar_q.exp() + (mu_q - mu_p).pow(2)) / logvar_p.exp() - 1.0)
+    """Per-dimension ``KL(N(mu_q, e^logvar_q) || N(mu_p, e^logvar_p))``, ``[B, D]``.
 
+    ``mu_q``, ``logvar_q`` are ``[B, D]``; ``mu_p``, ``logvar_p`` broadcast against them
+    (``[B, D]`` or ``[D]``), and each defaults to the standard normal's (0 and 0):
 
-def categorical_kl(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
-    """Per-slot ``KL(q || p) = sum_k q_k (log q_k - log p_k)`` for ``[B, M, K]`` log-probabilities, ``[B, M]``.
-
-    ``log_p`` may be ``[M, K]`` or ``[B, M, K]``. Terms with ``q_k = 0`` contribute 0.
+        KL_d = 0.5 * (logvar_p - logvar_q + (e^logvar_q + (mu_q - mu_p)^2) / e^logvar_p - 1)
     """
+    mu_q, logvar_q = _as_tensor(mu_q), _as_tensor(logvar_q)
+    mu_p = torch.zeros_like(mu_q) if mu_p is None else _as_tensor(mu_p).to(mu_q)
+    logvar_p = torch.zeros_like(logvar_q) if logvar_p is None else _as_tensor(logvar_p).to(logvar_q)
+    return 0.5 * (logvar_p - logvar_q + (logvar_q.exp() + (mu_q - mu_p).pow(2)) * torch.exp(-logvar_p) - 1.0)
+
+
+def categorical_kl(log_q: Any, log_p: Any) -> torch.Tensor:
+    """Per-slot ``KL(q || p) = sum_k q_k (log q_k - log p_k)``, ``[B, M]``.
+
+    ``log_q`` is ``[B, M, K]`` log-probabilities; ``log_p`` is ``[M, K]`` (a fixed prior) or
+    ``[B, M, K]`` (a learned prior). Codes with ``q_k = 0`` contribute 0 (also where
+    ``log p_k = -inf``); a code with ``q_k > 0`` and ``p_k = 0`` gives ``inf``.
+    """
+    log_q = _as_tensor(log_q)
+    log_p = _as_tensor(log_p).to(log_q)
+    if log_q.dim() != 3:
+        raise ValueError(f"log_q must be [B, M, K], got shape {tuple(log_q.shape)}")
+    if log_p.dim() == 2:
+        log_p = log_p.unsqueeze(0)
+    if log_p.dim() != 3 or log_p.shape[1:] != log_q.shape[1:]:
+        raise ValueError(f"log_p must be [M, K] or [B, M, K] matching log_q {tuple(log_q.shape)}")
     q = log_q.exp()
-    return torch.where(q > 0, q * (log_q - log_p), torch.zeros_like(q)).sum(dim=-1)
+    terms = torch.where(q > 0, q * (log_q - log_p), torch.zeros_like(q))  # [B, M, K]
+    return terms.sum(dim=-1)
 
 
 def beta_at(step: int, cfg: KLConfig) -> float:

@@ -176,6 +176,8 @@ def shifted_nll(
 
     def block_nll(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         scores = head(x) if head is not None else x  # [B, c, V]
+        if scores.dtype in (torch.float16, torch.bfloat16):
+            scores = scores.float()  # log-softmax in at least float32, whatever the model's dtype
         if scores.is_contiguous():  # vocabulary-last cross-entropy is the fast kernel; reshape is a view here
             nll = F.cross_entropy(
                 scores.reshape(-1, scores.shape[-1]), y.reshape(-1), reduction="none", ignore_index=-100

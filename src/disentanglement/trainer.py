@@ -296,6 +296,11 @@ def train(
 
     if resume_state is not None:
         c_base = float(resume_state["zfree_reference_scale"])
+        given = config.reconstruction.zfree_reference_scale
+        if given is not None and abs(given - c_base) > 1e-12:
+            logger.warning(
+                "resuming with the checkpoint's zfree_reference_scale %.6f, not the configured %.6f", c_base, given
+            )
     elif config.reconstruction.zfree_reference_scale is not None:
         c_base = config.reconstruction.zfree_reference_scale
     else:
@@ -339,8 +344,9 @@ def train(
             for _ in range(tcfg.gradient_accumulation_steps):
                 indices = order.next_indices(tcfg.batch_size)
                 batch = collate([data.train[i] for i in indices], pad_id, indices=indices).to(device)
+                features = batch_features(core, batch, step_cache)  # float32 frozen pass, as in the cache
                 with accelerator.autocast():
-                    out = model(batch, features=batch_features(core, batch, step_cache), step=step)
+                    out = model(batch, features=features, step=step)
                 if not torch.isfinite(out.loss):
                     finite = False
                     bad = {k: v for k, v in out.scalars().items() if not math.isfinite(v)}
