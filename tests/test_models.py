@@ -325,3 +325,20 @@ def test_logged_unit_kl_is_raw_and_the_objective_has_free_bits(tokenizer):
         assert record[f"kl_unit_{i}"] == pytest.approx(value, rel=1e-5, abs=1e-7)
         assert record[f"kl_objective_unit_{i}"] == pytest.approx(max(value, 5.0), rel=1e-5)
     torch.testing.assert_close(out.kl_term, raw.clamp_min(5.0).sum())
+
+
+def test_kmeans_codebook_init_and_identity_keeping_refresh(tokenizer):
+    model, _ = make_model(tokenizer, codebook_size=3)
+    batch = make_batch(tokenizer, n=12)
+    features = model.frozen_pass(batch)
+    model.initialize_from_data(features, seed=0)
+    e = model.encoder_outputs(features).detach().reshape(-1, model.latent_cfg.code_dim)
+    codes = torch.cdist(e, model.codebook.detach()).argmin(1)
+    assert len(set(codes.tolist())) == 3, "every code starts where some examples are"
+    for k in range(3):  # each code is the mean of the encoder outputs nearest to it (a k-means fixed point)
+        torch.testing.assert_close(model.codebook[k].detach(), e[codes == k].mean(0), rtol=1e-4, atol=1e-5)
+    before = model.codebook.detach().clone()
+    with torch.no_grad():
+        model.codebook.copy_(before[[2, 0, 1]])  # same centroids, other identities
+    model.initialize_from_data(features, seed=5, refresh=True)
+    torch.testing.assert_close(model.codebook.detach(), before[[2, 0, 1]], rtol=1e-4, atol=1e-5)

@@ -160,6 +160,16 @@ class LatentConfig:
     batch_prior_kl: bool = option(
         False, "Discrete: KL between the batch-averaged posterior and the prior instead of per example."
     )
+    codebook_init: Literal["kmeans", "random"] = option(
+        "kmeans",
+        "Discrete: start the codebook at k-means centroids of the initial encoder outputs over the training set "
+        "(measured: random starts often merge two factors into one code), or at random.",
+    )
+    codebook_refresh_every: int = option(
+        25,
+        "Discrete, k-means init: re-fit the codebook to k-means of the encoder outputs every this many steps "
+        "during the first half of training, matching each new centroid to the nearest old code (0 = never).",
+    )
     codebook_loss_weight: float = option(1.0, "Nearest: weight of ||sg(e) - E_k||^2 (moves codes).")
     commitment_weight: float = option(0.25, "Nearest: weight of ||e - sg(E_k)||^2 (commits the encoder).")
     dead_code_steps: int = option(
@@ -168,7 +178,7 @@ class LatentConfig:
     bow_weight: float = option(0.0, "Weight of the bag-of-words loss predicting response tokens from z.")
 
     def __post_init__(self) -> None:
-        for name in ("latent", "latent_placement", "prior", "assignment"):
+        for name in ("latent", "latent_placement", "prior", "assignment", "codebook_init"):
             _choice(self, name)
         for name in ("latent_tokens", "num_slots", "codebook_size", "code_dim", "latent_dim", "encoder_hidden"):
             _number(self, name, low=1, integer=True)
@@ -176,7 +186,7 @@ class LatentConfig:
             raise ConfigError(f"LatentConfig.codebook_size must be >= 2, got {self.codebook_size}")
         for name in ("posterior_temperature", "gumbel_temperature", "gumbel_temperature_min"):
             _number(self, name, low=0, low_open=True)
-        for name in ("gumbel_anneal_steps", "dead_code_steps"):
+        for name in ("gumbel_anneal_steps", "dead_code_steps", "codebook_refresh_every"):
             _number(self, name, low=0, integer=True)
         for name in ("codebook_loss_weight", "commitment_weight", "bow_weight"):
             _number(self, name, low=0)

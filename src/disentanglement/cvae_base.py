@@ -199,6 +199,9 @@ class CVAEBase(nn.Module):
         """A different latent for the same example (for the inter-latent divergence), or None."""
         return None
 
+    def initialize_from_data(self, features: FrozenFeatures, seed: int, refresh: bool = False) -> None:
+        """Data-dependent (re-)initialisation before or during training (e.g. the codebook); nothing by default."""
+
     def post_step(self, step: int) -> None:
         """Called after the optimizer step whose forward passes ran with ``step`` (e.g. dead-code restart)."""
 

@@ -312,6 +312,15 @@ def train(
     write_run_config(config, output_dir / "config.yaml")
     (output_dir / "data_stats.json").write_text(json.dumps(dict(data.stats, zfree_reference_scale=c_base), indent=2))
 
+    init_sample = list(range(min(n_train, 4096)))
+    init_features = (
+        train_cache.features(collate([data.train[i] for i in init_sample], pad_id, indices=init_sample).to(device))
+        if train_cache is not None
+        else None
+    )
+    if resume_from is None and init_features is not None:
+        model.initialize_from_data(init_features, tcfg.seed)
+    refresh_every = config.latent.codebook_refresh_every if config.latent.codebook_init == "kmeans" else 0
     optimizer = make_optimizer(model, config)
     scheduler = get_cosine_schedule_with_warmup(optimizer, tcfg.warmup_steps, tcfg.max_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -378,6 +387,13 @@ def train(
             scheduler.step()
             core.post_step(step)  # with the index of the step just taken, as its forward saw it
             step += 1
+            if (
+                refresh_every
+                and init_features is not None
+                and step % refresh_every == 0
+                and step <= tcfg.max_steps // 2
+            ):
+                core.initialize_from_data(init_features, tcfg.seed + step, refresh=True)
             record = _mean_records(records)
             record.update(step=step, grad_norm=grad_norm)
             for group in optimizer.param_groups:
