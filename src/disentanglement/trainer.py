@@ -320,6 +320,11 @@ def train(
     )
     if resume_from is None and init_features is not None:
         model.initialize_from_data(init_features, tcfg.seed)
+    elif init_features is None and config.latent.latent == "discrete" and config.latent.codebook_init == "kmeans":
+        logger.warning(
+            "no frozen-pass cache (feature_cache off, c_base given): the codebook starts at random, "
+            "without k-means initialisation or refreshes"
+        )
     refresh_every = config.latent.codebook_refresh_every if config.latent.codebook_init == "kmeans" else 0
     optimizer = make_optimizer(model, config)
     scheduler = get_cosine_schedule_with_warmup(optimizer, tcfg.warmup_steps, tcfg.max_steps)
