@@ -42,9 +42,7 @@ def hidden_factor_pairs():
 
 
 def validation_cache(result) -> FeatureCache:
-    n = len(result.data.train)
-    cache = result.cache
-    return FeatureCache(cache.response_nll[n:], cache.prior_features[n:], cache.encoder_features[n:])
+    return result.cache.subset(len(result.data.train), len(result.cache))
 
 
 @pytest.mark.slow
