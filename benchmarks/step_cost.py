@@ -234,7 +234,7 @@ def cvae_step(model: CVAEBase, config: RunConfig, cache: FeatureCache | None) ->
     counter = [0]
 
     def step(batch: Batch) -> None:
-        features = cache.features(batch) if cache is not None else None
+        features = cache.features(batch, model.weighting_params) if cache is not None else None
         out = model(batch, features, step=counter[0])
         out.loss.backward()
         optimizer.step()

@@ -10,11 +10,23 @@ import torch
 
 import disentanglement.features as features_module
 from disentanglement.config import build_config
+from disentanglement.cvae_base import FrozenFeatures
 from disentanglement.data import collate, make_hidden_factor_pairs, tokenize_pairs
 from disentanglement.features import build_feature_cache, feature_fingerprint, load_or_build_feature_cache
 from disentanglement.models import build_cvae
 from disentanglement.trainer import train
 from helpers import tiny_llama, tiny_tokenizer
+
+FIELDS = (
+    "token_weights",
+    "inverse_token_weights",
+    "aligned_base_token_nll",
+    "example_base_loss",
+    "token_weighted_base_loss",
+    "inverse_token_weighted_base_loss",
+    "token_concentration_factor",
+    "inverse_token_base_scale_factor",
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +57,39 @@ def test_cached_features_equal_a_fresh_frozen_pass(tokenizer, pairs):
     torch.testing.assert_close(cached.encoder_features, fresh.encoder_features, rtol=1e-4, atol=1e-5)
     for i, example in enumerate(examples):
         assert cache.response_nll[i].shape == (len(example.response_ids),)
+
+
+@pytest.mark.parametrize("placement", ["prefix", "between"])
+def test_cached_token_weighting_equals_the_models_own(tokenizer, pairs, placement):
+    # The cache weights every example once per (alpha, eps); the model must get what it would compute itself.
+    model, examples = setup(tokenizer, pairs, latent_placement=placement, token_weight_alpha=1.7)
+    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, batch_size=5, progress=False)
+    indices = [5, 1, 22, 13, 8]
+    batch = collate([examples[i] for i in indices], tokenizer.pad_token_id, indices=indices)
+    offsets, target = model.alignment_offsets(batch), model.conditioned_target_mask(batch)
+    cached = cache.features(batch, model.weighting_params)
+    assert cached.zfree_weighting is not None
+    torch.testing.assert_close(cached.zfree_token_nll, cache.features(batch).zfree_token_nll, rtol=0, atol=0)
+    plain = FrozenFeatures(cached.zfree_token_nll, cached.prior_features, cached.encoder_features)
+    got, want = (
+        model.token_weighting(batch, cached, offsets, target),
+        model.token_weighting(batch, plain, offsets, target),
+    )
+    for name in FIELDS:
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-7)
+    # Weights precomputed for another alpha are not used: the model computes its own.
+    other = cache.features(batch, (0.5, model.weighting_params[1]))
+    torch.testing.assert_close(model.token_weighting(batch, other, offsets, target).token_weights, want.token_weights)
+    assert not torch.allclose(other.zfree_weighting.token_weights, cached.zfree_weighting.token_weights)
+
+
+def test_cached_features_reject_a_batch_of_other_examples(tokenizer, pairs):
+    model, examples = setup(tokenizer, pairs)
+    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, batch_size=5, progress=False)
+    longer = [e for e in examples if len(e.response_ids) != len(examples[0].response_ids)][0]
+    wrong = collate([longer], tokenizer.pad_token_id, indices=[0])  # index 0 holds another response length
+    with pytest.raises(ValueError, match="response lengths"):
+        cache.features(wrong)
 
 
 def test_disk_cache_reused_only_for_the_same_weights_and_data(tokenizer, pairs, tmp_path, monkeypatch):

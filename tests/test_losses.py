@@ -6,6 +6,7 @@ and share no code with ``losses.py`` or ``token_weighting.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -351,6 +352,38 @@ def test_stack_all_six_terms_and_weighted_total(scale_from):
     # the total is exactly the weighted sum of the logged terms
     hand = sum(weights[WEIGHT_FIELDS[term]] * stack.terms[term] for term in ALL_TERMS)
     torch.testing.assert_close(stack.total, hand, rtol=1e-14, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_stack_values_and_gradients_equal_the_term_functions(dtype):
+    # The stack contracts coefficient matrices with l; the term functions are the reference definitions.
+    l, m, b = random_problem(11, bsz=5, n=12)
+    l = l.to(dtype).requires_grad_()
+    w = token_weighting_from_base_nll(b.to(dtype), m, alpha=0.7)
+    weights = dict(zip(WEIGHT_FIELDS.values(), (1.0, 0.02, 0.5, 2.0, 0.0, 3.0), strict=True))
+    stack = reconstruction_loss_stack(l, m, w, ReconstructionLossConfig(**weights), 1.9)
+    reference = compute_terms(l, m, w, 1.9)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    for term in ALL_TERMS:
+        torch.testing.assert_close(stack.terms[term], reference[term], **tol)
+    (grad,) = torch.autograd.grad(stack.total, l, retain_graph=True)  # the terms share one graph
+    expected = sum(weights[WEIGHT_FIELDS[t]] * reference[t] for t in ALL_TERMS)
+    (want,) = torch.autograd.grad(expected, l)
+    torch.testing.assert_close(grad, want, **tol)
+    assert (grad[m == 0] == 0).all()  # nothing reaches unsupervised positions
+    # one term's gradient alone, through the logged value
+    (grad3,) = torch.autograd.grad(stack.terms["token_weighted_reconstruction_loss"], l)
+    torch.testing.assert_close(grad3, w.token_weights / len(m), **tol)
+
+
+def test_stack_total_ignores_a_disabled_term_that_overflows():
+    # Term 5 divides by rho, which can underflow for near-certain tokens; disabled, it must not poison the total.
+    l, m, b = random_problem(12)
+    w = token_weighting_from_base_nll(b, m, alpha=1.0)
+    w = dataclasses.replace(w, inverse_token_base_scale_factor=torch.zeros_like(w.inverse_token_base_scale_factor))
+    stack = reconstruction_loss_stack(l, m, w, ReconstructionLossConfig(reconstruction_weight=1.0), 1.0)
+    assert not torch.isfinite(stack.terms["normalized_inverse_surprisal_token_weighted_reconstruction_loss"])
+    torch.testing.assert_close(stack.total, reconstruction_loss(l, m))
 
 
 def test_stack_argument_scale_overrides_config_scale():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,6 +160,13 @@ def test_discrete_nearest_code_posterior_and_straight_through(tokenizer):
     )
     sample.vector.sum().backward()
     assert model.codebook.grad is not None and model.encoder[0].weight.grad is not None
+    # code usage is logged, computed only when asked for
+    stats = sample.logged_stats()
+    for m in range(2):
+        codes = sample.latent[:, m].tolist()
+        shares = [codes.count(k) / len(codes) for k in set(codes)]
+        assert stats[f"codes_used_slot_{m}"] == len(shares)
+        assert stats[f"code_perplexity_slot_{m}"] == pytest.approx(math.exp(-sum(p * math.log(p) for p in shares)))
 
 
 def test_gumbel_option_kl_and_temperature(tokenizer):

@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from disentanglement.token_weighting import (
     TokenWeighting,
     align_to_conditioned,
+    align_token_weighting,
     compute_token_weighting,
     score_zfree_reference,
     token_weighting_from_base_nll,
@@ -333,6 +334,51 @@ def test_align_matches_loop_on_random():
     offsets = [0, 5, 2, 3]
     out = align_to_conditioned(values * mask, torch.tensor(offsets), n_out, zfree_mask=mask)
     torch.testing.assert_close(out, t64(loop_align(values.tolist(), mask.tolist(), offsets, n_out)))
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+def test_align_one_offset_for_the_batch_equals_the_loop(offset):
+    # One offset for every example (both latent placements) takes a shift; it must equal the general rule.
+    g = torch.Generator().manual_seed(4)
+    values = torch.rand(3, 6, generator=g, dtype=torch.float64) + 0.1
+    mask = (torch.rand(3, 6, generator=g) < 0.7).long()
+    mask[:, 2] = 1
+    n_out = 6 + offset
+    out = align_to_conditioned(values * mask, torch.full((3,), offset), n_out, zfree_mask=mask)
+    torch.testing.assert_close(out, t64(loop_align(values.tolist(), mask.tolist(), [offset] * 3, n_out)))
+    # several values per position move together
+    stacked = torch.stack([values * mask, 2 * values * mask], -1)  # [B, Nz, 2]
+    moved = align_to_conditioned(stacked, torch.full((3,), offset), n_out, zfree_mask=mask)
+    torch.testing.assert_close(moved, torch.stack([out, 2 * out], -1))
+    # an unsupervised value past the end is dropped (general path), a supervised one is an error
+    tail = torch.zeros(1, 6, dtype=torch.float64)
+    tail[0, 1], tail[0, 5] = 1.0, 7.0
+    tail_mask = torch.tensor([[0, 1, 0, 0, 0, 0]])
+    got = align_to_conditioned(tail, torch.tensor([offset + 1]), n_out, zfree_mask=tail_mask)
+    assert got[0, 2 + offset] == 1.0 and got.sum() == 1.0
+    with pytest.raises(ValueError, match="outside"):
+        align_to_conditioned(tail, torch.tensor([offset + 1]), n_out, zfree_mask=torch.tensor([[0, 1, 0, 0, 0, 1]]))
+    with pytest.raises(ValueError, match="zfree_mask"):
+        align_to_conditioned(stacked, torch.full((3,), offset), n_out)
+
+
+@pytest.mark.parametrize("offsets", [[2, 2, 2], [0, 3, 1]])
+def test_weighting_then_aligning_equals_aligning_then_weighting(offsets):
+    g = torch.Generator().manual_seed(5)
+    b = torch.rand(3, 7, generator=g, dtype=torch.float64) * 3
+    b[0, 3] = 0.0  # a near-certain token
+    mask = (torch.rand(3, 7, generator=g) < 0.6).long()
+    mask[:, 4] = 1
+    n_out = 11
+    first = align_token_weighting(
+        token_weighting_from_base_nll(b * mask, mask, alpha=1.5), torch.tensor(offsets), n_out, mask
+    )
+    aligned_mask = align_to_conditioned(mask.double(), torch.tensor(offsets), n_out, zfree_mask=mask)
+    second = token_weighting_from_base_nll(
+        align_to_conditioned(b * mask, torch.tensor(offsets), n_out, zfree_mask=mask), aligned_mask, alpha=1.5
+    )
+    for name in FIELDS:
+        torch.testing.assert_close(getattr(first, name), getattr(second, name), rtol=1e-12, atol=1e-15)
 
 
 def test_align_supervised_out_of_range_raises():

@@ -42,8 +42,12 @@ class ContinuousCVAE(CVAEBase):
         mu_p, logvar_p = self.prior(features)
         z = mu + (0.5 * logvar).exp() * torch.randn_like(mu) if self.training else mu  # [B, D]
         kl = gaussian_kl(mu, logvar, mu_p, logvar_p)  # [B, D]
-        stats = {"posterior_std_mean": float((0.5 * logvar.detach()).exp().mean())}
-        return LatentSample(vector=z, latent=z.detach(), kl_per_unit=kl, stats=stats)
+        logvar_seen = logvar.detach()
+
+        def logged_stats() -> dict[str, float]:
+            return {"posterior_std_mean": float((0.5 * logvar_seen).exp().mean())}
+
+        return LatentSample(vector=z, latent=z.detach(), kl_per_unit=kl, logged_stats=logged_stats)
 
     def prior_vectors(self, features: FrozenFeatures, num_samples: int) -> torch.Tensor:
         """``[S, B, D]`` draws from ``p(z | x)``."""

@@ -13,6 +13,7 @@ it into ``P`` soft embeddings placed ``[z][x][y]`` (``prefix``) or ``[x][z][y]``
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,12 @@ from .config import DivergenceConfig, KLConfig, LatentConfig, ReconstructionLoss
 from .data import Batch
 from .losses import default_chunk_size, lm_head_token_nll_per_position, reconstruction_loss_stack
 from .regularizers import beta_at, kl_objective, next_token_divergence
-from .token_weighting import TokenWeighting, weighting_from_zfree_nll
+from .token_weighting import (
+    TokenWeighting,
+    align_to_conditioned,
+    align_token_weighting,
+    token_weighting_from_base_nll,
+)
 
 
 @dataclass
@@ -33,6 +39,10 @@ class FrozenFeatures:
     zfree_token_nll: torch.Tensor  # [B, T-1], b_t on the z-free layout, zero off the response
     prior_features: torch.Tensor  # [B, H], hidden state at the last prompt token
     encoder_features: torch.Tensor  # [B, 2H], mean response hidden state ++ last token hidden state
+    # Optional: the token weighting of b_t on the z-free layout, precomputed (by the feature cache) for
+    # ``weighting_params = (alpha, eps)``; a model uses it only when those are its own.
+    zfree_weighting: TokenWeighting | None = None
+    weighting_params: tuple[float, float] | None = None
 
 
 @dataclass
@@ -44,6 +54,8 @@ class LatentSample:
     kl_per_unit: torch.Tensor  # [B, U], per slot or per dimension
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # weighted scalars added to the loss
     stats: dict[str, float] = field(default_factory=dict)
+    # Statistics for the log only, computed when the output is logged: no work (or device sync) in the step.
+    logged_stats: Callable[[], dict[str, float]] | None = None
 
 
 @dataclass
@@ -66,6 +78,7 @@ class CVAEOutput:
     target_mask: torch.Tensor  # [B, N]
     weighting: TokenWeighting
     stats: dict[str, float]
+    logged_stats: Callable[[], dict[str, float]] | None = None
 
     def scalars(self) -> dict[str, float]:
         """Everything worth logging, as floats."""
@@ -87,6 +100,8 @@ class CVAEOutput:
             out[f"kl_objective_unit_{i}"] = objective  # after per-token division and free bits
         out.update({k: float(v.detach()) for k, v in self.aux_losses.items()})
         out.update(self.stats)
+        if self.logged_stats is not None:
+            out.update(self.logged_stats())
         return out
 
 
@@ -129,7 +144,8 @@ def _pad_last(mask: torch.Tensor) -> torch.Tensor:
 
 
 def mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(d_in, d_hidden), nn.GELU(), nn.Linear(d_hidden, d_out))
+    # tanh-approximated GELU: within 1e-3 of the erf form and half its cost on the CPU.
+    return nn.Sequential(nn.Linear(d_in, d_hidden), nn.GELU(approximate="tanh"), nn.Linear(d_hidden, d_out))
 
 
 def bag_of_words_loss(bow_logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
@@ -173,8 +189,10 @@ class CVAEBase(nn.Module):
         self.num_latent_tokens = latent.latent_tokens
         self.zfree_reference_scale: float | None = reconstruction.zfree_reference_scale
         H = self.hidden_size
-        self.encoder_norm = nn.LayerNorm(2 * H)
-        self.prior_norm = nn.LayerNorm(H)
+        # Parameter-free: the first Linear of each head absorbs any affine, and a norm of frozen
+        # features without parameters has nothing to differentiate.
+        self.encoder_norm = nn.LayerNorm(2 * H, elementwise_affine=False)
+        self.prior_norm = nn.LayerNorm(H, elementwise_affine=False)
         self.latent_projection = nn.Linear(self.latent_vector_dim, latent.latent_tokens * H)
         # Latent embeddings start on the scale of the token embeddings (inputs of unit scale).
         embedding_std = float(embeddings.weight.detach().float().std())
@@ -302,14 +320,9 @@ class CVAEBase(nn.Module):
             (batch.input_ids.shape[0],), self.num_latent_tokens, dtype=torch.long, device=batch.input_ids.device
         )
 
-    def conditioned_inputs(
-        self, batch: Batch, latent_embeds: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Insert ``P`` latent embeddings into the z-free batch.
-
-        Returns ``inputs_embeds [B, Tc, H]``, ``input_ids [B, Tc]`` (0 at latent positions),
-        ``attention_mask [B, Tc]``, ``target_mask [B, Tc]`` and ``alignment_offsets [B]``.
-        """
+    def _conditioned_layout(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where each conditioned position comes from, ``[B, Tc]`` each: ``is_latent``, the z-free
+        position ``source`` of a token position, and the latent embedding index of a latent position."""
         B, T = batch.input_ids.shape
         P = self.num_latent_tokens
         device = batch.input_ids.device
@@ -322,6 +335,22 @@ class CVAEBase(nn.Module):
         is_latent = (j >= start) & (j < start + P)  # [B, Tc]
         source = torch.where(j < start, j, j - P).clamp(0, T - 1)  # [B, Tc] z-free position
         latent_index = (j - start).clamp(0, P - 1)  # [B, Tc]
+        return is_latent, source, latent_index
+
+    def conditioned_target_mask(self, batch: Batch) -> torch.Tensor:
+        """The ``[B, Tc]`` token mask of the conditioned sequence (1 on response tokens), without decoding."""
+        is_latent, source, _ = self._conditioned_layout(batch)
+        return batch.target_mask.gather(1, source).masked_fill(is_latent, 0)
+
+    def conditioned_inputs(
+        self, batch: Batch, latent_embeds: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Insert ``P`` latent embeddings into the z-free batch.
+
+        Returns ``inputs_embeds [B, Tc, H]``, ``input_ids [B, Tc]`` (0 at latent positions),
+        ``attention_mask [B, Tc]``, ``target_mask [B, Tc]`` and ``alignment_offsets [B]``.
+        """
+        is_latent, source, latent_index = self._conditioned_layout(batch)
         token_embeds = self.decoder.get_input_embeddings()(batch.input_ids)  # [B, T, H]
         gathered_tokens = token_embeds.gather(1, source.unsqueeze(-1).expand(-1, -1, self.hidden_size))
         gathered_latent = latent_embeds.to(token_embeds.dtype).gather(
@@ -368,17 +397,23 @@ class CVAEBase(nn.Module):
         return decoded.token_nll(), decoded.target_mask[:, 1:]
 
     def token_weighting(
-        self, batch: Batch, features: FrozenFeatures, offsets: torch.Tensor, conditioned_length: int
+        self, batch: Batch, features: FrozenFeatures, offsets: torch.Tensor, conditioned_target: torch.Tensor
     ) -> TokenWeighting:
-        """The reference's token weights aligned to the conditioned positions."""
-        return weighting_from_zfree_nll(
-            features.zfree_token_nll,
-            batch.target_mask[:, 1:],
-            offsets,
-            conditioned_length,
-            self.reconstruction_cfg.token_weight_alpha,
-            self.reconstruction_cfg.token_weight_eps,
-        )
+        """The reference's token weights on the conditioned positions.
+
+        ``conditioned_target`` is the decoder's ``[B, Tc]`` token mask; the z-free NLL lands on its
+        supervised positions by the alignment offsets (the conditioned layout is built so).
+        """
+        positions, zfree_mask = conditioned_target.shape[1] - 1, batch.target_mask[:, 1:]
+        if features.zfree_weighting is not None and features.weighting_params == self.weighting_params:
+            return align_token_weighting(features.zfree_weighting, offsets, positions, zfree_mask)
+        aligned = align_to_conditioned(features.zfree_token_nll, offsets, positions, zfree_mask=zfree_mask)
+        return token_weighting_from_base_nll(aligned, conditioned_target[:, 1:], *self.weighting_params)
+
+    @property
+    def weighting_params(self) -> tuple[float, float]:
+        """``(alpha, eps)`` of the token weighting."""
+        return self.reconstruction_cfg.token_weight_alpha, self.reconstruction_cfg.token_weight_eps
 
     # -- the objective ---------------------------------------------------------------------------
     def forward(self, batch: Batch, features: FrozenFeatures | None = None, step: int = 0) -> CVAEOutput:
@@ -388,7 +423,7 @@ class CVAEBase(nn.Module):
         decoded = self.decode(batch, sample.vector)
         token_nll = decoded.token_nll()  # [B, N]
         target = decoded.target_mask[:, 1:]  # [B, N]
-        weighting = self.token_weighting(batch, features, decoded.offsets, decoded.input_ids.shape[1])
+        weighting = self.token_weighting(batch, features, decoded.offsets, decoded.target_mask)
         stack = reconstruction_loss_stack(
             token_nll, target, weighting, self.reconstruction_cfg, self.zfree_reference_scale
         )
@@ -413,7 +448,7 @@ class CVAEBase(nn.Module):
             loss=loss,
             reconstruction_terms=stack.terms,
             reconstruction_total=stack.total,
-            kl=sample.kl_per_unit.sum(1).mean(),
+            kl=sample.kl_per_unit.detach().sum(1).mean(),
             kl_per_unit=sample.kl_per_unit.detach().mean(0),
             kl_objective_per_unit=kl_per_unit.detach(),
             kl_term=kl_term,
@@ -426,6 +461,7 @@ class CVAEBase(nn.Module):
             target_mask=target,
             weighting=weighting,
             stats=sample.stats,
+            logged_stats=sample.logged_stats,
         )
 
     def inter_latent_divergence(

@@ -171,9 +171,7 @@ def conditioned_nll(model: CVAEBase, batch: Batch, vector: torch.Tensor) -> torc
 
 def batch_weighting(model: CVAEBase, batch: Batch, features: FrozenFeatures) -> TokenWeighting:
     """Token weights at the configured alpha, aligned to the conditioned positions ``[B, N]``."""
-    return model.token_weighting(
-        batch, features, model.alignment_offsets(batch), batch.input_ids.shape[1] + model.num_latent_tokens
-    )
+    return model.token_weighting(batch, features, model.alignment_offsets(batch), model.conditioned_target_mask(batch))
 
 
 @dataclass

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,17 +22,41 @@ from tqdm.auto import tqdm
 
 from .cvae_base import CVAEBase, FrozenFeatures
 from .data import Batch, Example, collate
+from .token_weighting import TokenWeighting, token_weighting_from_base_nll
 
 logger = logging.getLogger(__name__)
 
 
+# Per-example statistics of a TokenWeighting, in the order FeatureCache stores them.
+_WEIGHTING_STATISTICS = (
+    "example_base_loss",
+    "token_weighted_base_loss",
+    "inverse_token_weighted_base_loss",
+    "token_concentration_factor",
+    "inverse_token_base_scale_factor",
+)
+_WEIGHTING_CHUNK = 4096  # examples weighted at once (one padded [chunk, longest response] block)
+
+
 @dataclass
 class FeatureCache:
-    """Per-example frozen-pass outputs, indexed like the example list they were built from."""
+    """Per-example frozen-pass outputs, indexed like the example list they were built from.
+
+    The token weighting of each example (``pi``, ``pi_inv`` and the statistics ``b_base``, ``kappa``,
+    ``rho``...) is a function of its cached ``b_t`` alone: it is computed once per ``(alpha, eps)``
+    (:meth:`token_weighting`) and handed out with the features, so a training step only looks it up.
+    """
 
     response_nll: list[torch.Tensor]  # per example [n_b]: b_t of each response token
     prior_features: torch.Tensor  # [E, H]
     encoder_features: torch.Tensor  # [E, 2H]
+    # Derived once, on first use: per-token weighting per (alpha, eps); the flat layout of the responses.
+    _weightings: dict[tuple[float, float], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _flat_nll: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _lengths: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _starts: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.response_nll)
@@ -47,22 +71,69 @@ class FeatureCache:
             self.response_nll[start:stop], self.prior_features[start:stop], self.encoder_features[start:stop]
         )
 
-    def features(self, batch: Batch) -> FrozenFeatures:
-        """The cached :class:`FrozenFeatures` of a collated batch (``batch.indices`` index the cache)."""
-        B, T = batch.input_ids.shape
-        device = batch.input_ids.device
-        zfree = torch.zeros(B, T - 1, device=device)
-        for row, (index, start, length) in enumerate(
-            zip(batch.indices.tolist(), batch.prompt_lengths.tolist(), batch.response_lengths.tolist(), strict=True)
-        ):
-            # Response token k sits at z-free position start + k and is predicted at position start + k - 1.
-            zfree[row, start - 1 : start - 1 + length] = self.response_nll[index].to(device)
+    def token_weighting(self, alpha: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every response token's ``(b_t, pi_t, pi_inv_t)``, ``[sum_b n_b, 3]`` in example order, and the
+        ``[E, 5]`` statistics of :data:`_WEIGHTING_STATISTICS`; computed once per ``(alpha, eps)``."""
+        key = (float(alpha), float(eps))
+        if key not in self._weightings:
+            tokens, statistics = [], []
+            for first in range(0, len(self), _WEIGHTING_CHUNK):
+                nll = self.response_nll[first : first + _WEIGHTING_CHUNK]
+                lengths = torch.tensor([len(n) for n in nll])
+                padded = torch.nn.utils.rnn.pad_sequence(nll, batch_first=True)  # [E', n_max]
+                mask = torch.arange(padded.shape[1]) < lengths.unsqueeze(1)  # [E', n_max]
+                w = token_weighting_from_base_nll(padded, mask.float(), alpha, eps)
+                per_token = torch.stack([w.aligned_base_token_nll, w.token_weights, w.inverse_token_weights], -1)
+                tokens.append(per_token[mask])  # the response tokens, example after example
+                statistics.append(torch.stack([getattr(w, name) for name in _WEIGHTING_STATISTICS], 1))
+            self._weightings[key] = (
+                torch.cat(tokens) if tokens else torch.zeros(0, 3),
+                torch.cat(statistics) if statistics else torch.zeros(0, len(_WEIGHTING_STATISTICS)),
+            )
+        return self._weightings[key]
+
+    def _place(self, per_token: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Rows of ``per_token`` (``[sum_b n_b, ...]``, one per response token in example order) placed at
+        the z-free positions of ``batch``: ``[B, T-1, ...]``, zero elsewhere."""
+        if self._lengths is None:
+            self._lengths = torch.tensor([len(n) for n in self.response_nll])
+            self._starts = torch.cumsum(self._lengths, 0) - self._lengths
         idx = batch.indices.cpu()
-        return FrozenFeatures(
-            zfree_token_nll=zfree,
-            prior_features=self.prior_features[idx].to(device),
-            encoder_features=self.encoder_features[idx].to(device),
+        lengths = self._lengths[idx]  # [B]
+        if not torch.equal(lengths, batch.response_lengths.cpu()):
+            raise ValueError("FeatureCache: the batch's response lengths differ from the cached examples'")
+        B, T = batch.input_ids.shape
+        rows = torch.repeat_interleave(torch.arange(B), lengths)  # [S], the batch row of each response token
+        k = torch.arange(len(rows)) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        # Response token k of a row sits at z-free position p + k and is predicted at position p + k - 1.
+        columns = (batch.prompt_lengths.cpu() - 1)[rows] + k
+        out = per_token.new_zeros(B, T - 1, *per_token.shape[1:])
+        out[rows, columns] = per_token[self._starts[idx][rows] + k]
+        return out.to(batch.input_ids.device)
+
+    def features(self, batch: Batch, weighting_params: tuple[float, float] | None = None) -> FrozenFeatures:
+        """The cached :class:`FrozenFeatures` of a collated batch (``batch.indices`` index the cache).
+
+        With ``weighting_params = (alpha, eps)`` they carry the batch's token weighting on the z-free
+        layout too (:meth:`token_weighting`), which a model with the same ``(alpha, eps)`` uses as is.
+        """
+        device = batch.input_ids.device
+        idx = batch.indices.cpu()
+        prior, encoder = self.prior_features[idx].to(device), self.encoder_features[idx].to(device)
+        if weighting_params is None:
+            if self._flat_nll is None:
+                self._flat_nll = torch.cat(self.response_nll) if len(self) else torch.zeros(0)
+            return FrozenFeatures(self._place(self._flat_nll, batch), prior, encoder)
+        tokens, statistics = self.token_weighting(*weighting_params)
+        per_token = self._place(tokens, batch)  # [B, T-1, 3]: b_t, pi_t, pi_inv_t
+        stats = statistics[idx].to(device)  # [B, 5]
+        weighting = TokenWeighting(
+            token_weights=per_token[..., 1],
+            inverse_token_weights=per_token[..., 2],
+            aligned_base_token_nll=per_token[..., 0],
+            **{name: stats[:, i] for i, name in enumerate(_WEIGHTING_STATISTICS)},
         )
+        return FrozenFeatures(per_token[..., 0], prior, encoder, weighting, weighting_params)
 
 
 @torch.no_grad()
@@ -94,7 +165,7 @@ def build_feature_cache(
 
 def batch_features(model: CVAEBase, batch: Batch, cache: FeatureCache | None) -> FrozenFeatures:
     """Cached features when a cache is given, else a fresh frozen pass."""
-    return cache.features(batch) if cache is not None else model.frozen_pass(batch)
+    return cache.features(batch, model.weighting_params) if cache is not None else model.frozen_pass(batch)
 
 
 # -- persistence ---------------------------------------------------------------------------------

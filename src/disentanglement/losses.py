@@ -169,6 +169,46 @@ def term_weights(config: ReconstructionLossConfig) -> dict[str, float]:
     return {term: float(getattr(config, field)) for term, field in TERM_WEIGHT_FIELDS.items()}
 
 
+def term_coefficients(
+    target_mask: torch.Tensor,
+    weighting: TokenWeighting | None,
+    zfree_reference_scale: float | None,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Every term is a fixed (detached) linear functional of ``l``: ``term_k = sum_{b,t} C_k[b, t] l[b, t]``.
+
+    Returns ``C_k`` (``[B, N]``, in ``dtype``) for the terms computable from what is given, read off
+    the definitions above (DESIGN.md section 4):
+
+        C_1 = m_t / (n_b B)            C_4 = pi_t / (kappa_b B c_base)
+        C_2 = m_t / B                  C_5 = pi_inv_t / (rho_b B c_base)
+        C_3 = pi_t / B                 C_6 = m_t / (n_b B c_base)
+    """
+    B = target_mask.shape[0]
+    mask = target_mask.to(dtype)
+    uniform = uniform_token_weights(mask) / B
+    coefficients = {
+        "reconstruction_loss": uniform,
+        "sequence_reconstruction_loss": mask / B,
+    }
+    if weighting is not None:
+        pi = weighting.token_weights.to(dtype)
+        coefficients["token_weighted_reconstruction_loss"] = pi / B
+        if zfree_reference_scale is not None:
+            kappa = weighting.token_concentration_factor.to(dtype).unsqueeze(1)  # [B, 1]
+            rho = weighting.inverse_token_base_scale_factor.to(dtype).unsqueeze(1)  # [B, 1]
+            pi_inv = weighting.inverse_token_weights.to(dtype)
+            coefficients["normalized_concentration_corrected_token_weighted_reconstruction_loss"] = pi / (
+                kappa * (B * zfree_reference_scale)
+            )
+            coefficients["normalized_inverse_surprisal_token_weighted_reconstruction_loss"] = pi_inv / (
+                rho * (B * zfree_reference_scale)
+            )
+    if zfree_reference_scale is not None:
+        coefficients["zfree_relative_reconstruction_loss"] = uniform / zfree_reference_scale
+    return coefficients
+
+
 def reconstruction_loss_stack(
     token_nll: torch.Tensor,
     target_mask: torch.Tensor,
@@ -183,6 +223,10 @@ def reconstruction_loss_stack(
     that need ``c_base`` use ``zfree_reference_scale``, else ``config.zfree_reference_scale``;
     an enabled term without either is an error. A disabled scaled term is still logged when
     a scale is available.
+
+    The terms and the total are one product of their coefficient matrices (:func:`term_coefficients`)
+    with ``l``: forward and backward cost one small matrix product however many terms are logged.
+    The term functions above are the reference definitions; the tests check that both agree.
     """
     scale = zfree_reference_scale if zfree_reference_scale is not None else config.zfree_reference_scale
     weights = term_weights(config)
@@ -192,27 +236,22 @@ def reconstruction_loss_stack(
     for term in TERMS_NEEDING_SCALE:
         if weights[term] != 0:
             _check_scale(scale, term)
-
-    terms: dict[str, torch.Tensor] = {
-        "reconstruction_loss": reconstruction_loss(token_nll, target_mask),
-        "sequence_reconstruction_loss": sequence_reconstruction_loss(token_nll, target_mask),
-    }
-    if weighting is not None:
-        terms["token_weighted_reconstruction_loss"] = token_weighted_reconstruction_loss(token_nll, weighting)
-        if scale is not None:
-            terms["normalized_concentration_corrected_token_weighted_reconstruction_loss"] = (
-                normalized_concentration_corrected_token_weighted_reconstruction_loss(token_nll, weighting, scale)
-            )
-            terms["normalized_inverse_surprisal_token_weighted_reconstruction_loss"] = (
-                normalized_inverse_surprisal_token_weighted_reconstruction_loss(token_nll, weighting, scale)
-            )
     if scale is not None:
-        terms["zfree_relative_reconstruction_loss"] = zfree_relative_reconstruction_loss(token_nll, target_mask, scale)
-    total = token_nll.new_zeros(())
-    for term, value in terms.items():
-        if weights[term] != 0:
-            total = total + weights[term] * value
-    return ReconstructionLossStack(terms=terms, total=total)
+        scale = _check_scale(scale, "zfree_reference_scale")
+
+    with torch.no_grad():
+        coefficients = term_coefficients(target_mask, weighting, scale, token_nll.dtype)
+        names = list(coefficients)
+        C = torch.stack([coefficients[name] for name in names]).flatten(1)  # [K, B * N]
+    values = C @ token_nll.reshape(-1)  # [K], every term
+    # Only enabled terms enter the total (a disabled term may be huge, e.g. the ill-conditioned term 5).
+    enabled = [k for k, name in enumerate(names) if weights[name] != 0]
+    if enabled:
+        w = torch.tensor([weights[names[k]] for k in enabled], dtype=values.dtype, device=values.device)
+        total = w @ values[enabled]
+    else:
+        total = values.new_zeros(())
+    return ReconstructionLossStack(terms=dict(zip(names, values.unbind(), strict=True)), total=total)
 
 
 def estimate_zfree_reference_scale(example_base_losses: torch.Tensor | Iterable[float]) -> float:

@@ -74,22 +74,24 @@ class SharedDiscreteCVAE(CVAEBase):
     def encode(self, features: FrozenFeatures, step: int) -> LatentSample:
         cfg = self.latent_cfg
         e = self.encoder_outputs(features)  # [B, M, C]
-        logits = self.posterior_logits(e)  # [B, M, K]
-        log_q = F.log_softmax(logits, dim=-1)
         log_p = self.prior_log_probs(features)  # [B, M, K]
-        codes = logits.argmax(-1)  # [B, M]
         aux: dict[str, torch.Tensor] = {}
         stats: dict[str, float] = {}
         if cfg.assignment == "nearest":
+            with torch.no_grad():  # the choice itself carries no gradient
+                distances = torch.cdist(e, self.codebook.unsqueeze(0), compute_mode="donot_use_mm_for_euclid_dist")
+                codes = distances.argmin(-1)  # [B, M], the nearest code
             chosen = self.codebook[codes]  # [B, M, C]
             vectors = chosen + (e - e.detach())  # value E_k; gradient to the codebook and, straight through, to e
             aux["codebook_loss"] = cfg.codebook_loss_weight * F.mse_loss(chosen, e.detach())
             aux["commitment_loss"] = cfg.commitment_weight * F.mse_loss(e, chosen.detach())
-            q = F.one_hot(codes, self.codebook_size).to(log_p.dtype)  # the posterior is one-hot
+            q = None  # the posterior is one-hot at ``codes``
             if self.training:
                 self._recent_encodings = e.detach().reshape(-1, cfg.code_dim)
-                self.code_last_used[codes.unique()] = step
+                self.code_last_used.index_fill_(0, codes.flatten(), step)
         else:
+            logits = self.posterior_logits(e)  # [B, M, K]
+            codes = logits.argmax(-1)  # [B, M]
             temperature = annealed_temperature(
                 step, cfg.gumbel_temperature, cfg.gumbel_temperature_min, cfg.gumbel_anneal_steps
             )
@@ -99,22 +101,34 @@ class SharedDiscreteCVAE(CVAEBase):
             else:
                 weights = F.one_hot(codes, self.codebook_size).to(logits.dtype)
             vectors = weights @ self.codebook  # [B, M, C]
+            log_q = F.log_softmax(logits, dim=-1)
             q = log_q.exp()
         if cfg.batch_prior_kl:
+            if q is None:
+                q = F.one_hot(codes, self.codebook_size).to(log_p.dtype)
             q_bar = q.mean(0, keepdim=True)  # [1, M, K]
             p_bar = log_p.exp().mean(0, keepdim=True)
             kl = categorical_kl(q_bar.clamp_min(1e-12).log(), p_bar.clamp_min(1e-12).log())  # [1, M]
             kl = kl.expand(e.shape[0], -1)  # the batch's KL, carried by every example
-        elif cfg.assignment == "nearest":
-            kl = -(q * log_p).sum(-1)  # KL(one-hot || p) = -log p(k | x), [B, M]
+        elif q is None:
+            # KL(one-hot || p) = -log p(k | x), [B, M]
+            kl = F.nll_loss(log_p.flatten(0, 1), codes.flatten(), reduction="none").view_as(codes)
         else:
             kl = categorical_kl(log_q, log_p)  # [B, M]
-        for m in range(self.num_slots):
-            counts = torch.bincount(codes[:, m], minlength=self.codebook_size).float()
-            share = counts / counts.sum()
-            stats[f"codes_used_slot_{m}"] = float((counts > 0).sum())
-            stats[f"code_perplexity_slot_{m}"] = float(torch.exp(-(share * share.clamp_min(1e-12).log()).sum()))
-        return LatentSample(vectors.flatten(1), codes, kl, aux, stats)
+        return LatentSample(vectors.flatten(1), codes, kl, aux, stats, lambda: self.code_usage_stats(codes))
+
+    @torch.no_grad()
+    def code_usage_stats(self, codes: torch.Tensor) -> dict[str, float]:
+        """Per slot: how many codes the batch ``[B, M]`` uses and the perplexity of their shares."""
+        M, K = self.num_slots, self.codebook_size
+        slot_offset = torch.arange(M, device=codes.device) * K  # count all slots in one bincount
+        counts = torch.bincount((codes + slot_offset).flatten(), minlength=M * K).view(M, K).float()
+        share = counts / counts.sum(1, keepdim=True)
+        used = (counts > 0).sum(1).tolist()
+        perplexity = torch.exp(-(share * share.clamp_min(1e-12).log()).sum(1)).tolist()
+        stats = {f"codes_used_slot_{m}": float(used[m]) for m in range(M)}
+        stats.update({f"code_perplexity_slot_{m}": perplexity[m] for m in range(M)})
+        return stats
 
     def prior_vectors(self, features: FrozenFeatures, num_samples: int) -> torch.Tensor:
         """Codes drawn from the prior per slot, as latent vectors ``[S, B, M * C]``."""
@@ -167,9 +181,9 @@ class SharedDiscreteCVAE(CVAEBase):
         window = self.latent_cfg.dead_code_steps
         if self.latent_cfg.assignment != "nearest" or window == 0 or self._recent_encodings is None:
             return
-        dead = ((step - self.code_last_used) >= window).nonzero().flatten()
-        if dead.numel() == 0:
+        if step - int(self.code_last_used.min()) < window:  # the usual case: every code in use
             return
+        dead = ((step - self.code_last_used) >= window).nonzero().flatten()
         recent = self._recent_encodings
         picks = torch.randint(0, recent.shape[0], (dead.numel(),), device=recent.device)
         self.codebook[dead] = recent[picks] + 0.01 * torch.randn_like(recent[picks])

@@ -13,7 +13,7 @@ with ``b_t`` the aligned z-free surprisal floored at ``eps`` before the power.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -118,20 +118,28 @@ def align_to_conditioned(
 ) -> torch.Tensor:
     """Place z-free position ``t`` of example ``b`` at ``t + alignment_offsets[b]``.
 
-    ``zfree_values`` is ``[B, Nz]``; the result is ``[B, conditioned_positions]``, zero where
-    nothing lands. A value that would land out of range is an error when it is supervised
-    (``zfree_mask`` 1, or non-zero when no mask is given); unsupervised values that fall out
-    of range carry nothing and are dropped.
+    ``zfree_values`` is ``[B, Nz]`` (or ``[B, Nz, ...]``, several values per position, which needs
+    ``zfree_mask``); the result is ``[B, conditioned_positions, ...]``, zero where nothing lands. A value
+    that would land out of range is an error when it is supervised (``zfree_mask`` 1, or non-zero
+    when no mask is given); unsupervised values that fall out of range carry nothing and are dropped.
     """
-    if zfree_values.dim() != 2:
-        raise ValueError(f"zfree_values must be [B, Nz], got shape {tuple(zfree_values.shape)}")
-    bsz, nz = zfree_values.shape
+    if zfree_values.dim() < 2 or (zfree_values.dim() > 2 and zfree_mask is None):
+        raise ValueError(
+            f"zfree_values must be [B, Nz], or [B, Nz, ...] with a zfree_mask; got shape {tuple(zfree_values.shape)}"
+        )
+    bsz, nz = zfree_values.shape[:2]
     offsets = torch.as_tensor(alignment_offsets, device=zfree_values.device).long().reshape(-1)
     if offsets.numel() != bsz:
         raise ValueError(f"alignment_offsets has {offsets.numel()} entries, expected B = {bsz}")
     keep = zfree_mask.to(torch.bool) if zfree_mask is not None else zfree_values != 0
-    if keep.shape != zfree_values.shape:
-        raise ValueError(f"zfree_mask {tuple(keep.shape)} must match zfree_values {tuple(zfree_values.shape)}")
+    if keep.shape != (bsz, nz):
+        raise ValueError(f"zfree_mask {tuple(keep.shape)} must be [B, Nz] = {(bsz, nz)}")
+    if bsz:
+        low, high = int(offsets.min()), int(offsets.max())
+        if low == high and low >= 0 and nz + low <= conditioned_positions:
+            # One offset for the whole batch (both latent placements) and everything lands in range: a shift.
+            trailing = (0, 0) * (zfree_values.dim() - 2)
+            return F.pad(zfree_values, (*trailing, low, conditioned_positions - nz - low))
     target = torch.arange(nz, device=zfree_values.device).unsqueeze(0) + offsets.unsqueeze(1)  # [B, Nz]
     in_range = (target >= 0) & (target < conditioned_positions)
     bad = keep & ~in_range
@@ -141,10 +149,30 @@ def align_to_conditioned(
             f"supervised z-free position {t} of example {b} lands at conditioned position "
             f"{t + int(offsets[b])}, outside [0, {conditioned_positions}) (offset {int(offsets[b])})"
         )
-    out = zfree_values.new_zeros(bsz, conditioned_positions)
+    out = zfree_values.new_zeros(bsz, conditioned_positions, *zfree_values.shape[2:])
     rows = torch.arange(bsz, device=zfree_values.device).unsqueeze(1).expand(bsz, nz)
     out[rows[in_range], target[in_range]] = zfree_values[in_range]
     return out
+
+
+def align_token_weighting(
+    weighting: TokenWeighting,
+    alignment_offsets: torch.Tensor,
+    conditioned_positions: int,
+    zfree_mask: torch.Tensor,
+) -> TokenWeighting:
+    """A weighting computed on the z-free layout ``[B, Nz]``, moved to the conditioned positions.
+
+    The per-token fields move with :func:`align_to_conditioned`; the ``[B]`` statistics do not
+    depend on positions. Equal to weighting the aligned NLL (the weights of an example depend
+    only on its supervised values, not on where they sit).
+    """
+
+    per_token = torch.stack(
+        [weighting.token_weights, weighting.inverse_token_weights, weighting.aligned_base_token_nll], -1
+    )  # [B, Nz, 3], moved at once
+    pi, pi_inv, b = align_to_conditioned(per_token, alignment_offsets, conditioned_positions, zfree_mask).unbind(-1)
+    return replace(weighting, token_weights=pi, inverse_token_weights=pi_inv, aligned_base_token_nll=b)
 
 
 def shifted_nll(
