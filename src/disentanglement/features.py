@@ -94,21 +94,19 @@ class FeatureCache:
 
     def _place(self, per_token: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Rows of ``per_token`` (``[sum_b n_b, ...]``, one per response token in example order) placed at
-        the z-free positions of ``batch``: ``[B, T-1, ...]``, zero elsewhere."""
+        the z-free positions of ``batch`` that predict them: ``[B, T-1, ...]``, zero elsewhere."""
         if self._lengths is None:
             self._lengths = torch.tensor([len(n) for n in self.response_nll])
             self._starts = torch.cumsum(self._lengths, 0) - self._lengths
         idx = batch.indices.cpu()
-        lengths = self._lengths[idx]  # [B]
-        if not torch.equal(lengths, batch.response_lengths.cpu()):
+        if not torch.equal(self._lengths[idx], batch.response_lengths.cpu()):
             raise ValueError("FeatureCache: the batch's response lengths differ from the cached examples'")
-        B, T = batch.input_ids.shape
-        rows = torch.repeat_interleave(torch.arange(B), lengths)  # [S], the batch row of each response token
-        k = torch.arange(len(rows)) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-        # Response token k of a row sits at z-free position p + k and is predicted at position p + k - 1.
-        columns = (batch.prompt_lengths.cpu() - 1)[rows] + k
-        out = per_token.new_zeros(B, T - 1, *per_token.shape[1:])
-        out[rows, columns] = per_token[self._starts[idx][rows] + k]
+        # Position t predicts token t + 1: the supervised positions, in order, hold response tokens k = 0, 1, ...
+        supervised = batch.target_mask[:, 1:].cpu().bool()  # [B, T-1]
+        k = supervised.cumsum(1) - 1  # [B, T-1], the response token a supervised position predicts
+        source = self._starts[idx].unsqueeze(1) + k  # [B, T-1], its row in per_token
+        out = per_token.new_zeros(*supervised.shape, *per_token.shape[1:])
+        out[supervised] = per_token[source[supervised]]
         return out.to(batch.input_ids.device)
 
     def features(self, batch: Batch, weighting_params: tuple[float, float] | None = None) -> FrozenFeatures:

@@ -243,15 +243,13 @@ def reconstruction_loss_stack(
         coefficients = term_coefficients(target_mask, weighting, scale, token_nll.dtype)
         names = list(coefficients)
         C = torch.stack([coefficients[name] for name in names]).flatten(1)  # [K, B * N]
-    values = C @ token_nll.reshape(-1)  # [K], every term
-    # Only enabled terms enter the total (a disabled term may be huge, e.g. the ill-conditioned term 5).
-    enabled = [k for k, name in enumerate(names) if weights[name] != 0]
-    if enabled:
-        w = torch.tensor([weights[names[k]] for k in enabled], dtype=values.dtype, device=values.device)
-        total = w @ values[enabled]
-    else:
-        total = values.new_zeros(())
-    return ReconstructionLossStack(terms=dict(zip(names, values.unbind(), strict=True)), total=total)
+        # The objective's row: sum_k weight_k C_k over the enabled terms only (a disabled term may
+        # overflow, e.g. the ill-conditioned term 5, and must not reach the total).
+        enabled = [k for k, name in enumerate(names) if weights[name] != 0]
+        w = torch.tensor([weights[names[k]] for k in enabled], dtype=C.dtype, device=C.device)
+        C = torch.cat([C, (w @ C[enabled]).unsqueeze(0)])  # [K + 1, B * N]
+    values = C @ token_nll.reshape(-1)  # [K + 1]: every term, then the weighted total
+    return ReconstructionLossStack(terms=dict(zip(names, values.unbind(), strict=False)), total=values[-1])
 
 
 def estimate_zfree_reference_scale(example_base_losses: torch.Tensor | Iterable[float]) -> float:
