@@ -27,7 +27,8 @@ same decoder object and the same list of batches:
 (e) one no-grad ``frozen_pass(batch)`` alone, to check that (d) - (c) is about one such pass.
 
 (b)-(d) also run ``post_step`` (dead-code restart), as the trainer does after each optimizer step;
-the cached features are looked up inside the timed step (``cache.features(batch)``), as in training.
+the cached features and token weights are looked up inside the timed step
+(``cache.features(batch, model.weighting_params)``), as in training.
 The optimizer is ``trainer.make_optimizer`` (its settings, e.g. ``foreach``/``fused``, also serve (a)),
 so a change there shows here. Gradient clipping and metric logging of the trainer are not part of a step.
 

@@ -381,9 +381,28 @@ def test_stack_total_ignores_a_disabled_term_that_overflows():
     l, m, b = random_problem(12)
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
     w = dataclasses.replace(w, inverse_token_base_scale_factor=torch.zeros_like(w.inverse_token_base_scale_factor))
+    l = l.clone().requires_grad_()
     stack = reconstruction_loss_stack(l, m, w, ReconstructionLossConfig(reconstruction_weight=1.0), 1.0)
     assert not torch.isfinite(stack.terms["normalized_inverse_surprisal_token_weighted_reconstruction_loss"])
     torch.testing.assert_close(stack.total, reconstruction_loss(l, m))
+    (grad,) = torch.autograd.grad(stack.total, l)
+    torch.testing.assert_close(grad, uniform_token_weights(m).double() / len(m))  # finite, term 1's own
+
+
+def test_stack_keeps_float32_under_autocast():
+    # The trainer runs the forward under bf16 autocast; the loss terms must stay in float32.
+    l, m, b = random_problem(13)
+    l, b = l.float(), b.float()
+    w = token_weighting_from_base_nll(b, m, alpha=1.0)
+    config = ReconstructionLossConfig(token_weighted_weight=1.0, zfree_relative_weight=0.5)
+    plain = reconstruction_loss_stack(l, m, w, config, 1.3)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        mixed = reconstruction_loss_stack(l, m, w, config, 1.3)
+    assert mixed.total.dtype == torch.float32
+    torch.testing.assert_close(mixed.total, plain.total, rtol=1e-6, atol=0)
+    for term in ALL_TERMS:
+        assert mixed.terms[term].dtype == torch.float32
+        torch.testing.assert_close(mixed.terms[term], plain.terms[term], rtol=1e-6, atol=0)
 
 
 def test_stack_argument_scale_overrides_config_scale():

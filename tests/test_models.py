@@ -15,6 +15,7 @@ from disentanglement.losses import TERM_WEIGHT_FIELDS
 from disentanglement.models import build_cvae
 from disentanglement.regularizers import gaussian_kl
 from disentanglement.shared_discrete_cvae import SharedDiscreteCVAE
+from disentanglement.token_weighting import align_to_conditioned
 from disentanglement.trainer import make_optimizer
 from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer
 
@@ -90,6 +91,12 @@ def test_conditioned_sequence_places_latent_and_aligns_tokens(tokenizer, placeme
             torch.testing.assert_close(embeds[b, c], token_embeds[b, t])
             if batch.target_mask[b, t]:
                 assert c == t + int(offsets[b]), "supervised tokens sit at z-free position + offset"
+    # The z-free supervised positions, moved by the offsets, are exactly the decoder's (the weights
+    # computed on the z-free layout and on the conditioned one normalise over the same tokens).
+    zfree_positions = batch.target_mask[:, 1:]
+    moved = align_to_conditioned(zfree_positions.float(), offsets, target.shape[1] - 1, zfree_mask=zfree_positions)
+    assert torch.equal(moved, target[:, 1:].float())
+    assert torch.equal(model.conditioned_target_mask(batch), target)
 
 
 def test_frozen_features_match_a_manual_pass(tokenizer):

@@ -239,3 +239,33 @@ def test_gradient_accumulation_equals_one_large_batch(tmp_path, tokenizer, pairs
         torch.testing.assert_close(accumulated.model.trainable_state_dict()[name], value, rtol=1e-5, atol=1e-6)
     a, b = read_metrics(tmp_path / "big"), read_metrics(tmp_path / "acc")
     assert a[0]["loss"] == pytest.approx(b[0]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("latent", ["discrete", "continuous"])
+def test_old_checkpoint_head_layernorm_is_folded_exactly(tmp_path, tokenizer, latent):
+    # Checkpoints from before the heads' LayerNorm lost its affine hold encoder_norm/prior_norm weight and
+    # bias; loading folds them into the next Linear, which must compute what the old layers did.
+    from safetensors.torch import save_file
+
+    from disentanglement.models import build_cvae
+    from disentanglement.trainer import load_trainable_weights
+
+    config = build_config({"latent": latent})
+    old = build_cvae(config, tiny_llama(len(tokenizer)))
+    state = old.trainable_state_dict()
+    g = torch.Generator().manual_seed(0)
+    affine = {}
+    for norm, width in (("encoder_norm", 2 * old.hidden_size), ("prior_norm", old.hidden_size)):
+        affine[norm] = (1 + 0.3 * torch.randn(width, generator=g), 0.2 * torch.randn(width, generator=g))
+        state[f"{norm}.weight"], state[f"{norm}.bias"] = affine[norm]
+    (tmp_path / "ckpt").mkdir()
+    save_file(state, str(tmp_path / "ckpt" / "model.safetensors"))
+    new = build_cvae(config, tiny_llama(len(tokenizer)))
+    load_trainable_weights(new, tmp_path / "ckpt")
+    x = torch.randn(5, 2 * old.hidden_size, generator=g)
+    p = torch.randn(5, old.hidden_size, generator=g)
+    for norm, head, inputs in (("encoder_norm", "encoder", x), ("prior_norm", "prior_head", p)):
+        gain, shift = affine[norm]
+        before = getattr(old, head)[0](F.layer_norm(inputs, inputs.shape[-1:]) * gain + shift)
+        after = getattr(new, head)[0](getattr(new, norm)(inputs))
+        torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)

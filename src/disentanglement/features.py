@@ -103,6 +103,8 @@ class FeatureCache:
             raise ValueError("FeatureCache: the batch's response lengths differ from the cached examples'")
         # Position t predicts token t + 1: the supervised positions, in order, hold response tokens k = 0, 1, ...
         supervised = batch.target_mask[:, 1:].cpu().bool()  # [B, T-1]
+        if not torch.equal(supervised.sum(1), batch.response_lengths.cpu()):
+            raise ValueError("FeatureCache: the batch's target mask does not mark its response lengths")
         k = supervised.cumsum(1) - 1  # [B, T-1], the response token a supervised position predicts
         source = self._starts[idx].unsqueeze(1) + k  # [B, T-1], its row in per_token
         out = per_token.new_zeros(*supervised.shape, *per_token.shape[1:])

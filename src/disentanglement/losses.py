@@ -224,8 +224,8 @@ def reconstruction_loss_stack(
     an enabled term without either is an error. A disabled scaled term is still logged when
     a scale is available.
 
-    The terms and the total are one product of their coefficient matrices (:func:`term_coefficients`)
-    with ``l``: forward and backward cost one small matrix product however many terms are logged.
+    The terms and the total are products of their coefficient matrices (:func:`term_coefficients`)
+    with ``l``: a few operations however many terms are logged, and the backward pass is one product.
     The term functions above are the reference definitions; the tests check that both agree.
     """
     scale = zfree_reference_scale if zfree_reference_scale is not None else config.zfree_reference_scale
@@ -243,13 +243,16 @@ def reconstruction_loss_stack(
         coefficients = term_coefficients(target_mask, weighting, scale, token_nll.dtype)
         names = list(coefficients)
         C = torch.stack([coefficients[name] for name in names]).flatten(1)  # [K, B * N]
-        # The objective's row: sum_k weight_k C_k over the enabled terms only (a disabled term may
-        # overflow, e.g. the ill-conditioned term 5, and must not reach the total).
+        # The objective's own row: sum_k weight_k C_k over the enabled terms only. A disabled term may
+        # overflow (the ill-conditioned term 5): it must reach neither the total nor its gradient.
         enabled = [k for k, name in enumerate(names) if weights[name] != 0]
         w = torch.tensor([weights[names[k]] for k in enabled], dtype=C.dtype, device=C.device)
-        C = torch.cat([C, (w @ C[enabled]).unsqueeze(0)])  # [K + 1, B * N]
-    values = C @ token_nll.reshape(-1)  # [K + 1]: every term, then the weighted total
-    return ReconstructionLossStack(terms=dict(zip(names, values.unbind(), strict=False)), total=values[-1])
+        objective = (w.unsqueeze(1) * C[enabled]).sum(0)  # [B * N]
+    # Elementwise products and sums, not matmul: autocast would run a matmul in bf16/fp16.
+    l = token_nll.reshape(-1)
+    values = (C * l).sum(1)  # [K], every term (logged; its graph is used only if someone differentiates it)
+    total = (objective * l).sum()
+    return ReconstructionLossStack(terms=dict(zip(names, values.unbind(), strict=True)), total=total)
 
 
 def estimate_zfree_reference_scale(example_base_losses: torch.Tensor | Iterable[float]) -> float:

@@ -162,10 +162,37 @@ def prune_checkpoints(output_dir: Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
+# Checkpoints written before 2026-11-29 normalised the heads' features with an affine LayerNorm.
+_OLD_HEAD_NORMS = {"encoder_norm": "encoder.0", "prior_norm": "prior_head.0"}
+
+
+def _fold_old_head_norms(state: dict[str, torch.Tensor], checkpoint: Path) -> None:
+    """Fold an old checkpoint's LayerNorm affine ``(g, beta)`` into the Linear that follows it, exactly:
+    ``W (g * x + beta) + b = (W diag g) x + (W beta + b)``."""
+    folded = []
+    for norm, head in _OLD_HEAD_NORMS.items():
+        gain, shift = state.pop(f"{norm}.weight", None), state.pop(f"{norm}.bias", None)
+        if gain is None or shift is None or f"{head}.weight" not in state:
+            continue  # no affine, or no head behind it (a fixed prior)
+        weight = state[f"{head}.weight"]
+        state[f"{head}.bias"] = state[f"{head}.bias"] + weight @ shift
+        state[f"{head}.weight"] = weight * gain
+        folded.append(norm)
+    if folded:
+        logger.warning(
+            "checkpoint %s: written before the heads' LayerNorm lost its parameters; folded %s into the "
+            "next Linear (exact). The heads' GELU is now the tanh form: activations differ by < 1e-3.",
+            checkpoint,
+            folded,
+        )
+
+
 def load_trainable_weights(model: CVAEBase, checkpoint: Path) -> None:
     """Load a checkpoint's trainable weights and buffers; every tensor must match by name and shape."""
     state = load_file(str(checkpoint / "model.safetensors"))
     expected = model.trainable_state_dict()
+    if not any(f"{norm}.weight" in expected for norm in _OLD_HEAD_NORMS):
+        _fold_old_head_norms(state, checkpoint)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -335,7 +362,13 @@ def train(
     nonfinite = 0
     if resume_from is not None:
         load_trainable_weights(core, resume_from)
-        optimizer.load_state_dict(torch.load(resume_from / "optimizer.pt", weights_only=False))
+        try:
+            optimizer.load_state_dict(torch.load(resume_from / "optimizer.pt", weights_only=False))
+        except ValueError as error:  # other parameters: e.g. a checkpoint of an older version of the heads
+            raise ValueError(
+                f"{resume_from / 'optimizer.pt'}: the optimizer state does not fit this model's trainable "
+                f"parameters ({error}). The checkpoint can be evaluated but not resumed; start a new run."
+            ) from error
         scheduler.load_state_dict(torch.load(resume_from / "scheduler.pt", weights_only=False))
         set_rng_state(torch.load(resume_from / "rng.pt", weights_only=False))
         step = int(resume_state["step"])
