@@ -77,7 +77,8 @@ class SharedDiscreteCVAE(CVAEBase):
         log_p = self.prior_log_probs(features)  # [B, M, K]
         aux: dict[str, torch.Tensor] = {}
         stats: dict[str, float] = {}
-        if cfg.assignment == "nearest":
+        nearest = cfg.assignment == "nearest"
+        if nearest:
             with torch.no_grad():  # the choice itself carries no gradient
                 distances = torch.cdist(e, self.codebook.unsqueeze(0), compute_mode="donot_use_mm_for_euclid_dist")
                 codes = distances.argmin(-1)  # [B, M], the nearest code
@@ -85,7 +86,6 @@ class SharedDiscreteCVAE(CVAEBase):
             vectors = chosen + (e - e.detach())  # value E_k; gradient to the codebook and, straight through, to e
             aux["codebook_loss"] = cfg.codebook_loss_weight * F.mse_loss(chosen, e.detach())
             aux["commitment_loss"] = cfg.commitment_weight * F.mse_loss(e, chosen.detach())
-            q = None  # the posterior is one-hot at ``codes``
             if self.training:
                 self._recent_encodings = e.detach().reshape(-1, cfg.code_dim)
                 self.code_last_used.index_fill_(0, codes.flatten(), step)
@@ -104,13 +104,13 @@ class SharedDiscreteCVAE(CVAEBase):
             log_q = F.log_softmax(logits, dim=-1)
             q = log_q.exp()
         if cfg.batch_prior_kl:
-            if q is None:
+            if nearest:  # the posterior is one-hot at ``codes``
                 q = F.one_hot(codes, self.codebook_size).to(log_p.dtype)
             q_bar = q.mean(0, keepdim=True)  # [1, M, K]
             p_bar = log_p.exp().mean(0, keepdim=True)
             kl = categorical_kl(q_bar.clamp_min(1e-12).log(), p_bar.clamp_min(1e-12).log())  # [1, M]
             kl = kl.expand(e.shape[0], -1)  # the batch's KL, carried by every example
-        elif q is None:
+        elif nearest:
             # KL(one-hot || p) = -log p(k | x), [B, M]
             kl = F.nll_loss(log_p.flatten(0, 1), codes.flatten(), reduction="none").view_as(codes)
         else:
