@@ -107,6 +107,16 @@ class ReconstructionLossConfig:
         flag="--token-weighted-reconstruction-alpha",
     )
     token_weight_eps: float = option(1e-6, "Floor on z-free surprisal before the power (> 0).")
+    token_weight_source: Literal["surprisal", "entropy", "dynamic"] = option(
+        "surprisal",
+        "What the token weights are a tempered share of: 'surprisal' = the reference's b_t (the seed); "
+        "'entropy' = the reference's predictive entropy at the position; 'dynamic' = the training "
+        "model's own current per-token NLL l_t (detached, recomputed every step).",
+    )
+    token_weight_interpolation: float = option(
+        1.0,
+        "lambda in [0, 1]: token weights (1 - lambda) m_t/n_b + lambda pi_t (0 = uniform, 1 = the share itself).",
+    )
     zfree_reference_scale: float | None = option(
         None,
         "c_base, the global z-free reference scale; estimated on the training set when unset.",
@@ -125,6 +135,8 @@ class ReconstructionLossConfig:
         ):
             _number(self, name, low=0)
         _number(self, "token_weight_eps", low=0, low_open=True)
+        _choice(self, "token_weight_source")
+        _number(self, "token_weight_interpolation", low=0, high=1)
         _number(self, "zfree_reference_scale", low=0, low_open=True, optional=True)
 
 

@@ -22,7 +22,12 @@ import torch.nn.functional as F
 
 from .config import DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
 from .data import Batch
-from .losses import default_chunk_size, lm_head_token_nll_per_position, reconstruction_loss_stack
+from .losses import (
+    default_chunk_size,
+    lm_head_token_entropy_per_position,
+    lm_head_token_nll_per_position,
+    reconstruction_loss_stack,
+)
 from .regularizers import beta_at, kl_objective, next_token_divergence
 from .token_weighting import (
     TokenWeighting,
@@ -30,6 +35,8 @@ from .token_weighting import (
     align_token_weighting,
     token_weighting_from_base_nll,
 )
+
+WeightingParams = tuple[str, float, float, float]  # (token_weight_source, alpha, eps, interpolation)
 
 
 @dataclass
@@ -39,10 +46,12 @@ class FrozenFeatures:
     zfree_token_nll: torch.Tensor  # [B, T-1], b_t on the z-free layout, zero off the response
     prior_features: torch.Tensor  # [B, H], hidden state at the last prompt token
     encoder_features: torch.Tensor  # [B, 2H], mean response hidden state ++ last token hidden state
-    # Optional: the token weighting of b_t on the z-free layout, precomputed (by the feature cache) for
-    # ``weighting_params = (alpha, eps)``; a model uses it only when those are its own.
+    # The reference's predictive entropy on the same layout, when token_weight_source = "entropy".
+    zfree_token_entropy: torch.Tensor | None = None
+    # Optional: the token weighting on the z-free layout, precomputed (by the feature cache) for
+    # ``weighting_params`` (source, alpha, eps, interpolation); a model uses it only when those are its own.
     zfree_weighting: TokenWeighting | None = None
-    weighting_params: tuple[float, float] | None = None
+    weighting_params: WeightingParams | None = None
 
 
 @dataclass
@@ -298,13 +307,23 @@ class CVAEBase(nn.Module):
                 default_chunk_size(batch.input_ids.shape[0], head.weight.shape[0]),
             )
         zfree_nll = F.pad(window.float(), (start, 0))  # [B, T-1]
+        entropy = None
+        if self.reconstruction_cfg.token_weight_source == "entropy":
+            entropy_window = lm_head_token_entropy_per_position(
+                hidden[:, start:],
+                head,
+                batch.target_mask[:, start:],
+                default_chunk_size(batch.input_ids.shape[0], head.weight.shape[0]),
+            )
+            entropy = F.pad(entropy_window.float(), (start, 0))  # [B, T-1]
         hidden = hidden.float()
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         prior_features = hidden[rows, batch.prompt_lengths - 1]  # [B, H]
         mask = batch.target_mask.to(hidden.dtype).unsqueeze(-1)  # [B, T, 1]
         mean_response = (hidden * mask).sum(1) / mask.sum(1)  # [B, H]
         last_token = hidden[rows, batch.prompt_lengths + batch.response_lengths - 1]  # [B, H]
-        return FrozenFeatures(zfree_nll, prior_features, torch.cat([mean_response, last_token], dim=-1))
+        encoder_features = torch.cat([mean_response, last_token], dim=-1)
+        return FrozenFeatures(zfree_nll, prior_features, encoder_features, zfree_token_entropy=entropy)
 
     # -- injection and decoding ------------------------------------------------------------------
     def latent_embeddings(self, vector: torch.Tensor) -> torch.Tensor:
@@ -397,23 +416,56 @@ class CVAEBase(nn.Module):
         return decoded.token_nll(), decoded.target_mask[:, 1:]
 
     def token_weighting(
-        self, batch: Batch, features: FrozenFeatures, offsets: torch.Tensor, conditioned_target: torch.Tensor
+        self,
+        batch: Batch,
+        features: FrozenFeatures,
+        offsets: torch.Tensor,
+        conditioned_target: torch.Tensor,
+        token_nll: torch.Tensor | None = None,
+        alpha: float | None = None,
     ) -> TokenWeighting:
-        """The reference's token weights on the conditioned positions.
+        """The token weights on the conditioned positions.
 
-        ``conditioned_target`` is the decoder's ``[B, Tc]`` token mask; the z-free NLL lands on its
-        supervised positions by the alignment offsets (the conditioned layout is built so).
+        ``conditioned_target`` is the decoder's ``[B, Tc]`` token mask; the z-free NLL (and entropy)
+        land on its supervised positions by the alignment offsets (the conditioned layout is built so).
+        ``token_nll`` is the decoder's ``[B, Tc-1]`` NLL ``l_t``, needed only by the ``"dynamic"`` source;
+        ``alpha`` overrides the configured one (for inspection).
         """
+        source, configured_alpha, eps, interpolation = self.weighting_params
+        alpha = configured_alpha if alpha is None else float(alpha)
+        params = (source, alpha, eps, interpolation)
         positions, zfree_mask = conditioned_target.shape[1] - 1, batch.target_mask[:, 1:]
-        if features.zfree_weighting is not None and features.weighting_params == self.weighting_params:
+        if features.zfree_weighting is not None and features.weighting_params == params:
             return align_token_weighting(features.zfree_weighting, offsets, positions, zfree_mask)
-        aligned = align_to_conditioned(features.zfree_token_nll, offsets, positions, zfree_mask=zfree_mask)
-        return token_weighting_from_base_nll(aligned, conditioned_target[:, 1:], *self.weighting_params)
+
+        def aligned(values: torch.Tensor) -> torch.Tensor:
+            return align_to_conditioned(values, offsets, positions, zfree_mask=zfree_mask)
+
+        signal = None
+        if source == "entropy":
+            if features.zfree_token_entropy is None:
+                raise ValueError(
+                    "token_weight_source 'entropy' needs the reference's predictive entropy, which these "
+                    "features lack (built by a model with another token_weight_source)"
+                )
+            signal = aligned(features.zfree_token_entropy)
+        elif source == "dynamic":
+            if token_nll is None:
+                raise ValueError("token_weight_source 'dynamic' needs the decoder's token_nll")
+            signal = token_nll.detach()
+        base = aligned(features.zfree_token_nll)
+        return token_weighting_from_base_nll(base, conditioned_target[:, 1:], alpha, eps, signal, interpolation)
 
     @property
-    def weighting_params(self) -> tuple[float, float]:
-        """``(alpha, eps)`` of the token weighting."""
-        return self.reconstruction_cfg.token_weight_alpha, self.reconstruction_cfg.token_weight_eps
+    def weighting_params(self) -> WeightingParams:
+        """``(source, alpha, eps, interpolation)`` of the token weighting."""
+        cfg = self.reconstruction_cfg
+        return (
+            cfg.token_weight_source,
+            float(cfg.token_weight_alpha),
+            float(cfg.token_weight_eps),
+            float(cfg.token_weight_interpolation),
+        )
 
     # -- the objective ---------------------------------------------------------------------------
     def forward(self, batch: Batch, features: FrozenFeatures | None = None, step: int = 0) -> CVAEOutput:
@@ -423,7 +475,7 @@ class CVAEBase(nn.Module):
         decoded = self.decode(batch, sample.vector)
         token_nll = decoded.token_nll()  # [B, N]
         target = decoded.target_mask[:, 1:]  # [B, N]
-        weighting = self.token_weighting(batch, features, decoded.offsets, decoded.target_mask)
+        weighting = self.token_weighting(batch, features, decoded.offsets, decoded.target_mask, token_nll)
         stack = reconstruction_loss_stack(
             token_nll, target, weighting, self.reconstruction_cfg, self.zfree_reference_scale
         )

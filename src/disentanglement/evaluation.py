@@ -169,9 +169,19 @@ def conditioned_nll(model: CVAEBase, batch: Batch, vector: torch.Tensor) -> torc
     return token_nll.float()
 
 
-def batch_weighting(model: CVAEBase, batch: Batch, features: FrozenFeatures) -> TokenWeighting:
-    """Token weights at the configured alpha, aligned to the conditioned positions ``[B, N]``."""
-    return model.token_weighting(batch, features, model.alignment_offsets(batch), model.conditioned_target_mask(batch))
+def batch_weighting(
+    model: CVAEBase,
+    batch: Batch,
+    features: FrozenFeatures,
+    token_nll: torch.Tensor | None = None,
+    alpha: float | None = None,
+) -> TokenWeighting:
+    """Token weights as configured (or at ``alpha``), aligned to the conditioned positions ``[B, N]``.
+
+    ``token_nll`` (``[B, N]``, the decoder's ``l_t``) is needed by the ``"dynamic"`` source only.
+    """
+    offsets, target = model.alignment_offsets(batch), model.conditioned_target_mask(batch)
+    return model.token_weighting(batch, features, offsets, target, token_nll, alpha)
 
 
 @dataclass
@@ -311,10 +321,10 @@ def score_batch(
     exact_limit: int = 64,
 ) -> BatchScores:
     """Everything :func:`evaluate` and the token report need of one batch, in one place."""
-    weighting = batch_weighting(model, batch, features)
     summary = posterior_summary(model, features)
     posterior, target = model.conditioned_token_nll(batch, summary.vector)  # [B, N] each
     posterior, target = posterior.float(), target.float()
+    weighting = batch_weighting(model, batch, features, posterior)
     stack = reconstruction_loss_stack(
         posterior, target, weighting, model.reconstruction_cfg, model.zfree_reference_scale
     )
@@ -463,6 +473,8 @@ def evaluate(
         "response_tokens": int(total_tokens),
         "seed": seed,
         "token_weight_alpha": float(model.reconstruction_cfg.token_weight_alpha),
+        "token_weight_source": model.reconstruction_cfg.token_weight_source,
+        "token_weight_interpolation": float(model.reconstruction_cfg.token_weight_interpolation),
         "zfree_reference_scale": model.zfree_reference_scale,
     }
     for name in ("zfree", "posterior", "prior"):

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .cvae_base import CVAEBase, FrozenFeatures
+from .cvae_base import CVAEBase, FrozenFeatures, WeightingParams
 from .data import Batch, Example, collate
 from .token_weighting import TokenWeighting, token_weighting_from_base_nll
 
@@ -43,18 +43,23 @@ class FeatureCache:
     """Per-example frozen-pass outputs, indexed like the example list they were built from.
 
     The token weighting of each example (``pi``, ``pi_inv`` and the statistics ``b_base``, ``kappa``,
-    ``rho``...) is a function of its cached ``b_t`` alone: it is computed once per ``(alpha, eps)``
-    (:meth:`token_weighting`) and handed out with the features, so a training step only looks it up.
+    ``rho``...) is a function of its cached ``b_t`` (and, for the entropy source, its cached entropy)
+    alone: it is computed once per weighting setting (:meth:`response_weighting`) and handed out with
+    the features, so a training step only looks it up. The ``"dynamic"`` source depends on the
+    training model and is computed by the model every step.
     """
 
     response_nll: list[torch.Tensor]  # per example [n_b]: b_t of each response token
     prior_features: torch.Tensor  # [E, H]
     encoder_features: torch.Tensor  # [E, 2H]
-    # Derived once, on first use: per-token weighting per (alpha, eps); the flat layout of the responses.
-    _weightings: dict[tuple[float, float], tuple[torch.Tensor, torch.Tensor]] = field(
+    # Per example [n_b]: the reference's predictive entropy at each response token (entropy source only).
+    response_entropy: list[torch.Tensor] | None = None
+    # Derived once, on first use: per-token weighting per setting; the flat layout of the responses.
+    _weightings: dict[WeightingParams, tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
     _flat_nll: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _flat_entropy: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _lengths: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _starts: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -67,14 +72,24 @@ class FeatureCache:
 
     def subset(self, start: int, stop: int) -> FeatureCache:
         """The cache of examples ``start .. stop - 1`` (re-indexed from 0)."""
+        entropy = None if self.response_entropy is None else self.response_entropy[start:stop]
         return FeatureCache(
-            self.response_nll[start:stop], self.prior_features[start:stop], self.encoder_features[start:stop]
+            self.response_nll[start:stop],
+            self.prior_features[start:stop],
+            self.encoder_features[start:stop],
+            entropy,
         )
 
-    def token_weighting(self, alpha: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def response_weighting(self, params: WeightingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Every response token's ``(b_t, pi_t, pi_inv_t)``, ``[sum_b n_b, 3]`` in example order, and the
-        ``[E, 5]`` statistics of :data:`_WEIGHTING_STATISTICS`; computed once per ``(alpha, eps)``."""
-        key = (float(alpha), float(eps))
+        ``[E, 5]`` statistics of :data:`_WEIGHTING_STATISTICS`, for ``params = (source, alpha, eps,
+        interpolation)`` (source ``"surprisal"`` or ``"entropy"``); computed once per setting."""
+        source, alpha, eps, interpolation = params
+        if source not in ("surprisal", "entropy"):
+            raise ValueError(f"the feature cache precomputes surprisal or entropy weights, not {source!r}")
+        if source == "entropy" and self.response_entropy is None:
+            raise ValueError("token_weight_source 'entropy': this feature cache holds no predictive entropy")
+        key = (source, float(alpha), float(eps), float(interpolation))
         if key not in self._weightings:
             tokens, statistics = [], []
             for first in range(0, len(self), _WEIGHTING_CHUNK):
@@ -82,7 +97,12 @@ class FeatureCache:
                 lengths = torch.tensor([len(n) for n in nll])
                 padded = torch.nn.utils.rnn.pad_sequence(nll, batch_first=True)  # [E', n_max]
                 mask = torch.arange(padded.shape[1]) < lengths.unsqueeze(1)  # [E', n_max]
-                w = token_weighting_from_base_nll(padded, mask.float(), alpha, eps)
+                signal = None
+                if source == "entropy":
+                    signal = torch.nn.utils.rnn.pad_sequence(
+                        self.response_entropy[first : first + _WEIGHTING_CHUNK], batch_first=True
+                    )
+                w = token_weighting_from_base_nll(padded, mask.float(), alpha, eps, signal, interpolation)
                 per_token = torch.stack([w.aligned_base_token_nll, w.token_weights, w.inverse_token_weights], -1)
                 tokens.append(per_token[mask])  # the response tokens, example after example
                 statistics.append(torch.stack([getattr(w, name) for name in _WEIGHTING_STATISTICS], 1))
@@ -111,20 +131,26 @@ class FeatureCache:
         out[supervised] = per_token[source[supervised]]
         return out.to(batch.input_ids.device)
 
-    def features(self, batch: Batch, weighting_params: tuple[float, float] | None = None) -> FrozenFeatures:
+    def features(self, batch: Batch, weighting_params: WeightingParams | None = None) -> FrozenFeatures:
         """The cached :class:`FrozenFeatures` of a collated batch (``batch.indices`` index the cache).
 
-        With ``weighting_params = (alpha, eps)`` they carry the batch's token weighting on the z-free
-        layout too (:meth:`token_weighting`), which a model with the same ``(alpha, eps)`` uses as is.
+        With ``weighting_params`` (a model's: source, alpha, eps, interpolation) they carry the batch's
+        token weighting on the z-free layout too (:meth:`response_weighting`), which a model with the same
+        setting uses as is; not for the ``"dynamic"`` source, which the model computes every step.
         """
         device = batch.input_ids.device
         idx = batch.indices.cpu()
         prior, encoder = self.prior_features[idx].to(device), self.encoder_features[idx].to(device)
-        if weighting_params is None:
+        if weighting_params is None or weighting_params[0] == "dynamic":
             if self._flat_nll is None:
                 self._flat_nll = torch.cat(self.response_nll) if len(self) else torch.zeros(0)
-            return FrozenFeatures(self._place(self._flat_nll, batch), prior, encoder)
-        tokens, statistics = self.token_weighting(*weighting_params)
+            entropy = None
+            if self.response_entropy is not None:
+                if self._flat_entropy is None:
+                    self._flat_entropy = torch.cat(self.response_entropy) if len(self) else torch.zeros(0)
+                entropy = self._place(self._flat_entropy, batch)
+            return FrozenFeatures(self._place(self._flat_nll, batch), prior, encoder, zfree_token_entropy=entropy)
+        tokens, statistics = self.response_weighting(weighting_params)
         per_token = self._place(tokens, batch)  # [B, T-1, 3]: b_t, pi_t, pi_inv_t
         stats = statistics[idx].to(device)  # [B, 5]
         weighting = TokenWeighting(
@@ -133,7 +159,9 @@ class FeatureCache:
             aligned_base_token_nll=per_token[..., 0],
             **{name: stats[:, i] for i, name in enumerate(_WEIGHTING_STATISTICS)},
         )
-        return FrozenFeatures(per_token[..., 0], prior, encoder, weighting, weighting_params)
+        return FrozenFeatures(
+            per_token[..., 0], prior, encoder, zfree_weighting=weighting, weighting_params=weighting_params
+        )
 
 
 @torch.no_grad()
@@ -151,6 +179,7 @@ def build_feature_cache(
     response_nll: list[torch.Tensor | None] = [None] * len(examples)
     prior: list[torch.Tensor | None] = [None] * len(examples)
     encoder: list[torch.Tensor | None] = [None] * len(examples)
+    entropy: list[torch.Tensor] | None = None
     for start in tqdm(range(0, len(order), batch_size), desc=description, disable=not progress, unit="batch"):
         chunk = order[start : start + batch_size]
         batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
@@ -158,9 +187,12 @@ def build_feature_cache(
         for row, index in enumerate(chunk):
             p, r = int(batch.prompt_lengths[row]), int(batch.response_lengths[row])
             response_nll[index] = out.zfree_token_nll[row, p - 1 : p - 1 + r].float().cpu()
+            if out.zfree_token_entropy is not None:
+                entropy = entropy if entropy is not None else [None] * len(examples)  # type: ignore[list-item]
+                entropy[index] = out.zfree_token_entropy[row, p - 1 : p - 1 + r].float().cpu()
             prior[index] = out.prior_features[row].float().cpu()
             encoder[index] = out.encoder_features[row].float().cpu()
-    return FeatureCache(response_nll, torch.stack(prior), torch.stack(encoder))  # type: ignore[arg-type]
+    return FeatureCache(response_nll, torch.stack(prior), torch.stack(encoder), entropy)  # type: ignore[arg-type]
 
 
 def batch_features(model: CVAEBase, batch: Batch, cache: FeatureCache | None) -> FrozenFeatures:
@@ -201,6 +233,8 @@ def save_feature_cache(cache: FeatureCache, path: Path, fingerprint: str) -> Non
         "prior_features": cache.prior_features.contiguous(),
         "encoder_features": cache.encoder_features.contiguous(),
     }
+    if cache.response_entropy is not None:
+        tensors["response_entropy"] = torch.cat(cache.response_entropy) if cache.response_entropy else torch.zeros(0)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{path.name}")
     save_file(tensors, str(tmp), metadata={"fingerprint": fingerprint, "version": FEATURE_PASS_VERSION})
@@ -215,8 +249,10 @@ def load_feature_cache(path: Path, fingerprint: str) -> FeatureCache | None:
         if (handle.metadata() or {}).get("fingerprint") != fingerprint:
             return None
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - safe_open has no __iter__
-    nll = list(torch.split(tensors["response_nll"], tensors["response_lengths"].tolist()))
-    return FeatureCache(nll, tensors["prior_features"], tensors["encoder_features"])
+    lengths = tensors["response_lengths"].tolist()
+    nll = list(torch.split(tensors["response_nll"], lengths))
+    entropy = list(torch.split(tensors["response_entropy"], lengths)) if "response_entropy" in tensors else None
+    return FeatureCache(nll, tensors["prior_features"], tensors["encoder_features"], entropy)
 
 
 def load_or_build_feature_cache(
@@ -231,17 +267,21 @@ def load_or_build_feature_cache(
     """Reuse the on-disk cache whose fingerprint matches, else run the frozen pass and store it.
 
     A cache built for other weights, tokenizer, template, caps or data has another fingerprint and
-    is never used: it is rebuilt (and the old file replaced).
+    is never used: it is rebuilt (and the old file replaced). So is one without the predictive
+    entropy when the model weights tokens by it.
     """
     if cache_dir is None:
         return build_feature_cache(model, examples, pad_token_id, batch_size, device, progress)
     fingerprint = feature_fingerprint(model, examples)
     path = Path(cache_dir) / "frozen_pass.safetensors"
     cache = load_feature_cache(path, fingerprint)
+    needs_entropy = model.reconstruction_cfg.token_weight_source == "entropy"
     if cache is not None and len(cache) == len(examples):
-        logger.info("frozen pass: reusing %s (fingerprint %s)", path, fingerprint)
-        return cache
-    if path.exists():
+        if not needs_entropy or cache.response_entropy is not None:
+            logger.info("frozen pass: reusing %s (fingerprint %s)", path, fingerprint)
+            return cache
+        logger.info("frozen pass: %s holds no predictive entropy (token_weight_source 'entropy'); rebuilding", path)
+    elif path.exists():
         logger.info("frozen pass: %s was built for other weights or data; rebuilding", path)
     cache = build_feature_cache(model, examples, pad_token_id, batch_size, device, progress)
     save_feature_cache(cache, path, fingerprint)

@@ -26,7 +26,7 @@ import torch
 
 from .cvae_base import CVAEBase
 from .data import Example, collate
-from .evaluation import latent_assignments, posterior_latents, score_batch
+from .evaluation import batch_weighting, latent_assignments, posterior_latents, score_batch
 from .features import FeatureCache
 from .metrics import code_usage_per_slot, label_agreement
 from .report import (
@@ -37,7 +37,6 @@ from .report import (
     write_token_report,
 )
 from .shared_discrete_cvae import SharedDiscreteCVAE
-from .token_weighting import token_weighting_from_base_nll
 
 QUANTITIES = (
     "zfree_surprisal",
@@ -87,9 +86,7 @@ def token_values(
     alpha = cfg.token_weight_alpha if alpha is None else float(alpha)
     weighting = scores.weighting
     if alpha != cfg.token_weight_alpha:
-        weighting = token_weighting_from_base_nll(
-            weighting.aligned_base_token_nll, scores.target, alpha, cfg.token_weight_eps
-        )
+        weighting = batch_weighting(model, batch, features, scores.posterior_nll, alpha)
     mask = scores.target[0].bool()
     if int(mask.sum()) != len(example.response_ids):
         raise RuntimeError(f"{int(mask.sum())} supervised positions for {len(example.response_ids)} response tokens")

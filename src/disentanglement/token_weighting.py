@@ -8,6 +8,14 @@ tensor here has ``N = T - 1`` positions, position ``t`` being the prediction of 
     pi_inv_t = m_t b_t^-alpha / sum_s m_s b_s^-alpha        (inverse_token_weights)
 
 with ``b_t`` the aligned z-free surprisal floored at ``eps`` before the power.
+
+Beyond the seed (DESIGN.md section 8), two options change ``pi`` and ``pi_inv``; the statistics
+(``b_base``, ``kappa``, ``rho``...) stay those of the reference surprisal ``b_t`` under the weights used:
+
+- another signal ``s_t >= 0`` in place of ``b_t`` in the two shares: the reference's predictive
+  entropy at the position (``token_weight_source = "entropy"``), or the training model's own current
+  per-token NLL ``l_t``, detached (``"dynamic"``);
+- interpolation towards uniform: ``pi_t = (1 - lambda) m_t / n_b + lambda pi_t`` (``pi_inv`` unchanged).
 """
 
 from __future__ import annotations
@@ -58,6 +66,8 @@ def token_weighting_from_base_nll(
     target_mask: torch.Tensor,
     alpha: float,
     eps: float = 1e-6,
+    signal: torch.Tensor | None = None,
+    interpolation: float = 1.0,
 ) -> TokenWeighting:
     """Turn aligned z-free per-token NLL ``b_t`` ``[B, N]`` into the weighting bundle.
 
@@ -65,27 +75,40 @@ def token_weighting_from_base_nll(
     before the power, so a token the reference predicts with certainty gets a finite inverse
     weight. Computation is in float64 (small tensors) and results are cast back; all outputs
     are detached.
+
+    ``signal`` (``[B, N]``, ``>= 0`` on supervised positions) replaces ``b_t`` in ``pi`` and ``pi_inv``
+    (floored at ``eps`` likewise); ``interpolation`` is ``lambda`` in ``pi = (1 - lambda) m / n + lambda pi``.
+    Both leave the statistics defined by ``b_t``: with ``signal = None`` and ``lambda = 1`` this is the seed's.
     """
     if alpha < 0 or not torch.isfinite(torch.tensor(float(alpha))):
         raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
+    if not 0 <= interpolation <= 1:
+        raise ValueError(f"interpolation must be in [0, 1], got {interpolation}")
     if aligned_base_token_nll.shape != target_mask.shape:
         raise ValueError(
             f"aligned_base_token_nll {tuple(aligned_base_token_nll.shape)} and target_mask "
             f"{tuple(target_mask.shape)} must have the same [B, N] shape"
         )
+    if signal is not None and signal.shape != target_mask.shape:
+        raise ValueError(f"signal {tuple(signal.shape)} must have the [B, N] shape {tuple(target_mask.shape)}")
     mask = _check_mask(target_mask)
     out_dtype = aligned_base_token_nll.dtype if aligned_base_token_nll.is_floating_point() else torch.float32
     b = aligned_base_token_nll.detach().to(torch.float64)
     b = torch.where(mask, b, torch.zeros_like(b))  # b_t aligned, zero where m_t = 0
     if (b < 0).any():
         raise ValueError("aligned_base_token_nll must be >= 0 (it is a negative log-likelihood)")
-    floored = torch.where(mask, b.clamp_min(eps), torch.ones_like(b))  # [B, N]
+    s = b if signal is None else torch.where(mask, signal.detach().to(torch.float64), torch.zeros_like(b))
+    if signal is not None and not ((s >= 0) & torch.isfinite(s)).all():
+        raise ValueError("signal must be finite and >= 0 on supervised positions (an NLL or an entropy)")
+    floored = torch.where(mask, s.clamp_min(eps), torch.ones_like(s))  # [B, N]
 
     pi = _normalised_power(floored, mask, alpha)  # [B, N]
     pi_inv = _normalised_power(floored, mask, -alpha)  # [B, N]
     n = mask.sum(dim=1).to(torch.float64)  # [B]
+    if interpolation != 1:
+        pi = (1 - interpolation) * mask.to(torch.float64) / n.unsqueeze(1) + interpolation * pi
     example_base = b.sum(dim=1) / n  # [B]
     tok_base = (pi * b).sum(dim=1)  # [B]
     inv_base = (pi_inv * b).sum(dim=1)  # [B]
@@ -226,6 +249,35 @@ def shifted_nll(
         for i in range(0, seq - 1, chunk_size)
     ]
     return torch.cat(blocks, dim=1)
+
+
+def shifted_entropy(
+    logits: torch.Tensor,
+    target_mask: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Masked predictive entropy ``[B, T-1]``: ``out[b, t] = H(softmax(logits[b, t])) * target_mask[b, t+1]``.
+
+    The entropy (nats) of the distribution that predicts token ``t + 1``, whatever that token is.
+    ``logits`` is ``[B, T, V]``, or hidden states ``[B, T, H]`` when ``head`` is given; with
+    ``chunk_size`` the positions go through the head and the softmax one chunk at a time (meant
+    for the no-grad reference pass: under autograd every chunk's softmax would be kept).
+    """
+    bsz, seq = target_mask.shape
+    if logits.shape[:2] != (bsz, seq):
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and target_mask {tuple(target_mask.shape)} must agree on [B, T]"
+        )
+    inputs = logits[:, :-1]  # [B, T-1, V or H]
+    step = max(1, chunk_size or inputs.shape[1])
+    blocks = []
+    for i in range(0, inputs.shape[1], step):
+        scores = inputs[:, i : i + step]
+        log_p = F.log_softmax((head(scores) if head is not None else scores).float(), dim=-1)  # [B, c, V]
+        blocks.append(-(log_p.exp() * log_p).sum(-1))
+    entropy = torch.cat(blocks, dim=1) if blocks else inputs.new_zeros(bsz, 0, dtype=torch.float32)
+    return torch.where(target_mask[:, 1:].to(torch.bool), entropy, torch.zeros_like(entropy))
 
 
 @torch.no_grad()

@@ -1,0 +1,368 @@
+"""Token-weighting options beyond the seed (DESIGN.md section 8): another signal in place of the
+reference surprisal (the reference's predictive entropy, or the training model's own current NLL)
+and interpolation between uniform and token weights.
+
+The reference (:func:`loop_weighting`) is plain Python over float64 scalars: the shares use the
+signal ``s_t``, the interpolation mixes in ``m_t / n_b``, and the statistics keep the reference
+surprisal ``b_t`` (so the concentration factor still says how the weights meet the reference).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from disentanglement.config import ConfigError, build_config
+from disentanglement.data import collate, make_hidden_factor_pairs, tokenize_pairs
+from disentanglement.evaluation import score_batch
+from disentanglement.features import (
+    build_feature_cache,
+    feature_fingerprint,
+    load_feature_cache,
+    load_or_build_feature_cache,
+    save_feature_cache,
+)
+from disentanglement.losses import token_weighted_reconstruction_loss
+from disentanglement.models import build_cvae
+from disentanglement.token_weighting import TokenWeighting, shifted_entropy, token_weighting_from_base_nll
+from disentanglement.trainer import train
+from helpers import tiny_llama, tiny_tokenizer
+
+FIELDS = [
+    "token_weights",
+    "inverse_token_weights",
+    "aligned_base_token_nll",
+    "example_base_loss",
+    "token_weighted_base_loss",
+    "inverse_token_weighted_base_loss",
+    "token_concentration_factor",
+    "inverse_token_base_scale_factor",
+]
+
+
+def loop_weighting(b, s, m, alpha, eps=1e-6, lam=1.0) -> dict:
+    """Shares of the floored signal ``s``, mixed with uniform by ``lam``; statistics of ``b``."""
+    out: dict[str, list] = {name: [] for name in FIELDS}
+    for b_row, s_row, m_row in zip(b, s, m, strict=True):
+        idx = [t for t in range(len(m_row)) if m_row[t]]
+        n_b = len(idx)
+        num = {t: max(float(s_row[t]), eps) ** alpha for t in idx}
+        num_inv = {t: max(float(s_row[t]), eps) ** -alpha for t in idx}
+        pi = [(1 - lam) / n_b + lam * num[t] / sum(num.values()) if m_row[t] else 0.0 for t in range(len(m_row))]
+        pi_inv = [num_inv[t] / sum(num_inv.values()) if m_row[t] else 0.0 for t in range(len(m_row))]
+        bb = [float(b_row[t]) if m_row[t] else 0.0 for t in range(len(m_row))]
+        base = sum(bb) / n_b
+        tok = sum(p * x for p, x in zip(pi, bb, strict=True))
+        inv = sum(p * x for p, x in zip(pi_inv, bb, strict=True))
+        values = dict(
+            token_weights=pi,
+            inverse_token_weights=pi_inv,
+            aligned_base_token_nll=bb,
+            example_base_loss=base,
+            token_weighted_base_loss=tok,
+            inverse_token_weighted_base_loss=inv,
+            token_concentration_factor=tok / base if base > 0 else 1.0,
+            inverse_token_base_scale_factor=inv / base if base > 0 else 1.0,
+        )
+        for name in FIELDS:
+            out[name].append(values[name])
+    return out
+
+
+def assert_matches_loop(w: TokenWeighting, ref: dict) -> None:
+    for name in FIELDS:
+        want = torch.tensor(ref[name], dtype=torch.float64)
+        torch.testing.assert_close(getattr(w, name).double(), want, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def t64(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float64)
+
+
+# -- the weighting math ---------------------------------------------------------------------------------
+def test_hand_worked_signal_and_interpolation():
+    # b = (2, 1, 4), s = (1, 3, 0): alpha 1 gives shares (1/4, 3/4, eps/4 ~ 0); lambda 0.5 mixes in 1/3 each.
+    b, s, m = t64([[2.0, 1.0, 4.0]]), t64([[1.0, 3.0, 0.0]]), t64([[1, 1, 1]])
+    w = token_weighting_from_base_nll(b, m, alpha=1.0, eps=1e-6, signal=s, interpolation=0.5)
+    share = torch.tensor([1.0, 3.0, 1e-6], dtype=torch.float64) / (4.0 + 1e-6)
+    want_pi = 0.5 / 3 + 0.5 * share
+    torch.testing.assert_close(w.token_weights[0], want_pi, rtol=1e-12, atol=1e-15)
+    inv = torch.tensor([1.0, 1 / 3, 1e6], dtype=torch.float64)
+    torch.testing.assert_close(w.inverse_token_weights[0], inv / inv.sum(), rtol=1e-12, atol=1e-15)
+    # The statistics stay those of b under these weights: b_base = 7/3, kappa = sum pi b / b_base.
+    assert float(w.example_base_loss[0]) == pytest.approx(7 / 3, rel=1e-12)
+    assert float(w.token_concentration_factor[0]) == pytest.approx(float((want_pi * b[0]).sum()) / (7 / 3), rel=1e-12)
+    torch.testing.assert_close(w.aligned_base_token_nll, b)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0, 2.0])
+@pytest.mark.parametrize("lam", [0.0, 0.3, 1.0])
+def test_random_signal_and_interpolation_match_the_loop(alpha, lam):
+    g = torch.Generator().manual_seed(3)
+    b = torch.rand(4, 9, generator=g, dtype=torch.float64) * 5
+    s = torch.rand(4, 9, generator=g, dtype=torch.float64) * 3
+    s[0, 2] = 1e-9  # near-zero signal: floored at eps before the power
+    m = (torch.rand(4, 9, generator=g) < 0.7).double()
+    m[:, 4] = 1  # every example has a supervised position
+    m[3] = 0
+    m[3, 6] = 1  # one supervised token
+    w = token_weighting_from_base_nll(b, m, alpha, 1e-6, signal=s, interpolation=lam)
+    assert_matches_loop(w, loop_weighting(b.tolist(), s.tolist(), m.tolist(), alpha, 1e-6, lam))
+    assert torch.allclose(w.token_weights.sum(1), torch.ones(4, dtype=torch.float64))
+    assert (w.token_weights[m == 0] == 0).all() and (w.inverse_token_weights[m == 0] == 0).all()
+
+
+def test_defaults_are_the_seeds_weighting():
+    g = torch.Generator().manual_seed(5)
+    b, m = torch.rand(3, 6, generator=g) * 4, torch.ones(3, 6)
+    seed = token_weighting_from_base_nll(b, m, 1.5)
+    for w in (
+        token_weighting_from_base_nll(b, m, 1.5, signal=b, interpolation=1.0),
+        token_weighting_from_base_nll(b, m, 1.5, signal=None, interpolation=1.0),
+    ):
+        for name in FIELDS:
+            torch.testing.assert_close(getattr(w, name), getattr(seed, name), rtol=0, atol=0)
+
+
+def test_interpolation_zero_is_uniform_and_kappa_is_linear_in_lambda():
+    g = torch.Generator().manual_seed(7)
+    b = torch.rand(3, 8, generator=g, dtype=torch.float64) * 4 + 0.1
+    m = torch.ones(3, 8, dtype=torch.float64)
+    m[1, 5:] = 0
+    uniform = token_weighting_from_base_nll(b, m, 2.0, interpolation=0.0)
+    torch.testing.assert_close(uniform.token_weights, m / m.sum(1, keepdim=True), rtol=1e-14, atol=1e-15)
+    torch.testing.assert_close(uniform.token_concentration_factor, torch.ones(3, dtype=torch.float64))
+    full = token_weighting_from_base_nll(b, m, 2.0)
+    mixed = token_weighting_from_base_nll(b, m, 2.0, interpolation=0.25)
+    # kappa(lambda) = (1 - lambda) * 1 + lambda * kappa(1); the inverse weights do not move.
+    torch.testing.assert_close(
+        mixed.token_concentration_factor, 0.75 + 0.25 * full.token_concentration_factor, rtol=1e-12, atol=1e-14
+    )
+    torch.testing.assert_close(mixed.inverse_token_weights, full.inverse_token_weights, rtol=0, atol=0)
+    # With lambda = 0 the token-weighted term is the raw token-mean term.
+    nll = torch.rand(3, 8, generator=g, dtype=torch.float64) * m
+    raw = ((nll * m).sum(1) / m.sum(1)).mean()
+    torch.testing.assert_close(token_weighted_reconstruction_loss(nll, uniform), raw)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(interpolation=1.5), "interpolation must be in"),
+        (dict(interpolation=-0.1), "interpolation must be in"),
+        (dict(signal=torch.ones(2, 3)), "signal"),
+        (dict(signal=-torch.ones(2, 4)), "signal must be finite and >= 0"),
+        (dict(signal=torch.full((2, 4), float("nan"))), "signal must be finite and >= 0"),
+    ],
+)
+def test_invalid_options_are_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        token_weighting_from_base_nll(torch.ones(2, 4), torch.ones(2, 4), 1.0, **kwargs)
+
+
+def test_signal_off_the_supervised_positions_is_ignored():
+    b, m = torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[0.0, 1.0, 1.0]])
+    s = torch.tensor([[float("nan"), 1.0, 2.0]])  # position 0 is not supervised
+    w = token_weighting_from_base_nll(b, m, 1.0, signal=s)
+    torch.testing.assert_close(w.token_weights, torch.tensor([[0.0, 1 / 3, 2 / 3]]))
+
+
+# -- predictive entropy ------------------------------------------------------------------------------
+def loop_entropy(logits: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    B, T, _ = logits.shape
+    out = torch.zeros(B, T - 1, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T - 1):
+            if token_mask[b, t + 1]:
+                p = [math.exp(x) for x in logits[b, t].double().tolist()]
+                z = sum(p)
+                out[b, t] = -sum(q / z * math.log(q / z) for q in p)
+    return out
+
+
+def test_shifted_entropy_matches_the_loop_chunked_and_through_a_head():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 7, 5, generator=g)
+    head = torch.nn.Linear(5, 11, bias=False)
+    logits = head(hidden).detach()
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1]])
+    want = loop_entropy(logits, mask)
+    with torch.no_grad():
+        for chunk in (None, 1, 2, 4, 100):
+            torch.testing.assert_close(
+                shifted_entropy(logits, mask, chunk_size=chunk).double(), want, rtol=1e-5, atol=1e-6
+            )
+            got = shifted_entropy(hidden, mask, head=head, chunk_size=chunk)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    # Uniform logits: log V at every supervised position.
+    flat = shifted_entropy(torch.zeros(1, 3, 11), torch.tensor([[0, 1, 1]]))
+    torch.testing.assert_close(flat, torch.full((1, 2), math.log(11)))
+
+
+# -- the models, the cache and training ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def examples(tokenizer):
+    pairs = make_hidden_factor_pairs([f"tell me about item {'z' * (i % 5)} {i}" for i in range(16)], kind="clean")
+    examples, _ = tokenize_pairs(pairs, tokenizer, build_config(dict(chat_template=False)).data)
+    return examples
+
+
+def model_for(tokenizer, **overrides):
+    config = build_config(dict(chat_template=False, token_weighted_weight=1.0, **overrides))
+    return build_cvae(config, tiny_llama(len(tokenizer)))
+
+
+def test_frozen_pass_gives_the_references_predictive_entropy(tokenizer, examples):
+    model = model_for(tokenizer, token_weight_source="entropy")
+    batch = collate(examples[:4], tokenizer.pad_token_id)
+    features = model.frozen_pass(batch)
+    with torch.no_grad():
+        logits = model.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    want = loop_entropy(logits, batch.target_mask)
+    torch.testing.assert_close(features.zfree_token_entropy.double(), want, rtol=1e-4, atol=1e-5)
+    assert model_for(tokenizer).frozen_pass(batch).zfree_token_entropy is None  # only when asked for
+
+
+@pytest.mark.parametrize("placement", ["prefix", "between"])
+def test_entropy_weights_from_the_cache_equal_the_models_own(tokenizer, examples, placement):
+    model = model_for(
+        tokenizer, token_weight_source="entropy", token_weight_interpolation=0.6, latent_placement=placement
+    )
+    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, batch_size=5, progress=False)
+    assert cache.response_entropy is not None
+    indices = [4, 0, 11, 7]
+    batch = collate([examples[i] for i in indices], tokenizer.pad_token_id, indices=indices)
+    offsets, target = model.alignment_offsets(batch), model.conditioned_target_mask(batch)
+    cached = cache.features(batch, model.weighting_params)
+    fresh = model.frozen_pass(batch)
+    got = model.token_weighting(batch, cached, offsets, target)
+    want = model.token_weighting(batch, fresh, offsets, target)
+    for name in FIELDS:
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-4, atol=1e-6)
+    # Independently: the weights are the interpolated entropy shares at the response positions.
+    sup = target[:, 1:].bool()
+    entropy = fresh.zfree_token_entropy[batch.target_mask[:, 1:].bool()]
+    assert torch.equal(got.token_weights[sup] > 0, torch.ones_like(entropy, dtype=torch.bool))
+    start = 0
+    for row, n in enumerate(batch.response_lengths.tolist()):
+        e = entropy[start : start + n].double()
+        torch.testing.assert_close(
+            got.token_weights[row][sup[row]].double(), 0.4 / n + 0.6 * e / e.sum(), rtol=1e-4, atol=1e-6
+        )
+        start += n
+
+
+def test_entropy_cache_round_trip_and_rebuild(tokenizer, examples, tmp_path):
+    surprisal = model_for(tokenizer)
+    path = tmp_path / "frozen_pass.safetensors"
+    plain = load_or_build_feature_cache(surprisal, examples, tokenizer.pad_token_id, tmp_path, 5, progress=False)
+    assert plain.response_entropy is None
+    with safe_open(str(path), framework="pt") as handle:
+        assert "response_entropy" not in handle.keys()  # noqa: SIM118
+    # An entropy model does not use a cache without entropy: it rebuilds it (same fingerprint).
+    entropic = model_for(tokenizer, token_weight_source="entropy")
+    assert feature_fingerprint(entropic, examples) == feature_fingerprint(surprisal, examples)
+    cache = load_or_build_feature_cache(entropic, examples, tokenizer.pad_token_id, tmp_path, 5, progress=False)
+    assert cache.response_entropy is not None
+    loaded = load_feature_cache(path, feature_fingerprint(entropic, examples))
+    for a, b in zip(loaded.response_entropy, cache.response_entropy, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # ... and a surprisal model reuses the richer file as it is.
+    again = load_or_build_feature_cache(surprisal, examples, tokenizer.pad_token_id, tmp_path, 5, progress=False)
+    assert again.response_entropy is not None
+    save_feature_cache(cache.subset(2, 5), tmp_path / "sub.safetensors", "x")
+    sub = load_feature_cache(tmp_path / "sub.safetensors", "x")
+    assert [len(e) for e in sub.response_entropy] == [len(examples[i].response_ids) for i in range(2, 5)]
+
+
+def test_entropy_source_without_entropy_in_the_features_is_an_error(tokenizer, examples):
+    surprisal = model_for(tokenizer)
+    cache = build_feature_cache(surprisal, examples, tokenizer.pad_token_id, batch_size=8, progress=False)
+    entropic = model_for(tokenizer, token_weight_source="entropy")
+    batch = collate(examples[:2], tokenizer.pad_token_id, indices=[0, 1])
+    with pytest.raises(ValueError, match="holds no predictive entropy"):
+        cache.features(batch, entropic.weighting_params)
+    with pytest.raises(ValueError, match="lack"):
+        entropic(batch, cache.features(batch))
+
+
+def test_dynamic_weights_are_the_models_own_detached_nll(tokenizer, examples):
+    model = model_for(tokenizer, token_weight_source="dynamic", token_weight_alpha=1.5).train()
+    batch = collate(examples[:5], tokenizer.pad_token_id, indices=range(5))
+    cache = build_feature_cache(model, examples[:5], tokenizer.pad_token_id, batch_size=5, progress=False)
+    features = cache.features(batch, model.weighting_params)
+    assert features.zfree_weighting is None  # nothing to precompute: it changes every step
+    out = model(batch, features)
+    l, m = out.token_nll.detach().double(), out.target_mask.double()
+    want = loop_weighting(out.weighting.aligned_base_token_nll.tolist(), l.tolist(), m.tolist(), 1.5)
+    for name in FIELDS:
+        torch.testing.assert_close(
+            getattr(out.weighting, name).double(), torch.tensor(want[name], dtype=torch.float64), rtol=1e-5, atol=1e-7
+        )
+    assert not out.weighting.token_weights.requires_grad
+    # The weights are constants of the step: d term_3 / d l = pi / B.
+    term = out.reconstruction_terms["token_weighted_reconstruction_loss"]
+    (grad,) = torch.autograd.grad(term, out.token_nll)
+    torch.testing.assert_close(grad, out.weighting.token_weights / 5, rtol=1e-6, atol=1e-8)
+    # Evaluation weights by the posterior-mean NLL it scores.
+    model.eval()
+    scores = score_batch(model, batch, features, iw_samples=1, prior_samples=2)
+    l_eval = scores.posterior_nll.double()
+    share = l_eval.clamp_min(1e-6) ** 1.5 * m
+    torch.testing.assert_close(
+        scores.weighting.token_weights.double(), share / share.sum(1, keepdim=True), rtol=1e-5, atol=1e-7
+    )
+
+
+@pytest.mark.parametrize("source", ["entropy", "dynamic"])
+def test_training_with_each_source_with_and_without_the_cache(tokenizer, tmp_path, source):
+    pairs = make_hidden_factor_pairs([f"what about item {'y' * (i % 7)} {i}" for i in range(16)], kind="clean")
+
+    def run(name, use_cache):
+        config = build_config(
+            dict(
+                output_dir=str(tmp_path / name),
+                max_steps=3,
+                batch_size=4,
+                progress=False,
+                chat_template=False,
+                feature_cache=use_cache,
+                eval_every=3,
+                eval_batches=1,
+                token_weighted_weight=1.0,
+                normalized_concentration_corrected_token_weighted_weight=1.0,
+                token_weight_source=source,
+                token_weight_interpolation=0.5,
+                latent="continuous",
+            )
+        )
+        train(config, (tiny_llama(len(tokenizer)), tokenizer), pairs)
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    cached, uncached = run("cached", True), run("uncached", False)
+    term = "normalized_concentration_corrected_token_weighted_reconstruction_loss"
+    for a, b in zip(cached, uncached, strict=True):
+        for key in ("loss", "token_weighted_reconstruction_loss", term):
+            assert a[key] == pytest.approx(b[key], rel=1e-4), (a["step"], key)
+            assert math.isfinite(a[key])
+
+
+# -- configuration --------------------------------------------------------------------------------------
+def test_config_validates_the_options():
+    with pytest.raises(ConfigError, match=r"ReconstructionLossConfig\.token_weight_source.*'attention'"):
+        build_config({"token_weight_source": "attention"})
+    with pytest.raises(ConfigError, match=r"ReconstructionLossConfig\.token_weight_interpolation.*<= 1"):
+        build_config({"token_weight_interpolation": 1.5})
+    with pytest.raises(ConfigError, match=r"token_weight_interpolation.*>= 0"):
+        build_config({"token_weight_interpolation": -0.5})
+    config = build_config({"token_weight_source": "dynamic", "token_weight_interpolation": 0.0})
+    assert config.reconstruction.token_weight_source == "dynamic"
