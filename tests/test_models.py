@@ -257,7 +257,7 @@ def test_lora_reference_is_the_adapter_free_model(tokenizer):
     batch = make_batch(tokenizer)
     with torch.no_grad():
         expected = base(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    model, _ = make_model(tokenizer, decoder_training="lora")
+    model, _ = make_model(tokenizer, decoder_training="lora", token_weight_source="entropy")
     model.decoder.base_model.model.load_state_dict(base.state_dict(), strict=False)
     for name, param in model.decoder.named_parameters():
         if "lora_B" in name:
@@ -268,6 +268,10 @@ def test_lora_reference_is_the_adapter_free_model(tokenizer):
         p, r = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
         nll = F.cross_entropy(logits[b, p - 1 : p + r - 1], batch.input_ids[b, p : p + r], reduction="none")
         torch.testing.assert_close(features.zfree_token_nll[b, p - 1 : p + r - 1], nll)
+        # The predictive entropy (token_weight_source "entropy") is the adapter-free model's too.
+        log_p = F.log_softmax(logits[b, p - 1 : p + r - 1], dim=-1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+        torch.testing.assert_close(features.zfree_token_entropy[b, p - 1 : p + r - 1], entropy, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         adapted = model.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     assert not torch.allclose(adapted, expected)

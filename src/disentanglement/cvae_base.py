@@ -306,16 +306,16 @@ class CVAEBase(nn.Module):
                 batch.target_mask[:, start:],
                 default_chunk_size(batch.input_ids.shape[0], head.weight.shape[0]),
             )
+            entropy = None
+            if self.reconstruction_cfg.token_weight_source == "entropy":  # the reference's, adapters off too
+                entropy_window = lm_head_token_entropy_per_position(
+                    hidden[:, start:],
+                    head,
+                    batch.target_mask[:, start:],
+                    default_chunk_size(batch.input_ids.shape[0], head.weight.shape[0]),
+                )
+                entropy = F.pad(entropy_window.float(), (start, 0))  # [B, T-1]
         zfree_nll = F.pad(window.float(), (start, 0))  # [B, T-1]
-        entropy = None
-        if self.reconstruction_cfg.token_weight_source == "entropy":
-            entropy_window = lm_head_token_entropy_per_position(
-                hidden[:, start:],
-                head,
-                batch.target_mask[:, start:],
-                default_chunk_size(batch.input_ids.shape[0], head.weight.shape[0]),
-            )
-            entropy = F.pad(entropy_window.float(), (start, 0))  # [B, T-1]
         hidden = hidden.float()
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         prior_features = hidden[rows, batch.prompt_lengths - 1]  # [B, H]
