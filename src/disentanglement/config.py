@@ -106,7 +106,9 @@ class ReconstructionLossConfig:
         "Temperature alpha >= 0 of the surprisal share b_t^alpha (0 gives uniform weights).",
         flag="--token-weighted-reconstruction-alpha",
     )
-    token_weight_eps: float = option(1e-6, "Floor on z-free surprisal before the power (> 0).")
+    token_weight_eps: float = option(
+        1e-6, "Floor (> 0) on z-free surprisal, or on the token_weight_source signal, before the power."
+    )
     token_weight_source: Literal["surprisal", "entropy", "dynamic"] = option(
         "surprisal",
         "What the token weights are a tempered share of: 'surprisal' = the reference's b_t (the seed); "

@@ -446,7 +446,8 @@ class CVAEBase(nn.Module):
             if features.zfree_token_entropy is None:
                 raise ValueError(
                     "token_weight_source 'entropy' needs the reference's predictive entropy, which these "
-                    "features lack (built by a model with another token_weight_source)"
+                    "features do not carry: pass features from frozen_pass or FeatureCache.features of a "
+                    "cache built by a model with token_weight_source 'entropy'"
                 )
             signal = aligned(features.zfree_token_entropy)
         elif source == "dynamic":
@@ -454,7 +455,9 @@ class CVAEBase(nn.Module):
                 raise ValueError("token_weight_source 'dynamic' needs the decoder's token_nll")
             signal = token_nll.detach()
         base = aligned(features.zfree_token_nll)
-        return token_weighting_from_base_nll(base, conditioned_target[:, 1:], alpha, eps, signal, interpolation)
+        return token_weighting_from_base_nll(
+            base, conditioned_target[:, 1:], alpha, eps, signal=signal, interpolation=interpolation
+        )
 
     @property
     def weighting_params(self) -> WeightingParams:

@@ -7,8 +7,9 @@ dimensions). Every quantity is in nats unless its name says bits (``bits = nats 
 
 Per response token ``t`` of an example (DESIGN.md section 2): ``b_t`` the z-free reference NLL,
 ``l_t`` the conditioned decoder's NLL under the posterior latent (argmax code / posterior mean),
-``r_t`` the NLL under the prior mixture (:func:`mixture_token_nll`), ``pi_t`` the token weights at
-the model's configured alpha.
+``r_t`` the NLL under the prior mixture (:func:`mixture_token_nll`), ``pi_t`` the token weights as
+the model is configured (alpha, source, interpolation; with the ``"dynamic"`` source they are shares
+of this ``l_t``, so token-weighted figures of different checkpoints weight different tokens).
 
 - z-free gain = ``b_t - l_t`` (positive: the conditioned decoder beats the z-free reference);
   "uniform" averages over every response token of the set, "token-weighted" is
@@ -375,7 +376,7 @@ def evaluate(
     ``seed`` (prior and importance samples, k-means); the caller's random state is left untouched.
 
     Keys (``*`` = ``nats_per_token`` and ``bits_per_token``; "uniform" over every response token of
-    the set, ``token_weighted_`` = ``mean_b sum_t pi_t (...)`` at the configured alpha):
+    the set, ``token_weighted_`` = ``mean_b sum_t pi_t (...)`` with the configured weights):
 
     - ``zfree_nll_*``, ``posterior_nll_*``, ``prior_nll_*``: mean per-token NLL of the z-free
       reference, of the decoder under the posterior latent, and under the prior mixture;

@@ -88,7 +88,10 @@ class FeatureCache:
         if source not in ("surprisal", "entropy"):
             raise ValueError(f"the feature cache precomputes surprisal or entropy weights, not {source!r}")
         if source == "entropy" and self.response_entropy is None:
-            raise ValueError("token_weight_source 'entropy': this feature cache holds no predictive entropy")
+            raise ValueError(
+                "token_weight_source 'entropy': this feature cache holds no predictive entropy; build it with a "
+                "model whose token_weight_source is 'entropy' (load_or_build_feature_cache rebuilds such a file)"
+            )
         key = (source, float(alpha), float(eps), float(interpolation))
         if key not in self._weightings:
             tokens, statistics = [], []
@@ -102,7 +105,9 @@ class FeatureCache:
                     signal = torch.nn.utils.rnn.pad_sequence(
                         self.response_entropy[first : first + _WEIGHTING_CHUNK], batch_first=True
                     )
-                w = token_weighting_from_base_nll(padded, mask.float(), alpha, eps, signal, interpolation)
+                w = token_weighting_from_base_nll(
+                    padded, mask.float(), alpha, eps, signal=signal, interpolation=interpolation
+                )
                 per_token = torch.stack([w.aligned_base_token_nll, w.token_weights, w.inverse_token_weights], -1)
                 tokens.append(per_token[mask])  # the response tokens, example after example
                 statistics.append(torch.stack([getattr(w, name) for name in _WEIGHTING_STATISTICS], 1))

@@ -3,8 +3,8 @@
 For one example the token report colours each response token by, selectably:
 
 - ``zfree_surprisal``: ``b_t``, the z-free reference's NLL;
-- ``token_weight``: ``pi_t`` at the configured alpha (or the one given);
-- ``inverse_token_weight``: ``pi_inv_t`` at the same alpha;
+- ``token_weight``: ``pi_t`` as configured (source, interpolation), at the configured alpha or the one given;
+- ``inverse_token_weight``: ``pi_inv_t`` likewise;
 - ``conditioned_nll``: ``l_t``, the decoder's NLL under the posterior latent (argmax code / mean);
 - ``gain``: ``b_t - l_t`` (positive where the conditioned decoder beats the z-free reference);
 - ``prior_nll``: the prior mixture's per-token NLL (:func:`evaluation.mixture_token_nll`);
@@ -116,6 +116,8 @@ def token_values(
         "response": tokenizer.decode(example.response_ids, skip_special_tokens=False),
         "response_tokens": n,
         "token_weight_alpha": alpha,
+        "token_weight_source": cfg.token_weight_source,
+        "token_weight_interpolation": float(cfg.token_weight_interpolation),
         "latent": latent,
         "prior_mixture": {"method": scores.mixture.method, "latents": scores.mixture.size},
         "zfree_nll_per_token": float(b.mean()),

@@ -79,6 +79,8 @@ def token_weighting_from_base_nll(
     ``signal`` (``[B, N]``, ``>= 0`` on supervised positions) replaces ``b_t`` in ``pi`` and ``pi_inv``
     (floored at ``eps`` likewise); ``interpolation`` is ``lambda`` in ``pi = (1 - lambda) m / n + lambda pi``.
     Both leave the statistics defined by ``b_t``: with ``signal = None`` and ``lambda = 1`` this is the seed's.
+    With another signal ``kappa >= 1`` and ``rho <= 1`` no longer hold: weights that fall on tokens the
+    reference finds easy give ``kappa < 1`` (down to 0), and term 4 grows as ``1 / kappa``.
     """
     if alpha < 0 or not torch.isfinite(torch.tensor(float(alpha))):
         raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
@@ -100,8 +102,10 @@ def token_weighting_from_base_nll(
     if (b < 0).any():
         raise ValueError("aligned_base_token_nll must be >= 0 (it is a negative log-likelihood)")
     s = b if signal is None else torch.where(mask, signal.detach().to(torch.float64), torch.zeros_like(b))
-    if signal is not None and not ((s >= 0) & torch.isfinite(s)).all():
-        raise ValueError("signal must be finite and >= 0 on supervised positions (an NLL or an entropy)")
+    if signal is not None and (s < 0).any():
+        raise ValueError("signal must be >= 0 on supervised positions (an NLL or an entropy)")
+    # A NaN or infinite signal (a diverged model's own NLL) gives NaN weights: the loss is then
+    # non-finite and the trainer's divergence handling takes over, as for any other non-finite step.
     floored = torch.where(mask, s.clamp_min(eps), torch.ones_like(s))  # [B, N]
 
     pi = _normalised_power(floored, mask, alpha)  # [B, N]
@@ -275,7 +279,8 @@ def shifted_entropy(
     for i in range(0, inputs.shape[1], step):
         scores = inputs[:, i : i + step]
         log_p = F.log_softmax((head(scores) if head is not None else scores).float(), dim=-1)  # [B, c, V]
-        blocks.append(-(log_p.exp() * log_p).sum(-1))
+        # p log p with p = 0 is 0: a -inf logit (a masked-out token) must not give 0 * -inf = NaN.
+        blocks.append(-(log_p.exp() * log_p.clamp_min(torch.finfo(log_p.dtype).min)).sum(-1))
     entropy = torch.cat(blocks, dim=1) if blocks else inputs.new_zeros(bsz, 0, dtype=torch.float32)
     return torch.where(target_mask[:, 1:].to(torch.bool), entropy, torch.zeros_like(entropy))
 
