@@ -28,7 +28,12 @@ from disentanglement.features import (
 )
 from disentanglement.losses import token_weighted_reconstruction_loss
 from disentanglement.models import build_cvae
-from disentanglement.token_weighting import TokenWeighting, shifted_entropy, token_weighting_from_base_nll
+from disentanglement.token_weighting import (
+    TokenWeighting,
+    shifted_nll,
+    shifted_nll_and_entropy,
+    token_weighting_from_base_nll,
+)
 from disentanglement.trainer import train
 from helpers import tiny_llama, tiny_tokenizer
 
@@ -201,26 +206,30 @@ def loop_entropy(logits: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor
     return out
 
 
-def test_shifted_entropy_matches_the_loop_chunked_and_through_a_head():
+def test_nll_and_entropy_match_the_loop_and_shifted_nll_chunked_and_through_a_head():
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 7, 5, generator=g)
     head = torch.nn.Linear(5, 11, bias=False)
     logits = head(hidden).detach()
+    ids = torch.randint(0, 11, (3, 7), generator=g)
     mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1]])
-    want = loop_entropy(logits, mask)
-    with torch.no_grad():
-        for chunk in (None, 1, 2, 4, 100):
-            torch.testing.assert_close(
-                shifted_entropy(logits, mask, chunk_size=chunk).double(), want, rtol=1e-5, atol=1e-6
+    want_entropy = loop_entropy(logits, mask)
+    want_nll = shifted_nll(logits, ids, mask)
+    for chunk in (None, 1, 2, 4, 100):
+        for args in ((logits,), (hidden,)):
+            nll, entropy = shifted_nll_and_entropy(
+                *args, ids, mask, head=head if args[0] is hidden else None, chunk_size=chunk
             )
-            got = shifted_entropy(hidden, mask, head=head, chunk_size=chunk)
-            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(entropy.double(), want_entropy, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(nll, want_nll, rtol=1e-5, atol=1e-6)
     # A -inf logit (a token ruled out) has p log p = 0, not NaN.
     ruled_out = torch.tensor([[[0.0, 0.0, float("-inf")], [0.0, 0.0, 0.0]]])
-    torch.testing.assert_close(shifted_entropy(ruled_out, torch.tensor([[0, 1]])), torch.tensor([[math.log(2)]]))
-    # Uniform logits: log V at every supervised position.
-    flat = shifted_entropy(torch.zeros(1, 3, 11), torch.tensor([[0, 1, 1]]))
-    torch.testing.assert_close(flat, torch.full((1, 2), math.log(11)))
+    _, entropy = shifted_nll_and_entropy(ruled_out, torch.tensor([[0, 1]]), torch.tensor([[0, 1]]))
+    torch.testing.assert_close(entropy, torch.tensor([[math.log(2)]]))
+    # Uniform logits: log V at every supervised position, and the NLL of any token is log V too.
+    nll, entropy = shifted_nll_and_entropy(torch.zeros(1, 3, 11), torch.tensor([[0, 4, 9]]), torch.tensor([[0, 1, 1]]))
+    torch.testing.assert_close(entropy, torch.full((1, 2), math.log(11)))
+    torch.testing.assert_close(nll, torch.full((1, 2), math.log(11)))
 
 
 # -- the models, the cache and training ----------------------------------------------------------------------

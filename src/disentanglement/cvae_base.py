@@ -24,7 +24,7 @@ from .config import DivergenceConfig, KLConfig, LatentConfig, ReconstructionLoss
 from .data import Batch
 from .losses import (
     default_chunk_size,
-    lm_head_token_entropy_per_position,
+    lm_head_token_nll_and_entropy_per_position,
     lm_head_token_nll_per_position,
     reconstruction_loss_stack,
 )
@@ -299,7 +299,7 @@ class CVAEBase(nn.Module):
                 reference.train(was_training)
             hidden = out.hidden_states[-1]  # [B, T, H], after the final norm
             start = int((batch.prompt_lengths - 1).min())  # first position that predicts a response token
-            window = lm_head_token_nll_per_position(
+            window_args = (
                 hidden[:, start:],
                 head,
                 batch.input_ids[:, start:],
@@ -307,14 +307,11 @@ class CVAEBase(nn.Module):
                 default_chunk_size(batch.input_ids.shape[0], head.weight.shape[0]),
             )
             entropy = None
-            if self.reconstruction_cfg.token_weight_source == "entropy":  # the reference's, adapters off too
-                entropy_window = lm_head_token_entropy_per_position(
-                    hidden[:, start:],
-                    head,
-                    batch.target_mask[:, start:],
-                    default_chunk_size(batch.input_ids.shape[0], head.weight.shape[0]),
-                )
+            if self.reconstruction_cfg.token_weight_source == "entropy":  # both from one pass of the head
+                window, entropy_window = lm_head_token_nll_and_entropy_per_position(*window_args)
                 entropy = F.pad(entropy_window.float(), (start, 0))  # [B, T-1]
+            else:
+                window = lm_head_token_nll_per_position(*window_args)
         zfree_nll = F.pad(window.float(), (start, 0))  # [B, T-1]
         hidden = hidden.float()
         rows = torch.arange(hidden.shape[0], device=hidden.device)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ReconstructionLossConfig
-from .token_weighting import TokenWeighting, shifted_entropy, shifted_nll
+from .token_weighting import TokenWeighting, shifted_nll, shifted_nll_and_entropy
 
 # The six terms, in DESIGN.md order, with the config field that weights each.
 TERM_WEIGHT_FIELDS: dict[str, str] = {
@@ -80,15 +80,16 @@ def lm_head_token_nll_per_position(
     return shifted_nll(hidden, input_ids, target_mask, head=head, chunk_size=chunk_size)
 
 
-def lm_head_token_entropy_per_position(
+def lm_head_token_nll_and_entropy_per_position(
     hidden: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
+    input_ids: torch.Tensor,
     target_mask: torch.Tensor,
     chunk_size: int | None = None,
-) -> torch.Tensor:
-    """The predictive entropy of ``head(hidden)`` at the positions that predict response tokens,
-    ``[B, T-1]`` (zero elsewhere), chunk by chunk (:func:`shifted_entropy`); for the no-grad reference pass."""
-    return shifted_entropy(hidden, target_mask, head=head, chunk_size=chunk_size)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """No-grad: :func:`lm_head_token_nll_per_position` and the predictive entropy at the same positions,
+    ``[B, T-1]`` each, from one pass of the head per chunk (:func:`shifted_nll_and_entropy`)."""
+    return shifted_nll_and_entropy(hidden, input_ids, target_mask, head=head, chunk_size=chunk_size)
 
 
 def default_chunk_size(batch_size: int, vocab_size: int, budget_elements: int = 1 << 24) -> int:

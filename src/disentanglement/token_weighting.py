@@ -255,34 +255,42 @@ def shifted_nll(
     return torch.cat(blocks, dim=1)
 
 
-def shifted_entropy(
+@torch.no_grad()
+def shifted_nll_and_entropy(
     logits: torch.Tensor,
+    input_ids: torch.Tensor,
     target_mask: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     chunk_size: int | None = None,
-) -> torch.Tensor:
-    """Masked predictive entropy ``[B, T-1]``: ``out[b, t] = H(softmax(logits[b, t])) * target_mask[b, t+1]``.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """No-grad masked next-token NLL and predictive entropy, ``[B, T-1]`` each, from one log-softmax.
 
-    The entropy (nats) of the distribution that predicts token ``t + 1``, whatever that token is.
+    ``nll[b, t]`` is :func:`shifted_nll`'s; ``entropy[b, t] = H(softmax(logits[b, t])) * target_mask[b, t+1]``,
+    the entropy (nats) of the distribution that predicts token ``t + 1``, whatever that token is.
     ``logits`` is ``[B, T, V]``, or hidden states ``[B, T, H]`` when ``head`` is given; with
-    ``chunk_size`` the positions go through the head and the softmax one chunk at a time (meant
-    for the no-grad reference pass: under autograd every chunk's softmax would be kept).
+    ``chunk_size`` the positions go through the head and the softmax one chunk at a time.
     """
-    bsz, seq = target_mask.shape
-    if logits.shape[:2] != (bsz, seq):
+    bsz, seq = input_ids.shape
+    if logits.shape[:2] != (bsz, seq) or target_mask.shape != (bsz, seq):
         raise ValueError(
-            f"logits {tuple(logits.shape)} and target_mask {tuple(target_mask.shape)} must agree on [B, T]"
+            f"logits {tuple(logits.shape)}, input_ids {tuple(input_ids.shape)} and target_mask "
+            f"{tuple(target_mask.shape)} must agree on [B, T]"
         )
+    supervised = target_mask[:, 1:].to(torch.bool)  # [B, T-1]
+    targets = input_ids[:, 1:].masked_fill(~supervised, 0)  # [B, T-1], any valid id where unsupervised
     inputs = logits[:, :-1]  # [B, T-1, V or H]
     step = max(1, chunk_size or inputs.shape[1])
-    blocks = []
+    nll_blocks, entropy_blocks = [], []
     for i in range(0, inputs.shape[1], step):
         scores = inputs[:, i : i + step]
         log_p = F.log_softmax((head(scores) if head is not None else scores).float(), dim=-1)  # [B, c, V]
-        # p log p with p = 0 is 0: a -inf logit (a masked-out token) must not give 0 * -inf = NaN.
-        blocks.append(-(log_p.exp() * log_p.clamp_min(torch.finfo(log_p.dtype).min)).sum(-1))
-    entropy = torch.cat(blocks, dim=1) if blocks else inputs.new_zeros(bsz, 0, dtype=torch.float32)
-    return torch.where(target_mask[:, 1:].to(torch.bool), entropy, torch.zeros_like(entropy))
+        nll_blocks.append(-log_p.gather(-1, targets[:, i : i + step].unsqueeze(-1)).squeeze(-1))
+        # p log p with p = 0 is 0: a -inf logit (a token ruled out) must not give 0 * -inf = NaN.
+        entropy_blocks.append(-(log_p.exp() * log_p.clamp_min(torch.finfo(log_p.dtype).min)).sum(-1))
+    empty = inputs.new_zeros(bsz, 0, dtype=torch.float32)
+    nll = torch.cat(nll_blocks, dim=1) if nll_blocks else empty
+    entropy = torch.cat(entropy_blocks, dim=1) if entropy_blocks else empty
+    return torch.where(supervised, nll, 0.0), torch.where(supervised, entropy, 0.0)
 
 
 @torch.no_grad()
