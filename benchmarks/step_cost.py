@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/step_cost.py --model tiny|embedded [--batch-size 8] [--repeats R] [--warmup W]
-        [--threads N] [--device auto|cpu|cuda] [--skip-memory] [--skip-scaling]
+        [--threads N] [--device auto|cpu|cuda] [--skip-memory] [--skip-scaling] [--breakdown]
 
 ``--repeats``/``--warmup`` default to 20/3 for ``tiny`` and 10/2 for ``embedded`` (whose step takes
 seconds on 2 CPU cores; a full embedded run then stays near 5 minutes). On a machine shared with other
@@ -58,6 +58,14 @@ vocabulary size at a fixed length, interleaved round-robin like the main table; 
 line ``t = t0 + k x`` says whether the cost grows linearly (small residuals) and what the fixed
 per-step overhead ``t0`` is.
 
+Breakdown (``--breakdown``, tiny or embedded): where (c)'s extra cost over (a) goes, as a ladder of
+steps that add one part at a time, timed round-robin like the main table, with the number of ATen
+operators each dispatches (forward, backward and optimizer; counted once with a ``TorchDispatchMode``):
+(a); (h) the CVAE's latent heads (encoder, prior, nearest code, KL and codebook losses, ``post_step``)
+with the uniform token-mean cross-entropy, features looked up before the step; (p) the whole
+``forward`` of (c) (token weighting and the six-term stack added), features looked up before the step;
+(c) as in the main table (the feature lookup inside the step).
+
 The last line printed is one JSON object: ``model``, ``c_over_a``, ``c_over_b``, ``d_over_a``,
 ``e_over_a`` (ratios of medians), ``peak_mib`` (``a``-``d``, MiB; null with ``--skip-memory``) and
 ``ms`` (median ms per step of ``a``-``e``).
@@ -82,13 +90,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from disentanglement.config import RunConfig, build_config
-from disentanglement.cvae_base import CVAEBase
+from disentanglement.cvae_base import CVAEBase, FrozenFeatures
 from disentanglement.data import Batch, Example, collate
 from disentanglement.features import FeatureCache, build_feature_cache
 from disentanglement.losses import estimate_zfree_reference_scale, reconstruction_loss
 from disentanglement.models import build_cvae
+from disentanglement.regularizers import beta_at, kl_objective
 from disentanglement.trainer import make_optimizer
 
 CASES = ("a", "b", "c", "d", "e")
@@ -246,6 +256,100 @@ def cvae_step(model: CVAEBase, config: RunConfig, cache: FeatureCache | None) ->
     return step
 
 
+def latent_heads_step(model: CVAEBase, config: RunConfig, features: dict[int, FrozenFeatures]) -> Step:
+    """Breakdown (h): the latent heads, KL and auxiliary losses with the uniform cross-entropy; no token
+    weighting, no stack; the batch's features come ready (``features[id(batch)]``)."""
+    optimizer = make_optimizer(model, config)
+    counter = [0]
+
+    def step(batch: Batch) -> None:
+        sample = model.encode(features[id(batch)], counter[0])
+        decoded = model.decode(batch, sample.vector)
+        loss = reconstruction_loss(decoded.token_nll(), decoded.target_mask[:, 1:])
+        beta = beta_at(counter[0], model.kl_cfg)
+        kl_term, _ = kl_objective(sample.kl_per_unit, batch.response_lengths, model.kl_cfg, beta)
+        loss = loss + kl_term + sum(sample.aux_losses.values())
+        loss.backward()
+        optimizer.step()
+        model.post_step(counter[0])
+        optimizer.zero_grad(set_to_none=True)
+        counter[0] += 1
+
+    return step
+
+
+def prefetched_cvae_step(model: CVAEBase, config: RunConfig, features: dict[int, FrozenFeatures]) -> Step:
+    """Breakdown (p): (c) with the batch's cached features looked up before the step."""
+    optimizer = make_optimizer(model, config)
+    counter = [0]
+
+    def step(batch: Batch) -> None:
+        out = model(batch, features[id(batch)], step=counter[0])
+        out.loss.backward()
+        optimizer.step()
+        model.post_step(counter[0])
+        optimizer.zero_grad(set_to_none=True)
+        counter[0] += 1
+
+    return step
+
+
+class OperatorCount(TorchDispatchMode):
+    """Counts the ATen operators dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operators_per_step(step: Step, batch: Batch) -> int:
+    with OperatorCount() as counter:
+        step(batch)
+    return counter.count
+
+
+def breakdown(args: argparse.Namespace) -> None:
+    """(a) -> (h) -> (p) -> (c): what each part of the CVAE step adds over prefix tuning."""
+    setup = build_setup(args, n_batches=max(1, min(args.repeats, 20)), cases=("a", "c"))
+    model_c = seeded_cvae(setup.config_c, setup.decoder, setup.device)
+    features = {id(b): setup.cache.features(b, model_c.weighting_params) for b in setup.batches}
+    steps = {
+        "a": setup.steps["a"],
+        "h": with_autocast(latent_heads_step(model_c, setup.config_c, features), setup.device),
+        "p": with_autocast(
+            prefetched_cvae_step(seeded_cvae(setup.config_c, setup.decoder, setup.device), setup.config_c, features),
+            setup.device,
+        ),
+        "c": setup.steps["c"],
+    }
+    labels = {
+        "a": "prefix tuning (as the main table)",
+        "h": "+ latent heads, KL, codebook losses",
+        "p": "+ token weighting, six-term stack",
+        "c": "+ feature lookup in the step = (c)",
+    }
+    batches = setup.batches
+    times = time_round_robin(
+        steps, lambda name, rep: batches[rep % len(batches)], args.repeats, args.warmup, setup.device
+    )
+    ms = {name: 1000 * median(values) for name, values in times.items()}
+    ops = {name: operators_per_step(step, batches[0]) for name, step in steps.items()}
+    print(f"\nBreakdown, model {args.model}: each row adds one part to the one above")
+    print(f"  {'step':<42}{'median ms':>10}{'/ (a)':>8}{'+ ms':>8}{'ATen ops':>10}{'+ ops':>7}")
+    previous = None
+    for name, label in labels.items():
+        added = "" if previous is None else f"{ms[name] - ms[previous]:.2f}"
+        added_ops = "" if previous is None else f"{ops[name] - ops[previous]:+d}"
+        print(
+            f"  ({name}) {label:<38}{ms[name]:>10.2f}{ms[name] / ms['a']:>8.3f}{added:>8}{ops[name]:>10}{added_ops:>7}"
+        )
+        previous = name
+
+
 def frozen_pass_step(model: CVAEBase) -> Step:
     """(e): one no-grad frozen pass."""
 
@@ -267,6 +371,9 @@ class Setup:
     mean_width: float  # mean padded z-free length T of the batches
     vocab_size: int
     hidden_size: int
+    decoder: nn.Module
+    cache: FeatureCache
+    config_c: RunConfig
 
 
 def build_setup(args: argparse.Namespace, n_batches: int, cases: Sequence[str] = CASES) -> Setup:
@@ -308,6 +415,9 @@ def build_setup(args: argparse.Namespace, n_batches: int, cases: Sequence[str] =
         mean_width=statistics.fmean(b.input_ids.shape[1] for b in batches),
         vocab_size=decoder.get_output_embeddings().weight.shape[0],
         hidden_size=decoder.get_input_embeddings().weight.shape[1],
+        decoder=decoder,
+        cache=cache,
+        config_c=config_c,
     )
 
 
@@ -588,6 +698,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-scaling", action="store_true")
+    parser.add_argument("--breakdown", action="store_true", help="also the (a) -> (h) -> (p) -> (c) ladder")
     parser.add_argument("--measure-memory", choices=CASES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.repeats = DEFAULT_REPEATS[args.model] if args.repeats is None else args.repeats
@@ -650,6 +761,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     extra = (ms["d"] - ms["c"]) / ms["e"]
     print(f"  (d) - (c) = {ms['d'] - ms['c']:.2f} ms = {extra:.2f} x (e) ({ms['e']:.2f} ms, one no-grad frozen pass)")
 
+    if args.breakdown:
+        breakdown(args)
     if not args.skip_scaling:
         scaling(args)
     print(f"\n(total {time.perf_counter() - started:.0f} s; load average {load_text()})")
