@@ -239,13 +239,24 @@ def prefix_tuning_step(model: CVAEBase, config: RunConfig) -> Step:
     return step
 
 
-def cvae_step(model: CVAEBase, config: RunConfig, cache: FeatureCache | None) -> Step:
-    """(b)-(d): ``forward`` (cached features, or the frozen pass inside it), backward, AdamW, ``post_step``."""
+def cvae_step(
+    model: CVAEBase,
+    config: RunConfig,
+    cache: FeatureCache | None,
+    prefetched: dict[int, FrozenFeatures] | None = None,
+) -> Step:
+    """(b)-(d): ``forward`` (cached features, or the frozen pass inside it), backward, AdamW, ``post_step``.
+
+    With ``prefetched`` (breakdown (p)) the batch's features come ready: ``prefetched[id(batch)]``.
+    """
     optimizer = make_optimizer(model, config)
     counter = [0]
 
     def step(batch: Batch) -> None:
-        features = cache.features(batch, model.weighting_params) if cache is not None else None
+        if prefetched is not None:
+            features = prefetched[id(batch)]
+        else:
+            features = cache.features(batch, model.weighting_params) if cache is not None else None
         out = model(batch, features, step=counter[0])
         out.loss.backward()
         optimizer.step()
@@ -270,22 +281,6 @@ def latent_heads_step(model: CVAEBase, config: RunConfig, features: dict[int, Fr
         kl_term, _ = kl_objective(sample.kl_per_unit, batch.response_lengths, model.kl_cfg, beta)
         loss = loss + kl_term + sum(sample.aux_losses.values())
         loss.backward()
-        optimizer.step()
-        model.post_step(counter[0])
-        optimizer.zero_grad(set_to_none=True)
-        counter[0] += 1
-
-    return step
-
-
-def prefetched_cvae_step(model: CVAEBase, config: RunConfig, features: dict[int, FrozenFeatures]) -> Step:
-    """Breakdown (p): (c) with the batch's cached features looked up before the step."""
-    optimizer = make_optimizer(model, config)
-    counter = [0]
-
-    def step(batch: Batch) -> None:
-        out = model(batch, features[id(batch)], step=counter[0])
-        out.loss.backward()
         optimizer.step()
         model.post_step(counter[0])
         optimizer.zero_grad(set_to_none=True)
@@ -321,7 +316,7 @@ def breakdown(args: argparse.Namespace) -> None:
         "a": setup.steps["a"],
         "h": with_autocast(latent_heads_step(model_c, setup.config_c, features), setup.device),
         "p": with_autocast(
-            prefetched_cvae_step(seeded_cvae(setup.config_c, setup.decoder, setup.device), setup.config_c, features),
+            cvae_step(seeded_cvae(setup.config_c, setup.decoder, setup.device), setup.config_c, None, features),
             setup.device,
         ),
         "c": setup.steps["c"],

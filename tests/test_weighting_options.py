@@ -9,6 +9,7 @@ surprisal ``b_t`` (so the concentration factor still says how the weights meet t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -37,16 +38,7 @@ from disentanglement.token_weighting import (
 from disentanglement.trainer import train
 from helpers import tiny_llama, tiny_tokenizer
 
-FIELDS = [
-    "token_weights",
-    "inverse_token_weights",
-    "aligned_base_token_nll",
-    "example_base_loss",
-    "token_weighted_base_loss",
-    "inverse_token_weighted_base_loss",
-    "token_concentration_factor",
-    "inverse_token_base_scale_factor",
-]
+FIELDS = [f.name for f in dataclasses.fields(TokenWeighting)]
 
 
 def loop_weighting(b, s, m, alpha, eps=1e-6, lam=1.0) -> dict:
