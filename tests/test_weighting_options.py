@@ -250,7 +250,11 @@ def test_frozen_pass_gives_the_references_predictive_entropy(tokenizer, examples
         logits = model.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     want = loop_entropy(logits, batch.target_mask)
     torch.testing.assert_close(features.zfree_token_entropy.double(), want, rtol=1e-4, atol=1e-5)
-    assert model_for(tokenizer).frozen_pass(batch).zfree_token_entropy is None  # only when asked for
+    surprisal = model_for(tokenizer).frozen_pass(batch)
+    assert surprisal.zfree_token_entropy is None  # only when asked for
+    # The z-free NLL is the same whichever path computed it: a surprisal model reuses an entropy model's cache.
+    torch.testing.assert_close(features.zfree_token_nll, surprisal.zfree_token_nll, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(features.encoder_features, surprisal.encoder_features, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("placement", ["prefix", "between"])

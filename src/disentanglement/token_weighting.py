@@ -265,7 +265,8 @@ def shifted_nll_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """No-grad masked next-token NLL and predictive entropy, ``[B, T-1]`` each, from one log-softmax.
 
-    ``nll[b, t]`` is :func:`shifted_nll`'s; ``entropy[b, t] = H(softmax(logits[b, t])) * target_mask[b, t+1]``,
+    ``nll[b, t]`` is :func:`shifted_nll`'s (in at least float32, as there for half-precision logits; float32
+    for float64 logits too); ``entropy[b, t] = H(softmax(logits[b, t])) * target_mask[b, t+1]``,
     the entropy (nats) of the distribution that predicts token ``t + 1``, whatever that token is.
     ``logits`` is ``[B, T, V]``, or hidden states ``[B, T, H]`` when ``head`` is given; with
     ``chunk_size`` the positions go through the head and the softmax one chunk at a time.
