@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import string
+from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -84,3 +86,26 @@ def tiny_gpt2(vocab_size: int, seed: int = 0, **overrides) -> GPT2LMHeadModel:
     )
     settings.update(overrides)
     return _build(lambda: GPT2LMHeadModel(GPT2Config(**settings)), seed)
+
+
+def train_and_read_metrics(output_dir: Path, decoder, tokenizer, pairs, **overrides) -> list[dict]:
+    """Train a continuous CVAE briefly on ``pairs`` (terms 1, 3 and 4 weighted, no chat template) and
+    return its ``metrics.jsonl`` records; ``overrides`` are config fields."""
+    from disentanglement.config import build_config
+    from disentanglement.trainer import train
+
+    settings = dict(
+        output_dir=str(output_dir),
+        max_steps=4,
+        batch_size=4,
+        progress=False,
+        chat_template=False,
+        eval_every=2,
+        eval_batches=1,
+        token_weighted_weight=1.0,
+        normalized_concentration_corrected_token_weighted_weight=1.0,
+        latent="continuous",
+    )
+    settings.update(overrides)
+    train(build_config(settings), (decoder, tokenizer), pairs)
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

@@ -4,7 +4,6 @@ when its fingerprint matches, and training with and without it gives the same lo
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -16,8 +15,7 @@ from disentanglement.data import collate, make_hidden_factor_pairs, tokenize_pai
 from disentanglement.features import build_feature_cache, feature_fingerprint, load_or_build_feature_cache
 from disentanglement.models import build_cvae
 from disentanglement.token_weighting import TokenWeighting
-from disentanglement.trainer import train
-from helpers import tiny_llama, tiny_tokenizer
+from helpers import tiny_llama, tiny_tokenizer, train_and_read_metrics
 
 FIELDS = [f.name for f in dataclasses.fields(TokenWeighting)]
 
@@ -121,23 +119,8 @@ def test_lora_adapters_do_not_change_the_fingerprint(tokenizer, pairs):
 
 def test_training_with_and_without_the_cache_gives_the_same_losses(tokenizer, pairs, tmp_path):
     def run(name, use_cache):
-        config = build_config(
-            dict(
-                output_dir=str(tmp_path / name),
-                max_steps=4,
-                batch_size=4,
-                progress=False,
-                chat_template=False,
-                feature_cache=use_cache,
-                eval_every=2,
-                eval_batches=1,
-                token_weighted_weight=1.0,
-                normalized_concentration_corrected_token_weighted_weight=1.0,
-                latent="continuous",
-            )
-        )
-        train(config, (tiny_llama(len(tokenizer)), tokenizer), pairs)
-        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        decoder = tiny_llama(len(tokenizer))
+        return train_and_read_metrics(tmp_path / name, decoder, tokenizer, pairs, feature_cache=use_cache)
 
     cached, uncached = run("cached", True), run("uncached", False)
     assert (tmp_path / "cached" / "feature_cache" / "frozen_pass.safetensors").is_file()

@@ -10,7 +10,6 @@ surprisal ``b_t`` (so the concentration factor still says how the weights meet t
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import pytest
@@ -35,8 +34,7 @@ from disentanglement.token_weighting import (
     shifted_nll_and_entropy,
     token_weighting_from_base_nll,
 )
-from disentanglement.trainer import train
-from helpers import tiny_llama, tiny_tokenizer
+from helpers import tiny_llama, tiny_tokenizer, train_and_read_metrics
 
 FIELDS = [f.name for f in dataclasses.fields(TokenWeighting)]
 
@@ -361,24 +359,11 @@ def test_training_with_each_source_with_and_without_the_cache(tokenizer, tmp_pat
     pairs = make_hidden_factor_pairs([f"what about item {'y' * (i % 7)} {i}" for i in range(16)], kind="clean")
 
     def run(name, use_cache, **weighting):
-        config = build_config(
-            dict(
-                output_dir=str(tmp_path / name),
-                max_steps=3,
-                batch_size=4,
-                progress=False,
-                chat_template=False,
-                feature_cache=use_cache,
-                eval_every=3,
-                eval_batches=1,
-                token_weighted_weight=1.0,
-                normalized_concentration_corrected_token_weighted_weight=1.0,
-                latent="continuous",
-                **(weighting or dict(token_weight_source=source, token_weight_interpolation=0.5)),
-            )
+        weighting = weighting or dict(token_weight_source=source, token_weight_interpolation=0.5)
+        decoder = tiny_llama(len(tokenizer))
+        return train_and_read_metrics(
+            tmp_path / name, decoder, tokenizer, pairs, max_steps=3, eval_every=3, feature_cache=use_cache, **weighting
         )
-        train(config, (tiny_llama(len(tokenizer)), tokenizer), pairs)
-        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
     cached, uncached = run("cached", True), run("uncached", False)
     term = "normalized_concentration_corrected_token_weighted_reconstruction_loss"

@@ -38,6 +38,11 @@ _WEIGHTING_STATISTICS = (
 _WEIGHTING_CHUNK = 4096  # examples weighted at once (one padded [chunk, longest response] block)
 
 
+def _flatten(per_example: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-example ``[n_b]`` tensors end to end, ``[sum_b n_b]`` (empty for no examples)."""
+    return torch.cat(list(per_example)) if len(per_example) else torch.zeros(0)
+
+
 @dataclass
 class FeatureCache:
     """Per-example frozen-pass outputs, indexed like the example list they were built from.
@@ -148,11 +153,11 @@ class FeatureCache:
         prior, encoder = self.prior_features[idx].to(device), self.encoder_features[idx].to(device)
         if weighting_params is None or weighting_params[0] == "dynamic":
             if self._flat_nll is None:
-                self._flat_nll = torch.cat(self.response_nll) if len(self) else torch.zeros(0)
+                self._flat_nll = _flatten(self.response_nll)
             entropy = None
             if self.response_entropy is not None:
                 if self._flat_entropy is None:
-                    self._flat_entropy = torch.cat(self.response_entropy) if len(self) else torch.zeros(0)
+                    self._flat_entropy = _flatten(self.response_entropy)
                 entropy = self._place(self._flat_entropy, batch)
             return FrozenFeatures(self._place(self._flat_nll, batch), prior, encoder, zfree_token_entropy=entropy)
         tokens, statistics = self.response_weighting(weighting_params)
@@ -233,13 +238,13 @@ def save_feature_cache(cache: FeatureCache, path: Path, fingerprint: str) -> Non
     """Write the cache as safetensors (temporary file, then rename)."""
     lengths = torch.tensor([len(n) for n in cache.response_nll], dtype=torch.long)
     tensors = {
-        "response_nll": torch.cat(cache.response_nll) if cache.response_nll else torch.zeros(0),
+        "response_nll": _flatten(cache.response_nll),
         "response_lengths": lengths,
         "prior_features": cache.prior_features.contiguous(),
         "encoder_features": cache.encoder_features.contiguous(),
     }
     if cache.response_entropy is not None:
-        tensors["response_entropy"] = torch.cat(cache.response_entropy) if cache.response_entropy else torch.zeros(0)
+        tensors["response_entropy"] = _flatten(cache.response_entropy)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{path.name}")
     save_file(tensors, str(tmp), metadata={"fingerprint": fingerprint, "version": FEATURE_PASS_VERSION})

@@ -202,6 +202,17 @@ def align_token_weighting(
     return replace(weighting, token_weights=pi, inverse_token_weights=pi_inv, aligned_base_token_nll=b)
 
 
+def _check_shifted_shapes(logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor) -> tuple[int, int]:
+    """``(B, T)`` of ``input_ids``, which ``logits`` (``[B, T, ...]``) and ``target_mask`` must share."""
+    bsz, seq = input_ids.shape
+    if logits.shape[:2] != (bsz, seq) or target_mask.shape != (bsz, seq):
+        raise ValueError(
+            f"logits {tuple(logits.shape)}, input_ids {tuple(input_ids.shape)} and target_mask "
+            f"{tuple(target_mask.shape)} must agree on [B, T]"
+        )
+    return bsz, seq
+
+
 def shifted_nll(
     logits: torch.Tensor,
     input_ids: torch.Tensor,
@@ -220,12 +231,7 @@ def shifted_nll(
     Without chunking it is one ``cross_entropy`` call on a view, which materialises nothing beyond
     what ``cross_entropy`` itself needs.
     """
-    bsz, seq = input_ids.shape
-    if logits.shape[:2] != (bsz, seq) or target_mask.shape != (bsz, seq):
-        raise ValueError(
-            f"logits {tuple(logits.shape)}, input_ids {tuple(input_ids.shape)} and target_mask "
-            f"{tuple(target_mask.shape)} must agree on [B, T]"
-        )
+    bsz, seq = _check_shifted_shapes(logits, input_ids, target_mask)
     targets = input_ids[:, 1:].masked_fill(~target_mask[:, 1:].to(torch.bool), -100)  # [B, T-1]
     inputs = logits[:, :-1]  # [B, T-1, V or H], a view
 
@@ -271,12 +277,7 @@ def shifted_nll_and_entropy(
     ``logits`` is ``[B, T, V]``, or hidden states ``[B, T, H]`` when ``head`` is given; with
     ``chunk_size`` the positions go through the head and the softmax one chunk at a time.
     """
-    bsz, seq = input_ids.shape
-    if logits.shape[:2] != (bsz, seq) or target_mask.shape != (bsz, seq):
-        raise ValueError(
-            f"logits {tuple(logits.shape)}, input_ids {tuple(input_ids.shape)} and target_mask "
-            f"{tuple(target_mask.shape)} must agree on [B, T]"
-        )
+    bsz, seq = _check_shifted_shapes(logits, input_ids, target_mask)
     supervised = target_mask[:, 1:].to(torch.bool)  # [B, T-1]
     targets = input_ids[:, 1:].masked_fill(~supervised, 0)  # [B, T-1], any valid id where unsupervised
     inputs = logits[:, :-1]  # [B, T-1, V or H]
