@@ -7,6 +7,8 @@ import dataclasses
 import json
 import math
 import re
+import typing
+from pathlib import Path
 
 import pytest
 import yaml
@@ -410,3 +412,166 @@ def test_divergence_needs_the_discrete_latent():
     with pytest.raises(ConfigError, match="divergence_weight.*discrete"):
         build_config({"latent": "continuous", "divergence_weight": 0.1})
     assert build_config({"latent": "discrete", "divergence_weight": 0.1}).divergence.divergence_weight == 0.1
+
+
+# ----------------------------------------------------------------------------------------------
+# Types (every field against its type hint) and duplicate keys
+# ----------------------------------------------------------------------------------------------
+
+
+def field_default(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def test_every_default_passes_its_own_type_check():
+    hints = {}
+    for section, cls, f in all_fields():
+        hints.setdefault(cls, typing.get_type_hints(cls))
+        assert cfg._matches(field_default(f), hints[cls][f.name]), f"{section}.{f.name}"
+    for cls in SECTIONS.values():
+        cfg._check_types(cls())  # and the check as the sections run it
+
+
+def wrong_values(hint) -> list:
+    """Values of the wrong type for a field of type ``hint`` (Literal fields are _choice's job)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if cfg._is_union(hint) else [hint]
+    (base,) = args
+    if typing.get_origin(base) is typing.Literal:
+        return []
+    return {
+        bool: ["false", "no", 0, 1, None],
+        int: [1.5, 2.0, True, "3", None],
+        float: [True, "0.5", [1.0], None],
+        str: [5, 1.5, ["a"], True, None],
+        list[str]: ["q_proj", ["q_proj", 3], ("q_proj",), None],
+    }[base]
+
+
+def type_cases():
+    for _section, cls, f in all_fields():
+        hint = typing.get_type_hints(cls)[f.name]
+        for value in wrong_values(hint):
+            if value is None and type(None) in typing.get_args(hint):
+                continue  # an optional field takes None
+            yield pytest.param(cls, f.name, value, id=f"{f.name}={value!r}")
+
+
+@pytest.mark.parametrize(("cls", "name", "value"), list(type_cases()))
+def test_every_field_rejects_a_wrong_type_naming_it(cls, name, value):
+    with pytest.raises(ConfigError) as info:
+        cls(**{name: value})
+    message = str(info.value)
+    assert message.startswith(f"{cls.__name__}.{name} must be "), message
+    assert repr(value) in message and f"({type(value).__name__})" in message, message
+    assert info.value.field == name
+
+
+def test_type_messages():
+    with pytest.raises(ConfigError) as info:
+        build_config({"feature_cache": "no"})
+    assert str(info.value) == "TrainConfig.feature_cache must be a boolean (true/false), got 'no' (str)"
+    with pytest.raises(ConfigError, match=r"DataConfig\.max_examples must be an integer or null, got 1\.5 \(float\)"):
+        build_config({"max_examples": 1.5})
+    with pytest.raises(ConfigError, match=r"lora_target_modules must be a list of strings, got 'q_proj' \(str\)"):
+        build_config({"lora_target_modules": "q_proj"})
+    with pytest.raises(ConfigError, match=r"\(item 3 is int\)"):
+        build_config({"lora_target_modules": ["q_proj", 3]})
+
+
+def test_floats_accept_ints_and_optional_fields_accept_none():
+    run = build_config({"lora_alpha": 16, "beta": 0, "zfree_reference_scale": 2, "max_examples": None, "model": None})
+    assert run.model.lora_alpha == 16 and run.kl.beta == 0 and run.reconstruction.zfree_reference_scale == 2
+    assert build_config({"lora_target_modules": []}).model.lora_target_modules == []
+
+
+def test_typed_flags_pass_the_type_check():
+    args = make_parser().parse_args(
+        ["--max-steps", "3", "--beta", "1", "--no-chat-template", "--lora-target-modules", "q_proj", "k_proj"]
+        + ["--max-examples", "5", "--model", "some/dir", "--resume", "none", "--no-feature-cache"]
+    )
+    run = config_from_namespace(args)
+    assert run.train.max_steps == 3 and run.kl.beta == 1.0 and run.data.chat_template is False
+    assert run.model.lora_target_modules == ["q_proj", "k_proj"] and run.data.max_examples == 5
+    assert run.model.model == "some/dir" and run.train.resume is None and run.train.feature_cache is False
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ('chat_template: "false"\n', "DataConfig.chat_template must be a boolean (true/false), got 'false' (str)"),
+        ("train:\n  feature_cache: 'no'\n", "TrainConfig.feature_cache must be a boolean (true/false), got 'no' (str)"),
+        ("output_dir: 5\n", "TrainConfig.output_dir must be a string, got 5 (int)"),
+        ("model: [a, b]\n", "ModelConfig.model must be a string or null, got ['a', 'b'] (list)"),
+        ("data:\n  data: 3\n", "DataConfig.data must be a string, got 3 (int)"),
+        ("lora_target_modules: q_proj\n", "ModelConfig.lora_target_modules must be a list of strings, got 'q_proj'"),
+        ("max_steps: 1.5\n", "TrainConfig.max_steps must be an integer, got 1.5 (float)"),
+        ("batch_size: true\n", "TrainConfig.batch_size must be an integer, got True (bool)"),
+        ("kl:\n  beta: -1\n", "KLConfig.beta must be >= 0, got -1"),
+    ],
+)
+def test_bad_value_in_file_names_the_file(tmp_path, content, expected):
+    path = tmp_path / "run.yaml"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as info:
+        config_from_namespace(make_parser().parse_args(["--config", str(path)]))
+    assert str(info.value).startswith(f"config file {path}: "), str(info.value)
+    assert expected in str(info.value)
+
+
+def test_bad_flag_over_a_file_does_not_blame_the_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("beta: 0.5\n")
+    with pytest.raises(ConfigError) as info:
+        config_from_namespace(make_parser().parse_args(["--config", str(path), "--beta", "-1"]))
+    assert str(info.value).startswith("KLConfig.beta must be >= 0"), str(info.value)
+    path.write_text('chat_template: "false"\n')  # a bad file value that a flag replaces is no error
+    args = make_parser().parse_args(["--config", str(path), "--chat-template"])
+    assert config_from_namespace(args).data.chat_template is True
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("flat.yaml", "beta: 0.1\nmax_steps: 3\nbeta: 0.2\n", "duplicate key 'beta' on line 3 (first on line 1)"),
+        ("nested.yaml", "kl:\n  beta: 0.1\n  beta: 0.2\n", "duplicate key 'beta' on line 3 (first on line 2)"),
+        ("section.yaml", "kl:\n  beta: 0.1\nkl:\n  free_bits: 1.0\n", "duplicate key 'kl' on line 3"),
+        ("flat.json", '{"beta": 0.1, "beta": 0.2}', "duplicate key 'beta'"),
+        ("nested.json", '{"kl": {"beta": 0.1, "beta": 0.2}}', "duplicate key 'beta'"),
+        ("both.yaml", "beta: 0.1\nkl:\n  beta: 0.2\n", "field 'beta' is given twice (as 'beta' and as 'kl.beta')"),
+        ("both.json", '{"kl": {"beta": 0.1}, "beta": 0.2}', "field 'beta' is given twice (as 'kl.beta' and as 'beta')"),
+    ],
+)
+def test_duplicate_keys_in_a_config_file_are_an_error(tmp_path, name, content, expected):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ConfigError) as info:
+        read_config_file(path)
+    assert str(info.value).startswith(f"config file {path}: "), str(info.value)
+    assert expected in str(info.value)
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("kl: &k\n  beta: 0.1\n  free_bits: 0.5\ntrain:\n  max_steps: 3\nlatent:\n  latent: discrete\n")
+    assert read_config_file(path)["beta"] == 0.1
+    path.write_text("x: &d {beta: 0.1}\n")  # anchors themselves are fine; the unknown key is the error
+    with pytest.raises(ConfigError, match="unknown key 'x'"):
+        read_config_file(path)
+    path.write_text("kl:\n  <<: {beta: 0.1, free_bits: 0.5}\n  beta: 0.2\n")
+    assert read_config_file(path) == {"beta": 0.2, "free_bits": 0.5}
+
+
+def test_non_utf8_and_non_mapping_sections(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("output_dir: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"config file {re.escape(str(path))} is not UTF-8 text"):
+        read_config_file(path)
+    path = tmp_path / "section.yaml"
+    path.write_text("train: 5\n")
+    with pytest.raises(ConfigError, match="section 'train' must be a mapping"):
+        read_config_file(path)
+
+
+def test_default_config_file_loads():
+    for path in sorted((Path(__file__).parent.parent / "configs").glob("*.y*ml")):
+        assert isinstance(load_run_config(path), RunConfig), path

@@ -4,7 +4,12 @@ Every field carries its help text in ``metadata``; the command-line flags are ge
 fields (``--field-name``), except the flags that the seed notes fix (``flag`` in metadata), so a
 field cannot lack its flag. A YAML or JSON file holds a whole config, either flat (keys are the
 field names) or nested by section (``reconstruction: {token_weight_alpha: 1.0}``); flags
-override the file. Validation runs on construction and names the field, the value and the range.
+override the file. Validation runs on construction and names the field, the value and the range:
+every value is first checked against its field's type hint (a bool must be a real ``true``/``false``,
+not the string ``"false"``; an int is not a bool or 1.5; a float accepts ints; a ``list[str]`` is a
+list of strings, not one string), then against its range. A config file may not give a key twice
+(duplicate keys in one mapping, or a field both flat and in its section); errors in values read from
+a file name the file.
 """
 
 from __future__ import annotations
@@ -33,7 +38,79 @@ def option(default: Any, help: str, flag: str | None = None) -> Any:
 
 
 class ConfigError(ValueError):
-    """A configuration value, key or file that is not what was expected."""
+    """A configuration value, key or file that is not what was expected.
+
+    ``field`` is the name of the config field the error is about, when there is one (so that
+    :func:`resolve_config` can say whether the value came from the config file).
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+_TYPE_WORDS: dict[Any, str] = {
+    bool: "a boolean (true/false)",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    type(None): "null",
+}
+
+
+def _is_union(hint: Any) -> bool:
+    return isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether ``value`` has the type ``hint`` (bool, int, float, str, None, list[...], unions, Literal)."""
+    if _is_union(hint):
+        return any(_matches(value, arg) for arg in typing.get_args(hint))
+    if typing.get_origin(hint) is Literal:
+        return True  # the allowed values are checked by _choice
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    raise TypeError(f"config type check does not know the type hint {hint!r}")  # a new kind of field
+
+
+def _describe(hint: Any) -> str:
+    """``int | None`` -> ``'an integer or null'``; ``list[str]`` -> ``'a list of strings'``."""
+    if _is_union(hint):
+        return " or ".join(_describe(arg) for arg in typing.get_args(hint))
+    if typing.get_origin(hint) is Literal:
+        return "one of " + str(list(typing.get_args(hint)))
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return "a list of " + {str: "strings", int: "integers", float: "numbers"}.get(item, repr(item))
+    return _TYPE_WORDS.get(hint, repr(hint))
+
+
+def _check_types(cfg: Any) -> None:
+    """Every field of the dataclass ``cfg`` against its type hint; :class:`ConfigError` naming the first bad one."""
+    hints = typing.get_type_hints(type(cfg))
+    section = type(cfg).__name__
+    for f in dataclasses.fields(cfg):
+        hint, value = hints[f.name], getattr(cfg, f.name)
+        if _matches(value, hint):
+            continue
+        message = f"{section}.{f.name} must be {_describe(hint)}, got {value!r} ({type(value).__name__})"
+        if typing.get_origin(hint) is list and isinstance(value, list):
+            bad = next(v for v in value if not _matches(v, typing.get_args(hint)[0]))
+            message += f" (item {bad!r} is {type(bad).__name__})"
+        elif typing.get_origin(hint) is list and isinstance(value, str):
+            message += f" (write a list: [{value}] in a config file, {field_flag(f)} {value} on the command line)"
+        raise ConfigError(message, field=f.name)
 
 
 def _number(
@@ -51,17 +128,17 @@ def _number(
     if value is None:
         if optional:
             return
-        raise ConfigError(f"{section}.{name} must be set, got None")
+        raise ConfigError(f"{section}.{name} must be set, got None", field=name)
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{section}.{name} must be a number, got {value!r}")
+        raise ConfigError(f"{section}.{name} must be a number, got {value!r}", field=name)
     if integer and not float(value).is_integer():
-        raise ConfigError(f"{section}.{name} must be an integer, got {value!r}")
+        raise ConfigError(f"{section}.{name} must be an integer, got {value!r}", field=name)
     if not math.isfinite(value):
-        raise ConfigError(f"{section}.{name} must be finite, got {value!r}")
+        raise ConfigError(f"{section}.{name} must be finite, got {value!r}", field=name)
     if low is not None and (value <= low if low_open else value < low):
-        raise ConfigError(f"{section}.{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
+        raise ConfigError(f"{section}.{name} must be {'>' if low_open else '>='} {low}, got {value!r}", field=name)
     if high is not None and value > high:
-        raise ConfigError(f"{section}.{name} must be <= {high}, got {value!r}")
+        raise ConfigError(f"{section}.{name} must be <= {high}, got {value!r}", field=name)
 
 
 def _choice(cfg: Any, name: str) -> None:
@@ -69,7 +146,7 @@ def _choice(cfg: Any, name: str) -> None:
     allowed = _literal_values(hint)
     value = getattr(cfg, name)
     if allowed and value not in allowed:
-        raise ConfigError(f"{type(cfg).__name__}.{name} must be one of {list(allowed)}, got {value!r}")
+        raise ConfigError(f"{type(cfg).__name__}.{name} must be one of {list(allowed)}, got {value!r}", field=name)
 
 
 def _literal_values(hint: Any) -> tuple[Any, ...]:
@@ -126,6 +203,7 @@ class ReconstructionLossConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_types(self)
         for name in (
             "reconstruction_weight",
             "sequence_reconstruction_weight",
@@ -192,12 +270,15 @@ class LatentConfig:
     bow_weight: float = option(0.0, "Weight of the bag-of-words loss predicting response tokens from z.")
 
     def __post_init__(self) -> None:
+        _check_types(self)
         for name in ("latent", "latent_placement", "prior", "assignment", "codebook_init"):
             _choice(self, name)
         for name in ("latent_tokens", "num_slots", "codebook_size", "code_dim", "latent_dim", "encoder_hidden"):
             _number(self, name, low=1, integer=True)
         if self.latent == "discrete" and self.codebook_size < 2:
-            raise ConfigError(f"LatentConfig.codebook_size must be >= 2, got {self.codebook_size}")
+            raise ConfigError(
+                f"LatentConfig.codebook_size must be >= 2, got {self.codebook_size}", field="codebook_size"
+            )
         for name in ("posterior_temperature", "gumbel_temperature", "gumbel_temperature_min"):
             _number(self, name, low=0, low_open=True)
         for name in ("gumbel_anneal_steps", "dead_code_steps", "codebook_refresh_every"):
@@ -220,6 +301,7 @@ class KLConfig:
     kl_per_token: bool = option(False, "Divide each example's KL by its number of response tokens n_b.")
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _choice(self, "beta_schedule")
         _number(self, "beta", low=0)
         _number(self, "free_bits", low=0)
@@ -228,7 +310,8 @@ class KLConfig:
         if self.beta_schedule == "cyclical" and self.beta_warmup_steps > self.beta_cycle_steps:
             raise ConfigError(
                 f"KLConfig.beta_warmup_steps ({self.beta_warmup_steps}) must be <= beta_cycle_steps "
-                f"({self.beta_cycle_steps}) for a cyclical schedule"
+                f"({self.beta_cycle_steps}) for a cyclical schedule",
+                field="beta_warmup_steps",
             )
 
 
@@ -242,6 +325,7 @@ class DivergenceConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _choice(self, "divergence")
         _number(self, "divergence_weight", low=0)
 
@@ -270,6 +354,7 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _choice(self, "decoder_training")
         _choice(self, "dtype")
         _number(self, "lora_r", low=1, integer=True)
@@ -292,6 +377,7 @@ class DataConfig:
     max_examples: int | None = option(None, "Use at most this many examples (after shuffling by seed).")
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _number(self, "max_prompt_tokens", low=1, integer=True)
         _number(self, "max_response_tokens", low=1, integer=True)
         _number(self, "validation_fraction", low=0, high=0.9)
@@ -330,6 +416,7 @@ class TrainConfig:
     progress: bool = option(True, "Show a progress bar.")
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _choice(self, "device")
         for name in (
             "max_steps",
@@ -364,7 +451,8 @@ class RunConfig:
         if self.divergence.divergence_weight > 0 and self.latent.latent != "discrete":
             raise ConfigError(
                 f"DivergenceConfig.divergence_weight is {self.divergence.divergence_weight}, but the inter-latent "
-                f"divergence exists only for the discrete latent (LatentConfig.latent is {self.latent.latent!r})"
+                f"divergence exists only for the discrete latent (LatentConfig.latent is {self.latent.latent!r})",
+                field="divergence_weight",
             )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -436,31 +524,104 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: list[str] | 
             group.add_argument(field_flag(f), **kwargs)
 
 
+class _DuplicateKey(Exception):
+    """A key given twice in one mapping of a config file (``line`` and ``first_line`` are 1-based, or None)."""
+
+    def __init__(self, key: Any, line: int | None = None, first_line: int | None = None) -> None:
+        super().__init__(key)
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last).
+
+    Keys merged in with ``<<`` may still be overridden, as YAML intends.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            line = key_node.start_mark.line + 1
+            if first is not None:
+                raise _DuplicateKey(key, line, first)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` of :func:`json.loads` that rejects a key given twice in one object."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Flat ``{field: value}`` from a YAML or JSON file (flat or nested by section)."""
+    """Flat ``{field: value}`` from a YAML or JSON file (flat or nested by section).
+
+    A key given twice in one mapping, or a field given both flat and inside its section, is a
+    :class:`ConfigError` naming the key and the file (PyYAML and ``json`` would silently keep the last).
+    """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+        raise ConfigError(f"config file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
+    kind = "JSON" if path.suffix == ".json" else "YAML"
     try:
-        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {exc}") from exc
+    try:
+        raw = (
+            json.loads(text, object_pairs_hook=_unique_json_object)
+            if kind == "JSON"
+            else yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+        )
+    except _DuplicateKey as dup:
+        where = f" on line {dup.line} (first on line {dup.first_line})" if dup.line is not None else ""
         raise ConfigError(
-            f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}"
-        ) from exc
+            f"config file {path}: duplicate key {dup.key!r}{where}; each key may be given only once"
+        ) from None
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {path} is not valid {kind}: {exc}") from exc
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path}: expected a mapping of field names to values, got {type(raw).__name__}")
     flat: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+
+    def put(name: str, value: Any, spelled: str) -> None:
+        if name in flat:
+            raise ConfigError(
+                f"config file {path}: field {name!r} is given twice (as {given_as[name]!r} and as {spelled!r}); "
+                "each field may be given only once",
+                field=name,
+            )
+        flat[name] = value
+        given_as[name] = spelled
+
     for key, value in raw.items():
         if key in SECTIONS and isinstance(value, dict):
             for sub_key, sub_value in value.items():
                 if sub_key not in FIELDS or FIELDS[sub_key][0] != key:
                     raise ConfigError(f"config file {path}: unknown key {key}.{sub_key}")
-                flat[sub_key] = sub_value
+                put(sub_key, sub_value, f"{key}.{sub_key}")
         elif key in FIELDS:
-            flat[key] = value
+            put(key, value, key)
+        elif key in SECTIONS:
+            raise ConfigError(
+                f"config file {path}: section {key!r} must be a mapping of its field names to values, "
+                f"got {value!r} ({type(value).__name__})"
+            )
         else:
             raise ConfigError(f"config file {path}: unknown key {key!r} (expected a field name or section)")
     return flat
@@ -479,10 +640,20 @@ def build_config(values: dict[str, Any] | None = None) -> RunConfig:
 
 
 def resolve_config(config_file: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """File values, then command-line overrides on top, validated."""
-    values = read_config_file(config_file) if config_file else {}
-    values.update(overrides or {})
-    return build_config(values)
+    """File values, then command-line overrides on top, validated.
+
+    An invalid value that came from the file (not overridden) is reported as
+    ``config file PATH: <the error>``.
+    """
+    file_values = read_config_file(config_file) if config_file else {}
+    overrides = dict(overrides or {})
+    values = {**file_values, **overrides}
+    try:
+        return build_config(values)
+    except ConfigError as exc:
+        if exc.field is not None and exc.field in file_values and exc.field not in overrides:
+            raise ConfigError(f"config file {config_file}: {exc}", field=exc.field) from exc
+        raise
 
 
 def config_from_namespace(args: argparse.Namespace) -> RunConfig:
