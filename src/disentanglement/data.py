@@ -64,6 +64,32 @@ def _format_line_numbers(numbers: Sequence[int]) -> str:
     return ", ".join(parts)
 
 
+def _unique_keys(duplicates: list[str]):
+    """An ``object_pairs_hook`` for :func:`json.loads` that records keys given twice in an object."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in result and key not in duplicates:
+                duplicates.append(key)
+            result[key] = value
+        return result
+
+    return hook
+
+
+def _decode_line(raw: bytes, where: str, offset: int) -> tuple[str | None, str | None]:
+    """``(text, None)`` for a UTF-8 line, else ``(None, problem)`` naming the byte, its column and file offset."""
+    try:
+        return raw.decode("utf-8"), None
+    except UnicodeDecodeError as exc:
+        column = len(raw[: exc.start].decode("utf-8", errors="replace")) + 1
+        return None, (
+            f"{where}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {column}, byte offset "
+            f"{offset + exc.start} of the file: {exc.reason}); the file must be UTF-8 text"
+        )
+
+
 def load_jsonl(
     path: str | Path,
     prompt_key: str = "prompt",
@@ -72,27 +98,42 @@ def load_jsonl(
 ) -> list[PromptResponse]:
     """Read prompt/response pairs from a JSON-lines file, one object per line.
 
-    Blank lines are skipped. Each other line must be a JSON object whose ``prompt_key`` and
-    ``response_key`` values are strings; ``label_key`` is optional and may be a string, an integer
-    (stored as its string) or null. Invalid lines are reported together, each with the file, the line
-    number and what was expected (:class:`DataError`). Responses that are empty or whitespace-only
-    are rejected in one error listing all their line numbers. Empty prompts are allowed.
+    Blank lines are skipped. Each other line must be UTF-8 text holding one JSON object, with no key
+    given twice, whose ``prompt_key`` and ``response_key`` values are strings; ``label_key`` is
+    optional and may be a string, an integer (stored as its string) or null. Invalid lines are
+    reported together, each with the file, the line number and what was expected (:class:`DataError`;
+    a byte that is not UTF-8 is located by its column and its byte offset in the file). Responses
+    that are empty or whitespace-only are rejected in one error listing all their line numbers.
+    Empty prompts are allowed.
     """
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"data path {path} is a directory; expected a .jsonl file")
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
     pairs: list[PromptResponse] = []
     problems: list[str] = []
     empty_responses: list[int] = []
-    with path.open(encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
+    offset = 0
+    with path.open("rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            where = f"{path}:{lineno}"
+            line, problem = _decode_line(raw, where, offset)
+            offset += len(raw)
+            if problem is not None:
+                problems.append(problem)
+                continue
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
+            duplicates: list[str] = []
             try:
-                record = json.loads(line)
+                record = json.loads(line, object_pairs_hook=_unique_keys(duplicates))
             except json.JSONDecodeError as exc:
                 problems.append(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); expected one JSON object")
+                continue
+            if duplicates:
+                keys = ", ".join(repr(k) for k in duplicates)
+                problems.append(f"{where}: duplicate key{'s' if len(duplicates) > 1 else ''} {keys}")
                 continue
             if not isinstance(record, dict):
                 problems.append(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -224,8 +265,16 @@ def load_pairs(cfg: DataConfig) -> list[PromptResponse]:
     """The pairs named by ``cfg.data``: ``"chatterbot"`` or a ``.jsonl`` file (read with the config's keys)."""
     if cfg.data == "chatterbot":
         return load_chatterbot()
+    path = Path(cfg.data).expanduser()
+    if path.is_dir():
+        raise DataError(f"data path {cfg.data} is a directory; expected a .jsonl file")
     if cfg.data.endswith(".jsonl"):
-        return load_jsonl(Path(cfg.data).expanduser(), cfg.prompt_key, cfg.response_key, cfg.label_key)
+        return load_jsonl(path, cfg.prompt_key, cfg.response_key, cfg.label_key)
+    if path.exists():
+        raise DataError(
+            f"data path {cfg.data} does not end in .jsonl; DataConfig.data must be 'chatterbot' or a path to a "
+            "JSON-lines file named *.jsonl (one JSON object per line; rename the file if it is one)"
+        )
     raise DataError(f"DataConfig.data must be 'chatterbot' or a path to a .jsonl file, got {cfg.data!r}")
 
 
@@ -407,6 +456,42 @@ def prompt_text_for_generation(prompt: str, tokenizer: Any, cfg: DataConfig) -> 
     return format_pair(PromptResponse(prompt, "x", None, "generation"), tokenizer, cfg)[0]
 
 
+#: How many sources the special-token warning of :func:`tokenize_pairs` names.
+SPECIAL_TOKEN_SOURCES_SHOWN = 5
+
+
+def _warn_special_token_texts(pairs: Sequence[PromptResponse], tokenizer: Any) -> int:
+    """Log one WARNING for pairs whose raw text holds the tokenizer's special-token strings; their number."""
+    specials = sorted({t for t in (getattr(tokenizer, "all_special_tokens", None) or []) if t}, key=len, reverse=True)
+    if not specials:
+        return 0
+    pattern = re.compile("|".join(re.escape(t) for t in specials))
+    found: set[str] = set()
+    sources: list[str] = []
+    count = 0
+    for pair in pairs:
+        where = [name for name, text in (("prompt", pair.prompt), ("response", pair.response)) if pattern.search(text)]
+        if not where:
+            continue
+        count += 1
+        for name in where:
+            found.update(pattern.findall(pair.prompt if name == "prompt" else pair.response))
+        if len(sources) < SPECIAL_TOKEN_SOURCES_SHOWN:
+            sources.append(f"{pair.source} ({' and '.join(where)})")
+    if count:
+        logger.warning(
+            "%d of %d pairs contain the tokenizer's special-token strings %s in their prompt or response text; "
+            "they are kept, and those strings will be tokenised as control tokens, not as literal text "
+            "(first: %s%s)",
+            count,
+            len(pairs),
+            sorted(found),
+            ", ".join(sources),
+            ", ..." if count > len(sources) else "",
+        )
+    return count
+
+
 def tokenize_pairs(pairs: Sequence[PromptResponse], tokenizer: Any, cfg: DataConfig) -> tuple[list[Example], dict]:
     """Tokenise pairs into :class:`Example` objects, and statistics (also logged).
 
@@ -417,6 +502,13 @@ def tokenize_pairs(pairs: Sequence[PromptResponse], tokenizer: Any, cfg: DataCon
     ``prompt + "\\n"`` and the response ids are the response's tokens followed by ``eos_token_id``.
     Both texts are tokenised separately with ``add_special_tokens=False``.
 
+    Control strings: a prompt or response whose raw text (before the template) contains one of the
+    tokenizer's special-token strings (``tokenizer.all_special_tokens``, e.g. ``<|im_end|>`` or
+    ``<|im_start|>``) is kept as it is, but that string is tokenised as the control token, not as
+    literal text (``add_special_tokens=False`` only stops BOS/EOS being added), so such data can end
+    a turn early or fake a role. One WARNING summarises how many pairs do this, which strings were
+    found and the first few sources; ``stats["special_token_texts"]`` is the number of such pairs.
+
     Truncation: a prompt longer than ``cfg.max_prompt_tokens`` keeps its LAST tokens (those nearest
     the response, including the generation prompt); a response longer than ``cfg.max_response_tokens``
     keeps its FIRST tokens (it then loses its end-of-turn tokens). A response or prompt with zero tokens
@@ -424,7 +516,8 @@ def tokenize_pairs(pairs: Sequence[PromptResponse], tokenizer: Any, cfg: DataCon
 
     Stats: ``examples``, ``truncated_prompts``, ``truncated_responses``, ``mean_prompt_tokens`` and
     ``mean_response_tokens`` (after truncation), ``max_prompt_tokens_before_truncation``,
-    ``max_response_tokens_before_truncation`` and ``chat_template`` (whether the template was used).
+    ``max_response_tokens_before_truncation``, ``chat_template`` (whether the template was used) and
+    ``special_token_texts``.
     """
     use_template = _uses_template(tokenizer, cfg)
     eos = None
@@ -450,7 +543,9 @@ def tokenize_pairs(pairs: Sequence[PromptResponse], tokenizer: Any, cfg: DataCon
             "max_prompt_tokens_before_truncation": 0,
             "max_response_tokens_before_truncation": 0,
             "chat_template": use_template,
+            "special_token_texts": 0,
         }
+    special_token_texts = _warn_special_token_texts(pairs, tokenizer)
     prompt_ids_all = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
     response_ids_all = tokenizer(response_texts, add_special_tokens=False)["input_ids"]
     examples: list[Example] = []
@@ -485,6 +580,7 @@ def tokenize_pairs(pairs: Sequence[PromptResponse], tokenizer: Any, cfg: DataCon
         "max_prompt_tokens_before_truncation": max_prompt_seen,
         "max_response_tokens_before_truncation": max_response_seen,
         "chat_template": use_template,
+        "special_token_texts": special_token_texts,
     }
     logger.info(
         "tokenised %d examples (chat template: %s): mean prompt %.1f tokens, mean response %.1f tokens; "
@@ -510,7 +606,8 @@ def split_train_validation(items: Sequence[T], validation_fraction: float, seed:
 
     A ``random.Random(seed)`` permutation picks ``round(len(items) * validation_fraction)`` validation
     items, at least one when the fraction is positive and there are at least two items, and never all
-    of them. Both parts keep the items' original order.
+    of them. Both parts keep the items' original order. When the fraction is positive but the split
+    holds out nothing (fewer than two items), a WARNING says that there is no validation set and why.
     """
     if not 0 <= validation_fraction < 1:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
@@ -519,6 +616,16 @@ def split_train_validation(items: Sequence[T], validation_fraction: float, seed:
     if validation_fraction > 0 and n >= 2:
         n_val = max(1, n_val)
     n_val = min(n_val, max(n - 1, 0))
+    if validation_fraction > 0 and n_val == 0:
+        logger.warning(
+            "no validation set: validation_fraction is %s, but there %s only %d example%s and the split never "
+            "holds out all of them (a validation example needs at least 2 examples); validation metrics "
+            "will not be computed",
+            validation_fraction,
+            "is" if n == 1 else "are",
+            n,
+            "" if n == 1 else "s",
+        )
     order = list(range(n))
     random.Random(seed).shuffle(order)
     val_index = set(order[:n_val])
