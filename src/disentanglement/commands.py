@@ -13,6 +13,10 @@ Data (``--data``): ``validation`` (default) and ``train`` rebuild the run's own 
 deterministically from its stored config (``trainer.prepare_data``); ``chatterbot`` or a ``.jsonl``
 path is loaded with the run's keys, chat template and truncation. ``--max-examples`` keeps a
 seeded subset.
+
+``eval`` and ``inspect`` check their numeric options and ``--data`` before the model loads
+(:func:`check_data_option` reads only the checkpoint's ``config.yaml``), so a typo in a flag or a
+malformed data file fails in a second, not after the checkpoint has loaded.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,6 +97,44 @@ def load_examples(
     return examples, description
 
 
+def _check_at_least(flag: str, value: int | None, low: int, *, optional: bool = False) -> None:
+    """A ``ValueError`` naming ``flag`` unless ``value`` is an integer >= ``low`` (or None when optional)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
+
+
+def check_data_option(checkpoint: str | Path, data: str | None) -> None:
+    """Fail on a ``--data`` that cannot be loaded, before any model loads (see the module docstring).
+
+    Resolves the checkpoint and reads only its ``config.yaml`` (the run's keys): a ``.jsonl`` path
+    is read and validated as :func:`load_examples` will read it (a missing file, a directory, a
+    file not named ``.jsonl``, an invalid line); ``validation``/``train`` need the run's own data
+    file to still exist; ``chatterbot`` needs the corpus installed.
+    """
+    from .config import load_run_config
+    from .data import chatterbot_corpus_dir, load_pairs
+
+    data = data or "validation"
+    checkpoint_dir, _ = resolve_run(checkpoint)
+    if data == "chatterbot":
+        chatterbot_corpus_dir()
+        return
+    config = load_run_config(checkpoint_dir / "config.yaml")
+    if data in SPLITS:
+        source = config.data.data
+        if source == "chatterbot":
+            chatterbot_corpus_dir()
+        elif not Path(source).expanduser().is_file():
+            raise FileNotFoundError(
+                f"--data {data} rebuilds the run's split from its data file {source}, which is not a file here; "
+                "pass the data file itself as --data FILE.jsonl"
+            )
+        return
+    load_pairs(dataclasses.replace(config.data, data=data))
+
+
 def _slug(data: str | None) -> str:
     data = data or "validation"
     name = data if data in (*SPLITS, "chatterbot") else Path(data).stem
@@ -140,8 +183,14 @@ def run_eval(
     from .features import build_feature_cache
     from .report import write_markdown_summary
 
-    if iw_samples < 1 or prior_samples < 1 or batch_size < 1:
-        raise ValueError("--iw-samples, --prior-samples and --batch-size must be >= 1")
+    # options first, before the model loads
+    for flag, value in (("--iw-samples", iw_samples), ("--prior-samples", prior_samples), ("--batch-size", batch_size)):
+        _check_at_least(flag, value, 1)
+    _check_at_least("--exact-limit", exact_limit, 0)
+    _check_at_least("--max-examples", max_examples, 1, optional=True)
+    if output is not None and Path(output).is_dir():
+        raise ValueError(f"--output {output} is a directory; expected the path of the JSON report")
+    check_data_option(checkpoint, data)
     model, tokenizer, config, state, checkpoint_dir, run_dir = load_checkpoint(checkpoint, model_and_tokenizer, device)
     examples, description = load_examples(data, config, tokenizer, max_examples, seed)
     model_device = next(model.parameters()).device
@@ -367,6 +416,19 @@ def run_inspect(
     from .features import build_feature_cache
     from .inspection import write_example_report, write_run_plots
 
+    # options first, before the model loads (the upper bound of --index needs the examples)
+    _check_at_least("--index", index, 0)
+    _check_at_least("--prior-samples", prior_samples, 1)
+    _check_at_least("--batch-size", batch_size, 1)
+    _check_at_least("--exact-limit", exact_limit, 0)
+    _check_at_least("--max-examples", max_examples, 1, optional=True)
+    if alpha is not None and not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha >= 0):
+        raise ValueError(f"--alpha must be a finite number >= 0, got {alpha!r}")
+    if max_examples is not None and index >= max_examples:
+        raise ValueError(f"--index {index} is outside [0, {max_examples}) for --max-examples {max_examples}")
+    if output_dir is not None and Path(output_dir).exists() and not Path(output_dir).is_dir():
+        raise ValueError(f"--output-dir {output_dir} exists and is not a directory")
+    check_data_option(checkpoint, data)
     model, tokenizer, config, state, checkpoint_dir, run_dir = load_checkpoint(checkpoint, model_and_tokenizer, device)
     examples, description = load_examples(data, config, tokenizer, max_examples, seed)
     if not 0 <= index < len(examples):

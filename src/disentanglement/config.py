@@ -583,7 +583,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raw = (
             json.loads(text, object_pairs_hook=_unique_json_object)
             if kind == "JSON"
-            else yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+            else yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
         )
     except _DuplicateKey as dup:
         where = f" on line {dup.line} (first on line {dup.first_line})" if dup.line is not None else ""
