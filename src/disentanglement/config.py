@@ -109,7 +109,7 @@ def _check_types(cfg: Any) -> None:
             bad = next(v for v in value if not _matches(v, typing.get_args(hint)[0]))
             message += f" (item {bad!r} is {type(bad).__name__})"
         elif typing.get_origin(hint) is list and isinstance(value, str):
-            message += f" (write a list: [{value}] in a config file, {field_flag(f)} {value} on the command line)"
+            message += f"; write a list: [{value}] in a config file, {field_flag(f)} {value} on the command line"
         raise ConfigError(message, field=f.name)
 
 

@@ -113,6 +113,12 @@ def load_jsonl(
         raise FileNotFoundError(f"data file {path} does not exist")
     pairs: list[PromptResponse] = []
     problems: list[str] = []
+    invalid_lines: set[int] = set()
+
+    def report(lineno: int, problem: str) -> None:
+        problems.append(problem)
+        invalid_lines.add(lineno)
+
     empty_responses: list[int] = []
     offset = 0
     with path.open("rb") as handle:
@@ -121,7 +127,7 @@ def load_jsonl(
             line, problem = _decode_line(raw, where, offset)
             offset += len(raw)
             if problem is not None:
-                problems.append(problem)
+                report(lineno, problem)
                 continue
             if not line.strip():
                 continue
@@ -129,31 +135,32 @@ def load_jsonl(
             try:
                 record = json.loads(line, object_pairs_hook=_unique_keys(duplicates))
             except json.JSONDecodeError as exc:
-                problems.append(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); expected one JSON object")
+                report(lineno, f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); expected one JSON object")
                 continue
             if duplicates:
                 keys = ", ".join(repr(k) for k in duplicates)
-                problems.append(f"{where}: duplicate key{'s' if len(duplicates) > 1 else ''} {keys}")
+                report(lineno, f"{where}: duplicate key{'s' if len(duplicates) > 1 else ''} {keys}")
                 continue
             if not isinstance(record, dict):
-                problems.append(f"{where}: expected a JSON object, got {type(record).__name__}")
+                report(lineno, f"{where}: expected a JSON object, got {type(record).__name__}")
                 continue
             bad = False
             values: dict[str, str] = {}
             for key in (prompt_key, response_key):
                 if key not in record:
-                    problems.append(f"{where}: missing key {key!r} (expected a string; keys present: {sorted(record)})")
+                    report(lineno, f"{where}: missing key {key!r} (expected a string; keys present: {sorted(record)})")
                     bad = True
                 elif not isinstance(record[key], str):
-                    problems.append(f"{where}: key {key!r} must be a string, got {type(record[key]).__name__}")
+                    report(lineno, f"{where}: key {key!r} must be a string, got {type(record[key]).__name__}")
                     bad = True
                 else:
                     values[key] = record[key]
             label = record.get(label_key)
             if label is not None:
                 if isinstance(label, bool) or not isinstance(label, str | int):
-                    problems.append(
-                        f"{where}: key {label_key!r} must be a string, an integer or null, got {type(label).__name__}"
+                    report(
+                        lineno,
+                        f"{where}: key {label_key!r} must be a string, an integer or null, got {type(label).__name__}",
                     )
                     bad = True
                 else:
@@ -166,8 +173,8 @@ def load_jsonl(
             pairs.append(PromptResponse(values[prompt_key], values[response_key], label, where))
     if problems:
         shown = problems[:20]
-        more = f"\n... and {len(problems) - 20} more invalid lines" if len(problems) > 20 else ""
-        raise DataError(f"{len(problems)} invalid line(s) in {path}:\n" + "\n".join(shown) + more)
+        more = f"\n... and {len(problems) - 20} more problems" if len(problems) > 20 else ""
+        raise DataError(f"{len(invalid_lines)} invalid line(s) in {path}:\n" + "\n".join(shown) + more)
     if empty_responses:
         raise DataError(
             f"{path}: {len(empty_responses)} empty or whitespace-only response(s) (key {response_key!r}) on "
