@@ -80,8 +80,8 @@ def test_every_term_logged_and_run_directory_written(tmp_path, tokenizer, pairs)
     assert {p.name for p in checkpoint.iterdir()} >= {
         "model.safetensors",
         "optimizer.pt",
-        "scheduler.pt",
-        "rng.pt",
+        "scheduler.json",
+        "rng.safetensors",
         "trainer_state.json",
         "config.yaml",
     }
@@ -149,28 +149,29 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, tokenizer, pairs, late
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint_usable(tmp_path, tokenizer, pairs, monkeypatch):
-    import disentanglement.trainer as trainer_module
+    import errno
 
-    real_save = torch.save
-    calls = {"n": 0}
+    import disentanglement.checkpoints as checkpoints
 
-    def failing_save(obj, path, *args, **kwargs):
-        if str(path).endswith("scheduler.pt") and ".tmp-step-000006" in str(path):
-            raise OSError("disk full (simulated)")
-        calls["n"] += 1
-        return real_save(obj, path, *args, **kwargs)
+    real_write = checkpoints.write_durably
 
-    monkeypatch.setattr(trainer_module.torch, "save", failing_save)
-    with pytest.raises(OSError, match="simulated"):
+    def failing_write(path, data):
+        if path.name == "scheduler.json" and ".tmp-step-000006" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)", str(path))
+        return real_write(path, data)
+
+    monkeypatch.setattr(checkpoints, "write_durably", failing_write)
+    with pytest.raises(OSError, match="simulated") as raised:
         run(tmp_path, tokenizer, pairs)
-    monkeypatch.setattr(trainer_module.torch, "save", real_save)
-    assert (tmp_path / "checkpoints" / ".tmp-step-000006").is_dir()
+    assert "step-000006" in str(raised.value) and "the last complete checkpoint is" in str(raised.value)
+    assert str(tmp_path / "checkpoints" / "step-000003") in str(raised.value)
+    monkeypatch.setattr(checkpoints, "write_durably", real_write)
+    assert not (tmp_path / "checkpoints" / ".tmp-step-000006").exists(), "nothing partial is left behind"
     assert latest_checkpoint(tmp_path).name == "step-000003"
     model, _, _, state = load_trained(tmp_path, (tiny_llama(len(tokenizer)), tokenizer))
     assert state["step"] == 3
     resumed = run(tmp_path, tokenizer, pairs, resume="auto")
     assert resumed.final_step == 6 and latest_checkpoint(tmp_path).name == "step-000006"
-    assert not (tmp_path / "checkpoints" / ".tmp-step-000006").exists()
 
 
 def test_repeated_nonfinite_losses_stop_with_a_diagnostic(tmp_path, tokenizer, pairs):

@@ -6,6 +6,10 @@
     disentangle inspect CHECKPOINT --data ... --index I
 
 Training flags are generated from the config dataclasses (``config.py``): every field has one.
+
+Exit codes: 0 done; 2 bad input (config, data, checkpoint; the message names the file, line or
+field); 3 training diverged (the message names the last good checkpoint); 4 an OS error such as a
+full or read-only disk (the message names the file).
 """
 
 from __future__ import annotations
@@ -15,8 +19,17 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from .config import ConfigError, add_config_arguments, config_from_namespace
+from .config import (
+    FIELDS,
+    ConfigError,
+    add_config_arguments,
+    build_config,
+    config_from_namespace,
+    load_run_config,
+    read_config_file,
+)
 
 
 def _add_train(subparsers) -> None:
@@ -32,8 +45,26 @@ def _add_train(subparsers) -> None:
     parser.set_defaults(func=_run_train)
 
 
-def _run_train(args: argparse.Namespace) -> int:
+def _train_config(args: argparse.Namespace):
+    """The config of ``train``. Resuming starts from the run's stored config, so that
+    ``--resume auto --output-dir RUN`` continues RUN as it was configured; ``--config`` and flags go on top."""
     config = config_from_namespace(args)
+    resume = config.train.resume
+    if resume is None:
+        return config
+    stored = Path(config.train.output_dir) / "config.yaml" if resume == "auto" else Path(resume) / "config.yaml"
+    if not stored.is_file():
+        return config
+    values = {name: value for section in load_run_config(stored).to_dict().values() for name, value in section.items()}
+    if getattr(args, "config", None):
+        values.update(read_config_file(args.config))
+    values.update({k: v for k, v in vars(args).items() if k in FIELDS})
+    values["resume"] = resume
+    return build_config(values)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    config = _train_config(args)
     from .trainer import train
 
     result = train(config)
@@ -65,11 +96,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    from .trainer import TrainingDiverged
+
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        print(f"disentangle {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args, exc, 2)
+    except TrainingDiverged as exc:
+        return _fail(args, exc, 3)
+    except OSError as exc:  # disk full, read-only or vanished files: the message names the file
+        return _fail(args, exc, 4)
+
+
+def _fail(args: argparse.Namespace, exc: Exception, code: int) -> int:
+    """One line naming the cause (the traceback with --verbose)."""
+    if args.verbose:
+        logging.getLogger(__name__).exception("disentangle %s failed", args.command)
+    message = " ".join(str(exc).split("\n")[:1]) if isinstance(exc, OSError) else str(exc)
+    print(f"disentangle {args.command}: error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

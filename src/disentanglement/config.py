@@ -403,9 +403,21 @@ class TrainConfig:
     eval_every: int = option(50, "Validate every this many steps (0 = only at the end).")
     eval_batches: int = option(8, "Validation batches per evaluation.")
     keep_checkpoints: int = option(2, "Complete checkpoints kept (older ones are deleted).")
-    resume: str | None = option(None, "'auto' = latest complete checkpoint in output_dir, or a checkpoint path.")
+    resume: str | None = option(
+        None,
+        "'auto' = the newest checkpoint in output_dir that reads back completely, or a checkpoint path; "
+        "refused if a field that changes what is trained differs from the checkpoint's.",
+    )
+    overwrite: bool = option(
+        False, "Replace the run already in output_dir (its checkpoints, metrics and config; the feature cache stays)."
+    )
     tensorboard: bool = option(False, "Also log to TensorBoard under output_dir/tensorboard.")
     max_nonfinite_steps: int = option(5, "Stop with a diagnostic after this many consecutive non-finite losses.")
+    max_loss_ratio: float = option(
+        100.0,
+        "Stop with a diagnostic when the token-mean reconstruction exceeds this many times c_base, or the loss this "
+        "many times its running median (0 = never).",
+    )
     feature_cache: bool = option(
         True, "Run the frozen pass once per data set and reuse it (off: one frozen pass every step)."
     )
@@ -433,6 +445,7 @@ class TrainConfig:
         for name in ("encoder_lr", "latent_lr", "decoder_lr", "max_grad_norm"):
             _number(self, name, low=0, low_open=True)
         _number(self, "weight_decay", low=0)
+        _number(self, "max_loss_ratio", low=0)
 
 
 @dataclass

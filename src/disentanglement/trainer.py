@@ -1,5 +1,5 @@
 """Training loop on accelerate's ``Accelerator``: AdamW, warm-up + cosine, accumulation, clipping,
-per-step JSONL metrics, periodic validation and atomic, resumable checkpoints.
+per-step JSONL metrics, periodic validation, divergence detection and durable, resumable checkpoints.
 
 Run directory layout::
 
@@ -7,11 +7,14 @@ Run directory layout::
       config.yaml              resolved config of the run
       metrics.jsonl            one JSON object per optimizer step (+ validation records)
       data_stats.json          data counts, truncation counts and c_base
-      checkpoints/step-000050/ a complete checkpoint (written as .tmp-step-000050, then renamed)
-        model.safetensors      trainable weights and latent-model buffers
-        optimizer.pt scheduler.pt rng.pt
-        trainer_state.json     step, data position, c_base, non-finite count
-        config.yaml
+      feature_cache/           the frozen pass over the data (keyed by a fingerprint)
+      checkpoints/step-000050/ a complete checkpoint (see ``checkpoints.py``)
+
+A run directory belongs to one run: training into a directory that already holds a run is refused
+unless ``--resume`` (continue it) or ``--overwrite`` (replace it) is given. A resumed run continues
+bit for bit where an uninterrupted run would be; a config field that would change what is trained
+cannot change on resume (it is refused, named), except the learning rates, weight decay and clipping
+norm, which are applied from the resumed step on.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import random
 import shutil
+import tempfile
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,23 +32,78 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from .config import RunConfig, load_run_config, write_run_config
+from .checkpoints import (
+    CheckpointContents,
+    CheckpointError,
+    NonFiniteState,
+    apply_trainable_weights,
+    latest_checkpoint,
+    load_trainable_weights,
+    load_trained,
+    nonfinite_tensors,
+    prune_checkpoints,
+    read_checkpoint,
+    read_resumable,
+    replace_file_durably,
+    save_checkpoint,
+    set_rng_state,
+)
+from .config import ConfigError, RunConfig, write_run_config
 from .cvae_base import CVAEBase
 from .data import Example, collate, limit_examples, load_pairs, split_train_validation, tokenize_pairs
 from .features import FeatureCache, batch_features, load_or_build_feature_cache
 from .losses import estimate_zfree_reference_scale
 from .models import build_cvae
 
+__all__ = [  # checkpoint I/O lives in checkpoints.py; these names stay importable from here
+    "DataOrder",
+    "TrainingDiverged",
+    "latest_checkpoint",
+    "load_trainable_weights",
+    "load_trained",
+    "prepare_data",
+    "train",
+]
+
 logger = logging.getLogger(__name__)
-CHECKPOINT_PREFIX = "step-"
+
+#: Config fields that may differ on resume without changing what is trained.
+RESUME_FREE_FIELDS = frozenset(
+    {
+        "resume",
+        "overwrite",
+        "output_dir",
+        "progress",
+        "tensorboard",
+        "eval_every",
+        "eval_batches",
+        "save_every",
+        "keep_checkpoints",
+        "max_nonfinite_steps",
+        "max_loss_ratio",
+        "feature_cache",
+        "feature_cache_dir",
+        "device",
+        "model_cache_dir",
+    }
+)
+#: Config fields that may differ on resume and are applied from the resumed step on.
+RESUME_APPLIED_FIELDS = frozenset({"encoder_lr", "latent_lr", "decoder_lr", "weight_decay", "max_grad_norm"})
+#: What a run directory may hold besides ``feature_cache/`` (what ``--overwrite`` removes).
+RUN_ARTEFACTS = frozenset(
+    {"config.yaml", "metrics.jsonl", "data_stats.json", "checkpoints", "tensorboard", "eval", "inspect"}
+)
+#: The divergence check's window of recent losses.
+LOSS_WINDOW = 50
 
 
 class TrainingDiverged(RuntimeError):
-    """Raised after too many consecutive non-finite losses or gradients."""
+    """Training stopped: non-finite losses, gradients or weights, or a loss that exploded.
+
+    The message says what happened, at which step, and which checkpoint is the last good one."""
 
 
 @dataclass
@@ -96,108 +154,6 @@ def prepare_data(config: RunConfig, tokenizer, pairs=None) -> PreparedData:
     train, validation = split_train_validation(examples, config.data.validation_fraction, config.train.seed)
     stats = dict(stats, train_examples=len(train), validation_examples=len(validation))
     return PreparedData(train, validation, stats)
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint (temporary directories of interrupted saves are ignored)."""
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    complete = [
-        p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and (p / "trainer_state.json").is_file()
-    ]
-    return max(complete, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]), default=None)
-
-
-def rng_state() -> dict[str, Any]:
-    # The global generators are what the model's sampling uses, so they are what must be restored.
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),  # noqa: NPY002
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])  # noqa: NPY002
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(
-    output_dir: Path, step: int, model: CVAEBase, optimizer, scheduler, trainer_state: dict, config: RunConfig
-) -> Path:
-    """Write a checkpoint to a temporary directory, then rename it: a crash mid-save keeps the last one."""
-    root = output_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{CHECKPOINT_PREFIX}{step:06d}"
-    tmp = root / f".tmp-{final.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file({k: v.contiguous().cpu() for k, v in model.trainable_state_dict().items()}, tmp / "model.safetensors")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    write_run_config(config, tmp / "config.yaml")
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))  # written last
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    return final
-
-
-def prune_checkpoints(output_dir: Path, keep: int) -> None:
-    root = output_dir / "checkpoints"
-    complete = sorted(
-        (p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX)),
-        key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]),
-    )
-    for old in complete[:-keep]:
-        shutil.rmtree(old)
-
-
-# Checkpoints written before 2026-11-29 normalised the heads' features with an affine LayerNorm.
-_OLD_HEAD_NORMS = {"encoder_norm": "encoder.0", "prior_norm": "prior_head.0"}
-
-
-def _fold_old_head_norms(state: dict[str, torch.Tensor], checkpoint: Path) -> None:
-    """Fold an old checkpoint's LayerNorm affine ``(g, beta)`` into the Linear that follows it, exactly:
-    ``W (g * x + beta) + b = (W diag g) x + (W beta + b)``."""
-    folded = []
-    for norm, head in _OLD_HEAD_NORMS.items():
-        gain, shift = state.pop(f"{norm}.weight", None), state.pop(f"{norm}.bias", None)
-        if gain is None or shift is None or f"{head}.weight" not in state:
-            continue  # no affine, or no head behind it (a fixed prior)
-        weight = state[f"{head}.weight"]
-        state[f"{head}.bias"] = state[f"{head}.bias"] + weight @ shift
-        state[f"{head}.weight"] = weight * gain
-        folded.append(norm)
-    if folded:
-        logger.warning(
-            "checkpoint %s: written before the heads' LayerNorm lost its parameters; folded %s into the "
-            "next Linear (exact). The heads' GELU is now the tanh form: activations differ by < 1e-3.",
-            checkpoint,
-            folded,
-        )
-
-
-def load_trainable_weights(model: CVAEBase, checkpoint: Path) -> None:
-    """Load a checkpoint's trainable weights and buffers; every tensor must match by name and shape."""
-    state = load_file(str(checkpoint / "model.safetensors"))
-    expected = model.trainable_state_dict()
-    if not any(f"{norm}.weight" in expected for norm in _OLD_HEAD_NORMS):
-        _fold_old_head_norms(state, checkpoint)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {checkpoint}: missing tensors {missing}, unexpected tensors {unexpected}")
-    model.load_state_dict(state, strict=False)
 
 
 def make_optimizer(model: CVAEBase, config: RunConfig) -> torch.optim.Optimizer:
@@ -259,6 +215,149 @@ def validate(
     return {f"val_{k}": v for k, v in _mean_records(records).items()}
 
 
+def prepare_run_directory(output_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Make ``output_dir`` a writable directory that holds this run only; fails before any model loads.
+
+    A directory holding another run is refused unless resuming it or overwriting it; ``overwrite``
+    removes the run's artefacts (never a file it did not write) and keeps the keyed feature cache.
+    """
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"TrainConfig.output_dir {output_dir} is a file, not a directory")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"TrainConfig.output_dir {output_dir}: cannot be created ({exc.strerror or exc})") from exc
+    # An empty folder holds no run (e.g. checkpoints/ of a run that failed before its first save).
+    present = sorted(
+        p.name for p in output_dir.iterdir() if p.name != "feature_cache" and not (p.is_dir() and not any(p.iterdir()))
+    )
+    if present and not resume:
+        foreign = [name for name in present if name not in RUN_ARTEFACTS]
+        if not overwrite:
+            raise ConfigError(
+                f"TrainConfig.output_dir {output_dir} already holds {', '.join(present)}: pass --resume auto to "
+                "continue that run, --overwrite to replace it, or choose another --output-dir"
+            )
+        if foreign:
+            raise ConfigError(
+                f"TrainConfig.output_dir {output_dir} holds files that are not a run's ({', '.join(foreign)}); "
+                "--overwrite only replaces a run directory: choose another --output-dir"
+            )
+        logger.warning("--overwrite: removing the previous run's %s from %s", ", ".join(present), output_dir)
+        for name in present:
+            path = output_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for folder in (output_dir, output_dir / "checkpoints"):
+        if not folder.is_dir():
+            continue
+        try:
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+                pass
+        except OSError as exc:
+            raise ConfigError(
+                f"TrainConfig.output_dir: {folder} is not writable ({exc.strerror or exc}); checkpoints could not be saved"
+            ) from exc
+
+
+def _flat_fields(config: RunConfig) -> dict[str, Any]:
+    return {name: value for section in config.to_dict().values() for name, value in section.items()}
+
+
+def check_resume_config(stored: RunConfig, given: RunConfig, checkpoint: Path) -> dict[str, tuple[Any, Any]]:
+    """Fields that differ between a checkpoint's config and the resuming run's: refuses any that would
+    change what is trained, and returns ``{field: (old, new)}`` of those applied from the resumed step."""
+    old, new = _flat_fields(stored), _flat_fields(given)
+    changed = {name: (old[name], new[name]) for name in old if old[name] != new[name]}
+    refused = {k: v for k, v in changed.items() if k not in RESUME_FREE_FIELDS | RESUME_APPLIED_FIELDS}
+    if refused:
+        listed = "; ".join(f"{name}: {a!r} in the checkpoint, {b!r} now" for name, (a, b) in sorted(refused.items()))
+        raise ConfigError(
+            f"cannot resume {checkpoint} with a changed {', '.join(sorted(refused))} ({listed}): these change what "
+            "is trained and cannot change mid-run; resume with the run's values or start a new run. Changeable on "
+            f"resume: {', '.join(sorted(RESUME_APPLIED_FIELDS))} (applied from the resumed step), and "
+            "bookkeeping such as save_every, eval_every and progress"
+        )
+    return {k: v for k, v in changed.items() if k in RESUME_APPLIED_FIELDS}
+
+
+def _resume_source(config: RunConfig, output_dir: Path) -> CheckpointContents | None:
+    resume = config.train.resume
+    if resume is None:
+        return None
+    if resume == "auto":
+        contents = read_resumable(output_dir)
+        if contents is None:
+            logger.info("--resume auto: %s has no checkpoint yet; starting from step 0", output_dir)
+        return contents
+    return read_checkpoint(Path(resume), for_resume=True)
+
+
+def _apply_optimizer_settings(optimizer, scheduler, config: RunConfig, changes: dict[str, tuple[Any, Any]]) -> None:
+    """Set changed learning rates, weight decay: the schedule continues from the resumed step with the new base."""
+    if not changes:
+        return
+    scheduler = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the LambdaLR
+    lrs = {"encoder": config.train.encoder_lr, "latent": config.train.latent_lr, "decoder": config.train.decoder_lr}
+    for i, group in enumerate(optimizer.param_groups):
+        base = lrs[group["name"]]
+        scheduler.base_lrs[i] = base
+        group["initial_lr"] = base
+        group["lr"] = base * scheduler.lr_lambdas[i](scheduler.last_epoch)
+        group["weight_decay"] = config.train.weight_decay
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    logger.warning(
+        "resuming with changed %s",
+        ", ".join(f"{name} {a!r} -> {b!r}" for name, (a, b) in sorted(changes.items())),
+    )
+
+
+@dataclass
+class LossMonitor:
+    """Detects a loss that explodes while staying finite.
+
+    A step diverges when its token-mean reconstruction exceeds ``ratio x c_base`` (the decoder is then
+    far worse than the z-free model it started from), or when its objective exceeds
+    ``ratio x max(median |loss| of the last LOSS_WINDOW steps, c_base)``.
+    """
+
+    ratio: float
+    c_base: float
+    history: deque = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
+
+    def check(self, record: dict[str, float]) -> str | None:
+        if not self.ratio:
+            return None
+        loss, reconstruction = record["loss"], record["reconstruction_loss"]
+        problem = None
+        if reconstruction > self.ratio * self.c_base:
+            problem = (
+                f"the token-mean reconstruction loss {reconstruction:.4g} nats/token is more than {self.ratio:g} x the "
+                f"z-free reference scale c_base {self.c_base:.4g}"
+            )
+        elif self.history:
+            scale = max(float(np.median(np.abs(self.history))), self.c_base)
+            if abs(loss) > self.ratio * scale:
+                problem = (
+                    f"the loss {loss:.4g} is more than {self.ratio:g} x max(median |loss| of the last "
+                    f"{len(self.history)} steps, c_base) = {scale:.4g}"
+                )
+        self.history.append(loss)
+        if problem is None:
+            return None
+        largest = sorted(
+            ((k, v) for k, v in record.items() if k.endswith("loss") and k != "loss"), key=lambda kv: -abs(kv[1])
+        )
+        return problem + " (largest terms: " + ", ".join(f"{k} {v:.4g}" for k, v in largest[:3]) + ")"
+
+
+def _diverged(step: int, what: str, checkpoint: Path | None) -> TrainingDiverged:
+    last = f"the last good checkpoint is {checkpoint}" if checkpoint is not None else "no checkpoint was written"
+    return TrainingDiverged(
+        f"training diverged at step {step}: {what}; {last}. Lower the learning rates (they may change on "
+        "resume: --resume auto --latent-lr ...) or check the data."
+    )
+
+
 def train(
     config: RunConfig,
     model_and_tokenizer: tuple[Any, Any] | None = None,
@@ -271,22 +370,16 @@ def train(
 
     tcfg = config.train
     output_dir = Path(tcfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    # Everything that can be wrong with the run directory, the checkpoint or the data fails before the model loads.
+    prepare_run_directory(output_dir, resume=tcfg.resume is not None, overwrite=tcfg.overwrite)
+    resumed = _resume_source(config, output_dir)
+    applied = check_resume_config(resumed.config, config, resumed.path) if resumed is not None else {}
+    pairs = load_pairs(config.data) if pairs is None else pairs
+
     device = choose_device(tcfg.device)
     accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision="bf16" if device.type == "cuda" else "no")
     device = accelerator.device
     set_seed(tcfg.seed)
-
-    resume_from = None
-    if tcfg.resume == "auto":
-        resume_from = latest_checkpoint(output_dir)
-    elif tcfg.resume:
-        resume_from = Path(tcfg.resume)
-        if not (resume_from / "trainer_state.json").is_file():
-            raise FileNotFoundError(f"--resume {tcfg.resume}: not a complete checkpoint directory")
-    resume_state = json.loads((resume_from / "trainer_state.json").read_text()) if resume_from else None
-
-    pairs = load_pairs(config.data) if pairs is None else pairs  # data errors surface before the model loads
     if model_and_tokenizer is None:
         from .lm import load_model_and_tokenizer
 
@@ -300,11 +393,17 @@ def train(
     logger.info("data: %s", data.stats)
 
     model = build_cvae(config, decoder).to(device)
+    start_step = resumed.step if resumed is not None else 0
     all_examples = data.train + data.validation
     n_train = len(data.train)
+    refresh_every = config.latent.codebook_refresh_every if config.latent.codebook_init == "kmeans" else 0
+    kmeans = config.latent.latent == "discrete" and config.latent.codebook_init == "kmeans"
+    # The k-means start (fresh runs) and refreshes (first half of training) need the frozen features,
+    # with or without the cache option, so that a resumed run refreshes exactly as an uninterrupted one.
+    needs_kmeans_features = kmeans and (resumed is None or (refresh_every and start_step < tcfg.max_steps // 2))
+    needs_c_base = resumed is None and config.reconstruction.zfree_reference_scale is None
     cache: FeatureCache | None = None
-    needs_c_base = resume_state is None and config.reconstruction.zfree_reference_scale is None
-    if tcfg.feature_cache or needs_c_base:
+    if tcfg.feature_cache or needs_c_base or needs_kmeans_features:
         cache_dir = (tcfg.feature_cache_dir or output_dir / "feature_cache") if tcfg.feature_cache else None
         cache = load_or_build_feature_cache(
             model,
@@ -317,17 +416,12 @@ def train(
         )
     train_cache = cache.subset(0, n_train) if cache is not None else None
     # Without the cache option, steps and validation run the frozen pass themselves (cache is then
-    # only the one-off pass that estimates c_base).
+    # only the one-off pass for c_base and k-means).
     step_cache = train_cache if tcfg.feature_cache else None
     val_cache = cache.subset(n_train, len(all_examples)) if cache is not None and tcfg.feature_cache else None
 
-    if resume_state is not None:
-        c_base = float(resume_state["zfree_reference_scale"])
-        given = config.reconstruction.zfree_reference_scale
-        if given is not None and abs(given - c_base) > 1e-12:
-            logger.warning(
-                "resuming with the checkpoint's zfree_reference_scale %.6f, not the configured %.6f", c_base, given
-            )
+    if resumed is not None:
+        c_base = float(resumed.trainer_state["zfree_reference_scale"])
     elif config.reconstruction.zfree_reference_scale is not None:
         c_base = config.reconstruction.zfree_reference_scale
     else:
@@ -342,17 +436,11 @@ def train(
     init_sample = list(range(min(n_train, 4096)))
     init_features = (
         train_cache.features(collate([data.train[i] for i in init_sample], pad_id, indices=init_sample).to(device))
-        if train_cache is not None
+        if train_cache is not None and kmeans
         else None
     )
-    if resume_from is None and init_features is not None:
+    if resumed is None and init_features is not None:
         model.initialize_from_data(init_features, tcfg.seed)
-    elif init_features is None and config.latent.latent == "discrete" and config.latent.codebook_init == "kmeans":
-        logger.warning(
-            "no frozen-pass cache (feature_cache off, c_base given): the codebook starts at random, "
-            "without k-means initialisation or refreshes"
-        )
-    refresh_every = config.latent.codebook_refresh_every if config.latent.codebook_init == "kmeans" else 0
     optimizer = make_optimizer(model, config)
     scheduler = get_cosine_schedule_with_warmup(optimizer, tcfg.warmup_steps, tcfg.max_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -360,26 +448,14 @@ def train(
     order = DataOrder(len(data.train), tcfg.seed)
     step = 0
     nonfinite = 0
-    if resume_from is not None:
-        load_trainable_weights(core, resume_from)
-        try:
-            optimizer.load_state_dict(torch.load(resume_from / "optimizer.pt", weights_only=False))
-        except ValueError as error:  # other parameters: e.g. a checkpoint of an older version of the heads
-            raise ValueError(
-                f"{resume_from / 'optimizer.pt'}: the optimizer state does not fit this model's trainable "
-                f"parameters ({error}). The checkpoint can be evaluated but not resumed; start a new run."
-            ) from error
-        scheduler.load_state_dict(torch.load(resume_from / "scheduler.pt", weights_only=False))
-        set_rng_state(torch.load(resume_from / "rng.pt", weights_only=False))
-        step = int(resume_state["step"])
-        order = DataOrder(len(data.train), tcfg.seed, **resume_state["data_order"])
-        nonfinite = int(resume_state.get("nonfinite_steps", 0))
-        logger.info("resumed from %s at step %d", resume_from, step)
+    monitor = LossMonitor(tcfg.max_loss_ratio, c_base)
+    if resumed is not None:
+        step, nonfinite, order = _restore(resumed, core, optimizer, scheduler, monitor, applied, config, n_train)
 
     metrics_path = output_dir / "metrics.jsonl"
-    _truncate_metrics(metrics_path, step)
+    truncate_metrics(metrics_path, step)
     writer = _tensorboard_writer(output_dir) if tcfg.tensorboard else None
-    checkpoint = resume_from
+    checkpoint = resumed.path if resumed is not None else None
     last: dict[str, float] = {}
     model.train()
     bar = tqdm(total=tcfg.max_steps, initial=step, desc="train", disable=not tcfg.progress, unit="step")
@@ -399,7 +475,7 @@ def train(
                     bad = {k: v for k, v in out.scalars().items() if not math.isfinite(v)}
                     logger.warning(
                         "step %d: non-finite loss; non-finite terms %s; examples %s",
-                        step,
+                        step + 1,
                         bad,
                         [data.train[i].source for i in indices],
                     )
@@ -413,11 +489,15 @@ def train(
             if not finite:
                 nonfinite += 1
                 optimizer.zero_grad(set_to_none=True)
+                broken = nonfinite_tensors(core.trainable_state_dict())
+                if broken:  # skipping steps cannot repair weights that are already NaN or infinite
+                    raise _diverged(step + 1, f"non-finite weights {broken[:8]}", checkpoint)
                 if nonfinite >= tcfg.max_nonfinite_steps:
-                    raise TrainingDiverged(
-                        f"stopped at step {step}: {nonfinite} consecutive non-finite losses or gradients "
-                        f"(last record: {records[-1] if records else 'loss itself non-finite'}). Lower the learning "
-                        "rates, check the data, or resume from the last checkpoint with --resume auto."
+                    raise _diverged(
+                        step + 1,
+                        f"{nonfinite} consecutive non-finite losses or gradients (last record: "
+                        f"{records[-1] if records else 'loss itself non-finite'})",
+                        checkpoint,
                     )
                 continue
             nonfinite = 0
@@ -447,6 +527,9 @@ def train(
             last = record
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", rec=f"{record['reconstruction_loss']:.3f}")
+            problem = monitor.check(record)
+            if problem is not None:
+                raise _diverged(step, problem, checkpoint)
             if step % tcfg.save_every == 0 or step == tcfg.max_steps:
                 trainer_state = {
                     "step": step,
@@ -454,9 +537,21 @@ def train(
                     "zfree_reference_scale": c_base,
                     "nonfinite_steps": nonfinite,
                     "latent": config.latent.latent,
+                    "loss_history": list(monitor.history),
                 }
-                checkpoint = save_checkpoint(output_dir, step, core, optimizer, scheduler, trainer_state, config)
-                prune_checkpoints(output_dir, tcfg.keep_checkpoints)
+                try:
+                    checkpoint = save_checkpoint(
+                        output_dir,
+                        step,
+                        core.trainable_state_dict(),
+                        optimizer.state_dict(),
+                        scheduler.state_dict(),
+                        trainer_state,
+                        config,
+                    )
+                except NonFiniteState as exc:
+                    raise _diverged(step, f"{exc}; not saved", checkpoint) from exc
+                prune_checkpoints(output_dir, tcfg.keep_checkpoints, protect=checkpoint)
             for callback in callbacks:
                 callback(step, record)
     bar.close()
@@ -465,12 +560,71 @@ def train(
     return TrainResult(output_dir, step, checkpoint, c_base, last, core, data, cache)
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop records written after the checkpoint's step (they will be recomputed)."""
+def _restore(
+    resumed: CheckpointContents,
+    core: CVAEBase,
+    optimizer,
+    scheduler,
+    monitor: LossMonitor,
+    applied: dict[str, tuple[Any, Any]],
+    config: RunConfig,
+    len_train: int,
+) -> tuple[int, int, DataOrder]:
+    """Put a checkpoint's weights, optimizer, scheduler, RNG and loss history in place; returns
+    ``(step, consecutive non-finite steps, data order at the step)``."""
+    apply_trainable_weights(core, resumed.model_state, resumed.path)
+    try:
+        optimizer.load_state_dict(resumed.optimizer_state)
+    except (ValueError, KeyError, TypeError) as error:  # other parameters: e.g. an older version of the heads
+        raise CheckpointError(
+            f"{resumed.path / 'optimizer.pt'}: the optimizer state does not fit this model's trainable "
+            f"parameters ({error}). The checkpoint can be evaluated but not resumed; start a new run."
+        ) from error
+    try:
+        scheduler.load_state_dict(resumed.scheduler_state)
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{resumed.path / 'scheduler.json'}: not a scheduler state ({error})") from error
+    _apply_optimizer_settings(optimizer, scheduler, config, applied)
+    set_rng_state(resumed.rng_state)
+    state = resumed.trainer_state
+    position = state["data_order"]
+    if not (isinstance(position, dict) and set(position) == {"epoch", "position"}):
+        raise CheckpointError(f"{resumed.path / 'trainer_state.json'}: corrupt data_order {position!r}")
+    monitor.history.extend(float(v) for v in state.get("loss_history", []))
+    logger.info("resumed from %s at step %d", resumed.path, resumed.step)
+    order = DataOrder(len_train, config.train.seed, **position)
+    return resumed.step, int(state.get("nonfinite_steps", 0)), order
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the records of steps <= ``step`` (a resumed run recomputes the rest; 0 keeps none).
+
+    A partial last line (a crash while it was written) is dropped with a warning; an unreadable line
+    elsewhere is an error naming the file and line.
+    """
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    kept = []
+    for lineno, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+            record_step = record["step"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            if lineno == len(lines) and not data.endswith(b"\n"):
+                logger.warning("%s:%d: dropped a partial last line (a crash while it was written)", path, lineno)
+                continue
+            raise ValueError(
+                f"{path}:{lineno}: not a metrics record ({exc}); remove or repair that line to resume"
+            ) from exc
+        if record_step <= step:
+            kept.append(raw.decode("utf-8"))
+    replace_file_durably(path, "".join(line + "\n" for line in kept).encode())
 
 
 def _tensorboard_writer(output_dir: Path):
@@ -479,28 +633,3 @@ def _tensorboard_writer(output_dir: Path):
     except ImportError as exc:  # pragma: no cover - depends on the optional package
         raise RuntimeError("--tensorboard needs the tensorboard package: pip install tensorboard") from exc
     return SummaryWriter(str(output_dir / "tensorboard"))
-
-
-def load_trained(checkpoint: str | Path, model_and_tokenizer: tuple[Any, Any] | None = None):
-    """Rebuild a trained CVAE from a checkpoint directory: ``(model, tokenizer, config, trainer_state)``."""
-    checkpoint = Path(checkpoint)
-    if (checkpoint / "checkpoints").is_dir():
-        found = latest_checkpoint(checkpoint)
-        if found is None:
-            raise FileNotFoundError(f"{checkpoint} holds no complete checkpoint")
-        checkpoint = found
-    if not (checkpoint / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"{checkpoint} is not a checkpoint directory (no trainer_state.json)")
-    config = load_run_config(checkpoint / "config.yaml")
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    if model_and_tokenizer is None:
-        from .lm import load_model_and_tokenizer
-
-        decoder, tokenizer = load_model_and_tokenizer(config.model, device="cpu")
-    else:
-        decoder, tokenizer = model_and_tokenizer
-    model = build_cvae(config, decoder)
-    load_trainable_weights(model, checkpoint)
-    model.zfree_reference_scale = float(state["zfree_reference_scale"])
-    model.eval()
-    return model, tokenizer, config, state

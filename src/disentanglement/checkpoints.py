@@ -1,0 +1,504 @@
+"""Checkpoint I/O: durable atomic saves, verified pickle-free loads, and a run directory's checkpoints.
+
+A checkpoint is a directory ``RUN/checkpoints/step-NNNNNN/``::
+
+    model.safetensors    trainable weights and latent-model buffers
+    optimizer.pt         AdamW state (tensors, numbers, strings): read with torch.load(weights_only=True)
+    scheduler.json       the learning-rate scheduler's state (numbers only)
+    rng.safetensors      the torch, CUDA, numpy and Python generator states as tensors and metadata
+    config.yaml          the resolved config of the run
+    trainer_state.json   step, data position, c_base, counters, and the SHA-256 of every file above
+
+Nothing in a checkpoint is unpickled: a file a user is handed cannot run code (``optimizer.pt`` is
+read with ``weights_only=True``, which only rebuilds tensors and plain containers).
+
+Saving writes every file into ``checkpoints/.tmp-step-NNNNNN``, fsyncs each file and the directory,
+renames it to ``step-NNNNNN`` and fsyncs ``checkpoints/``; ``trainer_state.json`` is written last. So
+after a crash (process killed, power lost) a ``step-*`` directory with a ``trainer_state.json`` is a
+complete checkpoint whose files match their recorded checksums, and ``.tmp-*`` directories are
+leftovers of an interrupted save (removed by the next save). A checkpoint whose weights or optimizer
+state hold a non-finite value is never written (:class:`NonFiniteState`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import random
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import save as save_safetensors_bytes
+
+from .config import ConfigError, RunConfig, load_run_config
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
+FORMAT_VERSION = 2  # 2: pickle-free RNG and scheduler files, checksums in trainer_state.json
+TRAINER_STATE = "trainer_state.json"
+REQUIRED_STATE_KEYS = ("step", "data_order", "zfree_reference_scale")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or used: the message names the file and the cause."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (disk full, read-only, ...); nothing partial is left."""
+
+
+class NonFiniteState(RuntimeError):
+    """Weights or optimizer state with NaN or infinity: such a state is never saved."""
+
+
+# ------------------------------------------------------------------------------------------------
+# the run directory's checkpoints
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """``step-000050`` -> 50; None for any other name."""
+    name = path.name
+    if not name.startswith(CHECKPOINT_PREFIX) or not name[len(CHECKPOINT_PREFIX) :].isdigit():
+        return None
+    return int(name[len(CHECKPOINT_PREFIX) :])
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """The complete checkpoints of a run directory (a ``trainer_state.json`` is present), oldest first."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if checkpoint_step(p) is not None and (p / TRAINER_STATE).is_file()]
+    return sorted(found, key=checkpoint_step)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint (temporary directories of interrupted saves are ignored)."""
+    found = complete_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def resolve_run(checkpoint: str | Path) -> tuple[Path, Path]:
+    """``(checkpoint_dir, run_dir)`` of a checkpoint directory or a run directory (its latest checkpoint)."""
+    path = Path(checkpoint)
+    if (path / "checkpoints").is_dir():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"{path} holds no complete checkpoint")
+        return found, path
+    if not (path / TRAINER_STATE).is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint or run directory (no trainer_state.json, no checkpoints/)")
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return path, run_dir
+
+
+def prune_checkpoints(output_dir: Path, keep: int, protect: Path | None = None) -> None:
+    """Keep the ``keep`` newest complete checkpoints (and ``protect``); remove older ones and leftovers."""
+    root = output_dir / "checkpoints"
+    complete = complete_checkpoints(output_dir)
+    for old in complete[:-keep]:
+        if protect is None or old.resolve() != protect.resolve():
+            shutil.rmtree(old)
+    for leftover in root.iterdir():
+        if leftover.name.startswith(TMP_PREFIX) or leftover.name.startswith(".old-"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# durable writes
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (created, renamed files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> str:
+    """Write ``data`` to ``path`` and fsync it; returns its SHA-256 (hex)."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def replace_file_durably(path: Path, data: bytes) -> None:
+    """Replace ``path`` atomically with ``data`` (a temporary file, fsync, rename, fsync of the directory)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write_durably(tmp, data)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+# ------------------------------------------------------------------------------------------------
+# states as files, without pickle
+
+
+def rng_state() -> dict[str, Any]:
+    """The global generators (what the model's sampling and k-means seeds use)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}  # noqa: NPY002
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])  # noqa: NPY002
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rng_state_to_safetensors(state: Mapping[str, Any]) -> bytes:
+    """The generator states as safetensors bytes: tensors, plus the scalars in the metadata."""
+    version, mt, gauss_next = state["python"]
+    kind, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    tensors = {
+        "torch": state["torch"],
+        "python_mt": torch.tensor(mt, dtype=torch.int64),
+        "numpy_keys": torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)),
+    }
+    for i, cuda in enumerate(state.get("cuda", [])):
+        tensors[f"cuda_{i}"] = cuda
+    metadata = {
+        "python": json.dumps({"version": version, "gauss_next": gauss_next}),
+        "numpy": json.dumps({"kind": kind, "pos": int(pos), "has_gauss": int(has_gauss), "cached": cached_gaussian}),
+    }
+    return save_safetensors_bytes({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
+
+
+def rng_state_from_safetensors(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    python, numpy_meta = json.loads(metadata["python"]), json.loads(metadata["numpy"])
+    state: dict[str, Any] = {
+        "python": (python["version"], tuple(int(v) for v in tensors["python_mt"].tolist()), python["gauss_next"]),
+        "numpy": (
+            numpy_meta["kind"],
+            tensors["numpy_keys"].numpy().astype(np.uint32),
+            numpy_meta["pos"],
+            numpy_meta["has_gauss"],
+            numpy_meta["cached"],
+        ),
+        "torch": tensors["torch"],
+    }
+    cuda = [tensors[f"cuda_{i}"] for i in range(sum(k.startswith("cuda_") for k in tensors))]
+    if cuda:
+        state["cuda"] = cuda
+    return state
+
+
+def _tensor_leaves(obj: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _tensor_leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, list | tuple):
+        for i, value in enumerate(obj):
+            yield from _tensor_leaves(value, f"{prefix}[{i}]")
+
+
+def nonfinite_tensors(obj: Any, prefix: str = "") -> list[str]:
+    """Names of the floating-point tensors in ``obj`` (nested dicts and lists) holding NaN or infinity."""
+    return [
+        name
+        for name, tensor in _tensor_leaves(obj, prefix)
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# save
+
+
+def save_checkpoint(
+    output_dir: Path,
+    step: int,
+    model_state: Mapping[str, torch.Tensor],
+    optimizer_state: Mapping[str, Any],
+    scheduler_state: Mapping[str, Any],
+    trainer_state: dict[str, Any],
+    config: RunConfig,
+) -> Path:
+    """Write a checkpoint durably and atomically (see the module docstring); returns its directory.
+
+    Raises :class:`NonFiniteState` (nothing written) when a weight or optimizer tensor is not finite,
+    and :class:`CheckpointWriteError` (nothing partial left) when a file cannot be written.
+    """
+    bad = nonfinite_tensors(dict(model_state), "model") + nonfinite_tensors(optimizer_state["state"], "optimizer")
+    if bad:
+        raise NonFiniteState(f"non-finite values in {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}")
+    root = output_dir / "checkpoints"
+    final = root / f"{CHECKPOINT_PREFIX}{step:06d}"
+    tmp = root / f"{TMP_PREFIX}{final.name}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        optimizer_bytes = io.BytesIO()
+        torch.save(dict(optimizer_state), optimizer_bytes)
+        contents = {
+            "model.safetensors": save_safetensors_bytes(
+                {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
+            ),
+            "optimizer.pt": optimizer_bytes.getvalue(),
+            "scheduler.json": json.dumps(dict(scheduler_state), allow_nan=False).encode(),
+            "rng.safetensors": rng_state_to_safetensors(rng_state()),
+            "config.yaml": yaml.safe_dump(config.to_dict(), sort_keys=False).encode(),
+        }
+        files = {name: write_durably(tmp / name, data) for name, data in contents.items()}
+        state = dict(trainer_state, format=FORMAT_VERSION, files=files)
+        write_durably(tmp / TRAINER_STATE, json.dumps(state, indent=2, allow_nan=False).encode())  # written last
+        fsync_dir(tmp)
+        old = root / f".old-{final.name}"
+        if final.exists():  # a re-run of the same step (resumed from an earlier checkpoint)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        fsync_dir(root)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_checkpoint(output_dir)
+        raise CheckpointWriteError(
+            exc.errno,
+            f"could not write checkpoint {final} ({exc.strerror or exc}); nothing partial was kept; the last "
+            f"complete checkpoint is {previous if previous is not None else 'none'}",
+        ) from exc
+    return final
+
+
+# ------------------------------------------------------------------------------------------------
+# load
+
+
+@dataclass
+class CheckpointContents:
+    """Everything a checkpoint holds, read and verified (tensors on the CPU)."""
+
+    path: Path
+    trainer_state: dict[str, Any]
+    config: RunConfig
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any] | None = None
+    scheduler_state: dict[str, Any] | None = None
+    rng_state: dict[str, Any] | None = None
+
+    @property
+    def step(self) -> int:
+        return int(self.trainer_state["step"])
+
+
+def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
+    path = checkpoint / TRAINER_STATE
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path}: missing; {checkpoint} is not a complete checkpoint") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable or corrupt ({exc})") from exc
+    if not isinstance(state, dict) or any(key not in state for key in REQUIRED_STATE_KEYS):
+        raise CheckpointError(f"{path}: corrupt (expected an object with keys {list(REQUIRED_STATE_KEYS)})")
+    if not isinstance(state["step"], int) or isinstance(state["step"], bool) or state["step"] < 0:
+        raise CheckpointError(f"{path}: corrupt ('step' must be a non-negative integer, got {state['step']!r})")
+    return state
+
+
+def _read_verified(checkpoint: Path, name: str, state: Mapping[str, Any]) -> bytes:
+    path = checkpoint / name
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    expected = state.get("files", {}).get(name)
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise CheckpointError(f"{path}: corrupt (its SHA-256 does not match the one recorded in {TRAINER_STATE})")
+    return data
+
+
+def read_model_state(checkpoint: Path, state: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    state = read_trainer_state(checkpoint) if state is None else state
+    data = _read_verified(checkpoint, "model.safetensors", state)
+    try:
+        return load_safetensors_bytes(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{checkpoint / 'model.safetensors'}: not a valid safetensors file ({exc})") from exc
+
+
+def read_checkpoint(checkpoint: str | Path, for_resume: bool = False) -> CheckpointContents:
+    """Read and verify a checkpoint; with ``for_resume`` also its optimizer, scheduler and RNG states.
+
+    Every problem is a :class:`CheckpointError` naming the file and the cause.
+    """
+    checkpoint = Path(checkpoint)
+    state = read_trainer_state(checkpoint)
+    config_path = checkpoint / "config.yaml"
+    _read_verified(checkpoint, "config.yaml", state)
+    try:
+        config = load_run_config(config_path)
+    except ConfigError as exc:
+        raise CheckpointError(f"{config_path}: not a valid config of this version ({exc})") from exc
+    contents = CheckpointContents(checkpoint, state, config, read_model_state(checkpoint, state))
+    if not for_resume:
+        return contents
+    if "format" not in state:
+        raise CheckpointError(
+            f"{checkpoint}: written by an older version whose optimizer, scheduler and RNG files are pickles, "
+            "which are never loaded; the checkpoint can be evaluated but not resumed: start a new run"
+        )
+    optimizer_data = _read_verified(checkpoint, "optimizer.pt", state)
+    try:
+        contents.optimizer_state = torch.load(io.BytesIO(optimizer_data), weights_only=True, map_location="cpu")
+    except Exception as exc:  # weights_only refuses any pickle that is not plain data; corrupt bytes fail too
+        raise CheckpointError(
+            f"{checkpoint / 'optimizer.pt'}: not a plain optimizer state, refused ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from exc
+    try:
+        contents.scheduler_state = json.loads(_read_verified(checkpoint, "scheduler.json", state))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{checkpoint / 'scheduler.json'}: corrupt ({exc})") from exc
+    _read_verified(checkpoint, "rng.safetensors", state)
+    try:
+        contents.rng_state = rng_state_from_safetensors(checkpoint / "rng.safetensors")
+    except (SafetensorError, KeyError, ValueError, RuntimeError, OSError) as exc:
+        raise CheckpointError(f"{checkpoint / 'rng.safetensors'}: corrupt ({exc})") from exc
+    return contents
+
+
+def read_resumable(output_dir: str | Path) -> CheckpointContents | None:
+    """The newest checkpoint of a run that reads back completely (``--resume auto``).
+
+    An unreadable newest checkpoint is skipped with a warning naming the file and the cause, and the
+    previous complete one is used; None when the run has no checkpoint at all; a
+    :class:`CheckpointError` when it has some but none is readable.
+    """
+    problems = []
+    for checkpoint in reversed(complete_checkpoints(output_dir)):
+        try:
+            contents = read_checkpoint(checkpoint, for_resume=True)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            logger.warning("cannot resume from %s: %s; trying the previous complete checkpoint", checkpoint, exc)
+            continue
+        if problems:
+            logger.warning("resuming from %s, the newest checkpoint that reads back completely", checkpoint)
+        return contents
+    if problems:
+        raise CheckpointError(f"no checkpoint of {output_dir} can be resumed: " + "; ".join(problems))
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# weights onto a model
+
+# Checkpoints written before 2026-11-29 normalised the heads' features with an affine LayerNorm.
+_OLD_HEAD_NORMS = {"encoder_norm": "encoder.0", "prior_norm": "prior_head.0"}
+
+
+def _fold_old_head_norms(state: dict[str, torch.Tensor], checkpoint: Path) -> None:
+    """Fold an old checkpoint's LayerNorm affine ``(g, beta)`` into the Linear that follows it, exactly:
+    ``W (g * x + beta) + b = (W diag g) x + (W beta + b)``."""
+    folded = []
+    for norm, head in _OLD_HEAD_NORMS.items():
+        gain, shift = state.pop(f"{norm}.weight", None), state.pop(f"{norm}.bias", None)
+        if gain is None or shift is None or f"{head}.weight" not in state:
+            continue  # no affine, or no head behind it (a fixed prior)
+        weight = state[f"{head}.weight"]
+        state[f"{head}.bias"] = state[f"{head}.bias"] + weight @ shift
+        state[f"{head}.weight"] = weight * gain
+        folded.append(norm)
+    if folded:
+        logger.warning(
+            "checkpoint %s: written before the heads' LayerNorm lost its parameters; folded %s into the "
+            "next Linear (exact). The heads' GELU is now the tanh form: activations differ by < 1e-3.",
+            checkpoint,
+            folded,
+        )
+
+
+def apply_trainable_weights(model, state: dict[str, torch.Tensor], checkpoint: Path) -> None:
+    """Put a checkpoint's trainable weights and buffers on ``model``; every tensor must match by name and shape."""
+    expected = model.trainable_state_dict()
+    if not any(f"{norm}.weight" in expected for norm in _OLD_HEAD_NORMS):
+        _fold_old_head_norms(state, checkpoint)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{checkpoint / 'model.safetensors'}: does not fit this model: missing tensors {missing}, "
+            f"unexpected tensors {unexpected}"
+        )
+    wrong = [
+        f"{k} {tuple(state[k].shape)} (model {tuple(v.shape)})"
+        for k, v in expected.items()
+        if state[k].shape != v.shape
+    ]
+    if wrong:
+        raise CheckpointError(f"{checkpoint / 'model.safetensors'}: tensors of the wrong shape: {wrong}")
+    model.load_state_dict(state, strict=False)
+
+
+def load_trainable_weights(model, checkpoint: Path) -> None:
+    """Load a checkpoint's trainable weights and buffers (verified against the recorded checksum if any)."""
+    checkpoint = Path(checkpoint)
+    state = read_trainer_state(checkpoint) if (checkpoint / TRAINER_STATE).is_file() else {}
+    apply_trainable_weights(model, read_model_state(checkpoint, state), checkpoint)
+
+
+def load_trained(checkpoint: str | Path, model_and_tokenizer: tuple[Any, Any] | None = None):
+    """Rebuild a trained CVAE from a checkpoint or run directory: ``(model, tokenizer, config, trainer_state)``.
+
+    The decoder is loaded with the user's model cache (``ModelConfig.model_cache_dir`` of the stored
+    config is ignored): a command that reads a checkpoint writes nothing outside the run directory and
+    the user's own cache directory, whatever the checkpoint's config says.
+    """
+    import dataclasses
+
+    from .models import build_cvae
+
+    checkpoint_dir, _ = resolve_run(checkpoint)
+    contents = read_checkpoint(checkpoint_dir)
+    config = contents.config
+    if config.model.model_cache_dir is not None:
+        logger.info(
+            "ignoring the checkpoint's model_cache_dir %r: using the user's cache", config.model.model_cache_dir
+        )
+    config = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, model_cache_dir=None),
+        train=dataclasses.replace(config.train, feature_cache_dir=None),
+    )
+    if model_and_tokenizer is None:
+        from .lm import load_model_and_tokenizer
+
+        decoder, tokenizer = load_model_and_tokenizer(config.model, device="cpu")
+    else:
+        decoder, tokenizer = model_and_tokenizer
+    model = build_cvae(config, decoder)
+    apply_trainable_weights(model, contents.model_state, checkpoint_dir)
+    model.zfree_reference_scale = float(contents.trainer_state["zfree_reference_scale"])
+    model.eval()
+    return model, tokenizer, config, contents.trainer_state
