@@ -132,3 +132,28 @@ def test_training_with_and_without_the_cache_gives_the_same_losses(tokenizer, pa
             "normalized_concentration_corrected_token_weighted_reconstruction_loss",
         ):
             assert a[key] == pytest.approx(b[key], rel=1e-4), (a["step"], key)
+
+
+def test_a_damaged_or_unwritable_disk_cache_is_rebuilt_not_trusted(tokenizer, pairs, tmp_path, monkeypatch, caplog):
+    import errno
+    import logging
+
+    import disentanglement.checkpoints as checkpoints
+
+    model, examples = setup(tokenizer, pairs)
+    first = load_or_build_feature_cache(model, examples, tokenizer.pad_token_id, tmp_path, progress=False)
+    path = tmp_path / "frozen_pass.safetensors"
+    path.write_bytes(path.read_bytes()[:300])
+    with caplog.at_level(logging.WARNING):
+        again = load_or_build_feature_cache(model, examples, tokenizer.pad_token_id, tmp_path, progress=False)
+    assert "is unreadable" in caplog.text and "rebuilding" in caplog.text
+    torch.testing.assert_close(again.encoder_features, first.encoder_features)
+
+    def read_only(path, data):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(checkpoints, "write_durably", read_only)
+    other = tmp_path / "elsewhere"
+    with caplog.at_level(logging.WARNING):
+        cache = load_or_build_feature_cache(model, examples, tokenizer.pad_token_id, other, progress=False)
+    assert "could not write the cache" in caplog.text and len(cache) == len(examples)

@@ -198,3 +198,11 @@ def test_embedded_gguf_cache_gives_identical_logits(tmp_path, capsys):
         reference = raw(ids).logits
         assert torch.equal(first(ids).logits, reference)
         assert torch.equal(cached(ids).logits, reference)
+
+
+def test_a_corrupt_model_directory_is_named(tmp_path):
+    _save_tiny(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    with pytest.raises(ModelSourceError, match=f"model directory {tmp_path} cannot be loaded"):
+        load_model_and_tokenizer(ModelConfig(model=str(tmp_path)))

@@ -142,8 +142,12 @@ def write_durably(path: Path, data: bytes) -> str:
 def replace_file_durably(path: Path, data: bytes) -> None:
     """Replace ``path`` atomically with ``data`` (a temporary file, fsync, rename, fsync of the directory)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    write_durably(tmp, data)
-    os.replace(tmp, path)
+    try:
+        write_durably(tmp, data)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

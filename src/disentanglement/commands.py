@@ -43,19 +43,10 @@ SPLITS = ("validation", "train")
 
 
 def resolve_run(checkpoint: str | Path) -> tuple[Path, Path]:
-    """``(checkpoint_dir, run_dir)`` of a checkpoint directory or a run directory."""
-    from .trainer import latest_checkpoint
+    """``(checkpoint_dir, run_dir)`` of a checkpoint directory or a run directory (see ``checkpoints.py``)."""
+    from .checkpoints import resolve_run as resolve
 
-    path = Path(checkpoint)
-    if (path / "checkpoints").is_dir():
-        found = latest_checkpoint(path)
-        if found is None:
-            raise FileNotFoundError(f"{path} holds no complete checkpoint")
-        return found, path
-    if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint or run directory (no trainer_state.json, no checkpoints/)")
-    run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-    return path, run_dir
+    return resolve(checkpoint)
 
 
 def load_checkpoint(checkpoint: str | Path, model_and_tokenizer=None, device: str = "auto"):

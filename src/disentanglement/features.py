@@ -10,16 +10,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from tqdm.auto import tqdm
 
+from .checkpoints import replace_file_durably
 from .cvae_base import CVAEBase, FrozenFeatures, WeightingParams
 from .data import Batch, Example, collate
 from .token_weighting import TokenWeighting, token_weighting_from_base_nll
@@ -246,23 +246,25 @@ def save_feature_cache(cache: FeatureCache, path: Path, fingerprint: str) -> Non
     if cache.response_entropy is not None:
         tensors["response_entropy"] = _flatten(cache.response_entropy)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    save_file(tensors, str(tmp), metadata={"fingerprint": fingerprint, "version": FEATURE_PASS_VERSION})
-    os.replace(tmp, path)
+    replace_file_durably(path, save(tensors, metadata={"fingerprint": fingerprint, "version": FEATURE_PASS_VERSION}))
 
 
 def load_feature_cache(path: Path, fingerprint: str) -> FeatureCache | None:
     """The cache at ``path`` if it exists and was built for ``fingerprint``, else None."""
     if not path.is_file():
         return None
-    with safe_open(str(path), framework="pt") as handle:
-        if (handle.metadata() or {}).get("fingerprint") != fingerprint:
-            return None
-        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - safe_open has no __iter__
-    lengths = tensors["response_lengths"].tolist()
-    nll = list(torch.split(tensors["response_nll"], lengths))
-    entropy = list(torch.split(tensors["response_entropy"], lengths)) if "response_entropy" in tensors else None
-    return FeatureCache(nll, tensors["prior_features"], tensors["encoder_features"], entropy)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            if (handle.metadata() or {}).get("fingerprint") != fingerprint:
+                return None
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        lengths = tensors["response_lengths"].tolist()
+        nll = list(torch.split(tensors["response_nll"], lengths))
+        entropy = list(torch.split(tensors["response_entropy"], lengths)) if "response_entropy" in tensors else None
+        return FeatureCache(nll, tensors["prior_features"], tensors["encoder_features"], entropy)
+    except Exception as exc:  # a damaged cache is derived data: rebuild it rather than fail or trust it
+        logger.warning("feature cache %s is unreadable (%s: %s); rebuilding it", path, type(exc).__name__, exc)
+        return None
 
 
 def load_or_build_feature_cache(
@@ -294,6 +296,10 @@ def load_or_build_feature_cache(
     elif path.exists():
         logger.info("frozen pass: %s was built for other weights or data; rebuilding", path)
     cache = build_feature_cache(model, examples, pad_token_id, batch_size, device, progress)
-    save_feature_cache(cache, path, fingerprint)
+    try:
+        save_feature_cache(cache, path, fingerprint)
+    except OSError as exc:  # the cache only saves time: the run goes on without it
+        logger.warning("frozen pass: could not write the cache %s (%s); continuing without it", path, exc)
+        return cache
     logger.info("frozen pass: cached %d examples in %s (fingerprint %s)", len(cache), path, fingerprint)
     return cache

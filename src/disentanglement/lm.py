@@ -274,8 +274,14 @@ def load_model_and_tokenizer(
         model, tokenizer, hit = load_gguf_cached(source.path, cache_root(cfg), dtype)
         how = "from cache" if hit else "dequantised"
     elif source.kind == "directory":
-        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(source.location, local_files_only=True)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(source.location, local_files_only=True)
+        except Exception as exc:  # a corrupt or incomplete directory: say which, and why, in one line
+            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelSourceError(
+                f"model directory {source.location} cannot be loaded ({type(exc).__name__}: {cause})"
+            ) from exc
         how = "from directory"
     else:
         model, tokenizer = _load_hub(source.location, dtype)

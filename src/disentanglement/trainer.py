@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
@@ -51,7 +52,7 @@ from .checkpoints import (
     save_checkpoint,
     set_rng_state,
 )
-from .config import ConfigError, RunConfig, write_run_config
+from .config import ConfigError, RunConfig
 from .cvae_base import CVAEBase
 from .data import Example, collate, limit_examples, load_pairs, split_train_validation, tokenize_pairs
 from .features import FeatureCache, batch_features, load_or_build_feature_cache
@@ -430,8 +431,9 @@ def train(
             "estimated zfree_reference_scale c_base = %.4f nats/token over %d examples", c_base, len(data.train)
         )
     model.zfree_reference_scale = c_base
-    write_run_config(config, output_dir / "config.yaml")
-    (output_dir / "data_stats.json").write_text(json.dumps(dict(data.stats, zfree_reference_scale=c_base), indent=2))
+    replace_file_durably(output_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False).encode())
+    stats = json.dumps(dict(data.stats, zfree_reference_scale=c_base), indent=2)
+    replace_file_durably(output_dir / "data_stats.json", stats.encode())
 
     init_sample = list(range(min(n_train, 4096)))
     init_features = (
