@@ -1,0 +1,160 @@
+"""``disentangle sweep`` on the tiny model: cells and grids, resumability, parallel jobs, the summaries."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+
+from conftest import hidden_factor_prompts, model_and_tokenizer
+from disentanglement import cli, sweep
+from disentanglement.config import ConfigError
+from disentanglement.data import make_hidden_factor_pairs
+
+BASE = dict(
+    max_steps=4,
+    batch_size=4,
+    save_every=2,
+    eval_every=0,
+    eval_batches=1,
+    chat_template=False,
+    validation_fraction=0.25,
+    decoder_training="full",
+)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sweep-data") / "pairs.jsonl"
+    pairs = make_hidden_factor_pairs(hidden_factor_prompts(32), kind="clean", seed=0)
+    path.write_text(
+        "".join(json.dumps({"prompt": p.prompt, "response": p.response, "label": p.label}) + "\n" for p in pairs)
+    )
+    return path
+
+
+def spec_for(data_file, seeds=(0, 1), **settings):
+    cells = ["raw reconstruction_weight=1", "term3 reconstruction_weight=0 token_weighted_weight=1"]
+    return sweep.build_spec(dict(BASE, data=str(data_file)), cells, settings.get("sets", ()), seeds)
+
+
+def test_values_fields_and_cells_are_parsed_and_checked():
+    assert [sweep.parse_value(v) for v in ("1", "0.5", "1e-3", "true", "none", "js")] == [
+        1,
+        0.5,
+        1e-3,
+        True,
+        None,
+        "js",
+    ]
+    assert sweep.parse_grid(["kl.beta=0.1,0.2", "token_weight_alpha=1,2"]) == {
+        "beta": [0.1, 0.2],
+        "token_weight_alpha": [1, 2],
+    }
+    assert sweep.parse_cell("t3 reconstruction_weight=0 token_weighted_weight=1") == (
+        "t3",
+        {"reconstruction_weight": 0, "token_weighted_weight": 1},
+    )
+    for bad, message in (
+        (lambda: sweep.parse_grid(["betta=1"]), "unknown config field 'betta'"),
+        (lambda: sweep.parse_grid(["latent.beta=1"]), "is in section 'kl', not 'latent'"),
+        (lambda: sweep.parse_grid(["seed=1,2"]), "set by the sweep itself"),
+        (lambda: sweep.parse_grid(["beta"]), "expected FIELD=V1,V2"),
+        (lambda: sweep.parse_cell("t3 beta"), "is not FIELD=VALUE"),
+        (lambda: sweep.build_spec({}, ["a beta=-1"]), "cell 'a': KLConfig.beta must be >= 0"),
+        (lambda: sweep.build_spec({}, ["a beta=x"]), "cell 'a': KLConfig.beta must be a number"),
+        (lambda: sweep.build_spec({}, ["a beta=1", "a beta=2"]), "same name"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            bad()
+
+
+def test_cells_are_named_cells_crossed_with_the_grid():
+    spec = sweep.build_spec({}, ["a beta=0.1", "b beta=0.2"], ["token_weight_alpha=1,2"], [0, 3])
+    assert list(spec.cells) == [
+        "a,token_weight_alpha=1",
+        "a,token_weight_alpha=2",
+        "b,token_weight_alpha=1",
+        "b,token_weight_alpha=2",
+    ]
+    assert spec.cells["b,token_weight_alpha=2"] == {"beta": 0.2, "token_weight_alpha": 2}
+    assert len(spec.runs()) == 8 and sweep.build_spec({}, seeds=[1]).cells == {"base": {}}
+
+
+def test_mean_and_interval_is_the_student_t_interval():
+    mean, half, n = sweep.mean_and_interval([1.0, 2.0, 4.0])
+    sd = math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2)
+    assert n == 3 and mean == pytest.approx(7 / 3) and half == pytest.approx(4.302653 * sd / math.sqrt(3), rel=1e-6)
+    assert math.isnan(sweep.mean_and_interval([5.0])[1]) and sweep.mean_and_interval([5.0])[0] == 5.0
+
+
+def test_flatten_report_keeps_finite_numbers_only():
+    flat = sweep.flatten_report({"a": 1, "b": {"c": 2.5, "d": [1, 2], "e": float("nan")}, "f": "x", "g": True})
+    assert flat == {"a": 1.0, "b.c": 2.5, "g": 1.0}
+
+
+def test_sweep_runs_every_cell_and_seed_resumes_and_skips_what_is_done(tmp_path, data_file, monkeypatch):
+    spec = spec_for(data_file)
+    rows = sweep.run_sweep(spec, tmp_path, model_factory=model_and_tokenizer)
+    assert [(r["cell"], r["seed"]) for r in rows] == spec.runs()
+    with (tmp_path / "sweep.csv").open() as handle:
+        table = list(csv.DictReader(handle))
+    assert len(table) == 4 and {"cell", "seed", "reconstruction_weight", "label_nmi"} <= set(table[0])
+    md = (tmp_path / "sweep.md").read_text()
+    assert "| raw | reconstruction_weight=1 |" in md and "±" in md and (tmp_path / "sweep.png").stat().st_size > 1000
+    report = json.loads((tmp_path / "runs" / "raw" / "seed-1" / "eval" / "sweep_eval.json").read_text())
+    assert rows[1]["label_nmi"] == report["label_nmi"]
+    # Cells of one seed share one frozen-pass cache.
+    assert sorted(p.name for p in (tmp_path / "feature_cache").iterdir()) == ["seed-0", "seed-1"]
+
+    import disentanglement.trainer as trainer
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run is not trained again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "train", no_training)
+        again = sweep.run_sweep(spec, tmp_path, model_factory=model_and_tokenizer)
+    assert again == rows
+    # An interrupted run (its last checkpoint and report gone) resumes from the checkpoint before.
+    run_dir = tmp_path / "runs" / "term3" / "seed-0"
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints" / "step-000004")
+    (run_dir / "eval" / "sweep_eval.json").unlink()
+    resumed = sweep.run_sweep(spec, tmp_path, model_factory=model_and_tokenizer)
+    assert resumed == rows, "a resumed run is bit-identical, so its evaluation is too"
+    with pytest.raises(ConfigError, match="another base config"):
+        sweep.run_sweep(sweep.build_spec(dict(BASE, data=str(data_file), beta=0.5)), tmp_path)
+
+
+def test_parallel_jobs_give_the_same_results(tmp_path, data_file):
+    spec = spec_for(data_file, seeds=(0,))
+    serial = sweep.run_sweep(spec, tmp_path / "serial", model_factory=model_and_tokenizer)
+    parallel = sweep.run_sweep(spec, tmp_path / "parallel", jobs=2, model_factory=model_and_tokenizer)
+    assert parallel == serial
+
+
+def test_sweep_command_line(tmp_path, data_file, monkeypatch, capsys):
+    import yaml
+
+    import disentanglement.lm as lm
+
+    monkeypatch.setattr(lm, "load_model_and_tokenizer", lambda cfg, device="cpu": model_and_tokenizer())
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump(dict(BASE, data=str(data_file))))
+    out = tmp_path / "out"
+    code = cli.main(
+        ["sweep", "--config", str(base), "--output-dir", str(out), "--seeds", "0", "--set", "kl.beta=0.01,0.02"]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "2 cells x 1 seeds = 2 runs" in printed and "| base,beta=0.01 |" in printed
+    assert cli.main(["sweep", "--output-dir", str(out), "--set", "betta=1"]) == 2
+    assert "unknown config field 'betta'" in capsys.readouterr().err
+    seeded = tmp_path / "seeded.yaml"
+    seeded.write_text(yaml.safe_dump(dict(BASE, seed=3)))
+    assert cli.main(["sweep", "--config", str(seeded), "--output-dir", str(tmp_path / "x")]) == 2
+    assert "sets 'seed'" in capsys.readouterr().err
