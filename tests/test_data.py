@@ -21,6 +21,8 @@ from disentanglement.data import (
     clean_phrases,
     collate,
     detect_style,
+    label_factor_names,
+    label_factors,
     limit_examples,
     load_chatterbot,
     load_jsonl,
@@ -95,6 +97,17 @@ def test_load_jsonl_custom_keys(tmp_path):
         (record(prompt="p", response=["r"]), "key 'response' must be a string, got list"),
         (record(prompt="p", response="r", label=1.5), "key 'label' must be a string, an integer or null"),
         (record(prompt="p", response="r", label=True), "key 'label' must be a string, an integer or null"),
+        (record(prompt="p", response="r", label=["a"]), "key 'label' must be a string, an integer or null"),
+        (record(prompt="p", response="r", label={}), "key 'label' is an empty object"),
+        (record(prompt="p", response="r", label={"style": 1.5}), "key 'label' factor 'style' must be a string or an"),
+        (record(prompt="p", response="r", label={"style": None}), "key 'label' factor 'style' must be a string or"),
+        (record(prompt="p", response="r", label={"a": "x", "b": True}), "key 'label' factor 'b' must be a string"),
+        (
+            record(prompt="p", response="r", label={"a": {"b": "c"}}),
+            "factor 'a' must be a string or an integer, got dict",
+        ),
+        (record(prompt="p", response="r", label={"a": ["x"]}), "factor 'a' must be a string or an integer, got list"),
+        (record(prompt="p", response="r", label={" ": "x"}), "key 'label' has a factor with an empty name"),
     ],
 )
 def test_load_jsonl_invalid_line_names_file_and_line(tmp_path, line, expected):
@@ -104,6 +117,71 @@ def test_load_jsonl_invalid_line_names_file_and_line(tmp_path, line, expected):
     message = str(info.value)
     assert f"{path}:3" in message
     assert expected in message
+
+
+def test_load_jsonl_reads_factor_labels(tmp_path):
+    path = write_lines(
+        tmp_path,
+        [
+            record(prompt="a", response="b", label={"style": "polite", "topic": "billing"}),
+            record(prompt="c", response="d", label={"topic": 7, "style": "rude"}),  # any key order; ints as strings
+            record(prompt="e", response="f"),  # an unlabelled line is allowed, as with string labels
+        ],
+    )
+    assert load_jsonl(path) == [
+        PromptResponse("a", "b", {"style": "polite", "topic": "billing"}, f"{path}:1"),
+        PromptResponse("c", "d", {"topic": "7", "style": "rude"}, f"{path}:2"),
+        PromptResponse("e", "f", None, f"{path}:3"),
+    ]
+    assert label_factor_names(load_jsonl(path)) == ("style", "topic")
+
+
+def test_label_factors_of_strings_objects_and_none():
+    assert label_factors("polite") == {"label": "polite"}
+    assert label_factors({"style": "polite", "topic": "billing"}) == {"style": "polite", "topic": "billing"}
+    assert label_factors(None) is None
+    items = [PromptResponse("p", "r", "x", "s:1"), PromptResponse("p", "r", None, "s:2")]
+    assert label_factor_names(items) == ("label",)
+    assert label_factor_names([PromptResponse("p", "r", None, "s:1")]) is None
+    # a string label is the factor "label", so it agrees with an object naming only "label"
+    assert label_factor_names([*items, PromptResponse("p", "r", {"label": "y"}, "s:3")]) == ("label",)
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        [{"style": "a", "topic": "b"}, {"style": "a"}],
+        [{"style": "a"}, {"style": "a", "topic": "b"}],
+        [{"style": "a"}, {"tone": "a"}],
+        ["a", {"style": "a"}],
+        [{"style": "a"}, "a"],
+    ],
+)
+def test_load_jsonl_factor_names_must_agree(tmp_path, labels):
+    lines = [record(prompt="p", response="r"), record(prompt="p", response="r", label=labels[0])]
+    lines += [record(prompt="p", response="r", label=labels[1]), record(prompt="p", response="r", label=labels[0])]
+    path = write_lines(tmp_path, lines)
+    message = str(pytest.raises(DataError, load_jsonl, path).value)
+    assert message.startswith(f"{path}:3: label factors ")  # the first offending line, named once
+    assert f"of the first labelled example ({path}:2)" in message and f"{path}:4" not in message
+    assert "same factor names" in message
+
+
+def test_bad_factor_label_is_reported_with_the_other_invalid_lines(tmp_path):
+    path = write_lines(
+        tmp_path, [record(prompt="p", response="r", label={}), "{bad", record(prompt="p", response="r", label="ok")]
+    )
+    message = str(pytest.raises(DataError, load_jsonl, path).value)
+    assert message.startswith(f"2 invalid line(s) in {path}")
+    assert f"{path}:1: key 'label' is an empty object" in message and f"{path}:2: invalid JSON" in message
+
+
+def test_factor_labels_reach_examples_and_batches(tokenizer):
+    factors = {"style": "polite", "topic": "billing"}
+    pairs = [PromptResponse("Hi", "Hello", factors, "s:1"), PromptResponse("Yo", "Hey", None, "s:2")]
+    examples, _ = tokenize_pairs(pairs, tokenizer, DataConfig())
+    assert [e.label for e in examples] == [factors, None]
+    assert collate(examples, tokenizer.pad_token_id).labels == [factors, None]
 
 
 def test_load_jsonl_reports_every_invalid_line(tmp_path):

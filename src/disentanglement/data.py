@@ -33,14 +33,84 @@ class DataError(ValueError):
     """Input data that is not what was expected (the message names where it came from)."""
 
 
+#: A label: one string (integers are stored as their string), an object of named factors, or none.
+Label = str | dict[str, str] | None
+
+#: The factor name of a plain string label (see :func:`label_factors`).
+SINGLE_FACTOR = "label"
+
+
 @dataclass(frozen=True)
 class PromptResponse:
-    """One prompt/response pair; ``source`` says where it came from (``path:line`` or corpus file and index)."""
+    """One prompt/response pair; ``source`` says where it came from (``path:line`` or corpus file and index).
+
+    ``label`` is a string, an object of named factors (``{"style": "polite", "topic": "billing"}``,
+    values strings) or None.
+    """
 
     prompt: str
     response: str
-    label: str | None
+    label: Label
     source: str
+
+
+def label_factors(label: Label) -> dict[str, str] | None:
+    """The named factors of a label: ``{"label": value}`` for a string label, the object itself for
+    an object of factors, None for no label."""
+    if label is None:
+        return None
+    if isinstance(label, dict):
+        return label
+    return {SINGLE_FACTOR: str(label)}
+
+
+def label_factor_names(items: Sequence[Any]) -> tuple[str, ...] | None:
+    """The factor names shared by every labelled item (anything with ``label`` and ``source``), in the
+    first labelled item's order; None when no item has a label.
+
+    Items without a label are allowed (they are left out of label agreement). A :class:`DataError`
+    names the first item whose factor names differ from those of the first labelled item.
+    """
+    names: tuple[str, ...] | None = None
+    first = ""
+    for item in items:
+        factors = label_factors(item.label)
+        if factors is None:
+            continue
+        if names is None:
+            names, first = tuple(factors), item.source
+        elif set(factors) != set(names):
+            raise DataError(
+                f"{item.source}: label factors {sorted(factors)} differ from {sorted(names)} of the first labelled "
+                f"example ({first}); every labelled example of a data set needs the same factor names (a string "
+                f"label is the single factor {SINGLE_FACTOR!r})"
+            )
+    return names
+
+
+def _parse_label(label: Any, label_key: str) -> tuple[Label, str | None]:
+    """``(label, None)`` for a valid JSONL label value (integers become strings), else ``(None, problem)``."""
+    if label is None:
+        return None, None
+    if isinstance(label, dict):
+        if not label:
+            return None, f"key {label_key!r} is an empty object; an object of named factors needs at least one factor"
+        factors: dict[str, str] = {}
+        for name, value in label.items():
+            if not name.strip():
+                return None, f"key {label_key!r} has a factor with an empty name; factor names must be non-empty"
+            if isinstance(value, bool) or not isinstance(value, str | int):
+                return None, (
+                    f"key {label_key!r} factor {name!r} must be a string or an integer, got {type(value).__name__}"
+                )
+            factors[name] = str(value)
+        return factors, None
+    if isinstance(label, bool) or not isinstance(label, str | int):
+        return None, (
+            f"key {label_key!r} must be a string, an integer or null (or an object of named factors with string "
+            f"or integer values), got {type(label).__name__}"
+        )
+    return str(label), None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,7 +170,10 @@ def load_jsonl(
 
     Blank lines are skipped. Each other line must be UTF-8 text holding one JSON object, with no key
     given twice, whose ``prompt_key`` and ``response_key`` values are strings; ``label_key`` is
-    optional and may be a string, an integer (stored as its string) or null. Invalid lines are
+    optional and may be a string, an integer (stored as its string), null, or an object of named
+    factors (``{"style": "polite", "topic": "billing"}``: at least one factor, each value a string or
+    an integer, stored as its string); every labelled line must name the same factors
+    (:func:`label_factor_names`; a string label is the single factor ``"label"``). Invalid lines are
     reported together, each with the file, the line number and what was expected (:class:`DataError`;
     a byte that is not UTF-8 is located by its column and its byte offset in the file). Responses
     that are empty or whitespace-only are rejected in one error listing all their line numbers.
@@ -155,16 +228,10 @@ def load_jsonl(
                     bad = True
                 else:
                     values[key] = record[key]
-            label = record.get(label_key)
-            if label is not None:
-                if isinstance(label, bool) or not isinstance(label, str | int):
-                    report(
-                        lineno,
-                        f"{where}: key {label_key!r} must be a string, an integer or null, got {type(label).__name__}",
-                    )
-                    bad = True
-                else:
-                    label = str(label)
+            label, problem = _parse_label(record.get(label_key), label_key)
+            if problem is not None:
+                report(lineno, f"{where}: {problem}")
+                bad = True
             if bad:
                 continue
             if not values[response_key].strip():
@@ -182,6 +249,7 @@ def load_jsonl(
         )
     if not pairs:
         raise DataError(f"{path} holds no prompt/response pairs")
+    label_factor_names(pairs)
     return pairs
 
 
@@ -434,7 +502,7 @@ class Example:
 
     prompt_ids: list[int]
     response_ids: list[int]
-    label: str | None
+    label: Label  # a string, an object of named factors, or None (see label_factors)
     source: str
 
 
@@ -655,7 +723,7 @@ class Batch:
     target_mask: torch.Tensor  # [B, T] float
     prompt_lengths: torch.Tensor  # [B] long
     response_lengths: torch.Tensor  # [B] long
-    labels: list[str | None]
+    labels: list[Label]
     indices: torch.Tensor  # [B] long
 
     def __len__(self) -> int:
