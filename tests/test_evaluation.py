@@ -3,19 +3,23 @@ on the synthetic hidden-factor data (``conftest.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import random
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import NUM_FACTORS, hidden_factor_prompts, model_and_tokenizer
 from disentanglement import cli, trainer
-from disentanglement.commands import load_examples, resolve_run, run_eval
+from disentanglement.commands import eval_summary_lines, load_examples, resolve_run, run_eval
 from disentanglement.config import build_config
-from disentanglement.data import collate, make_hidden_factor_pairs, tokenize_pairs
-from disentanglement.evaluation import evaluate, mixture_token_nll, score_batch
+from disentanglement.data import DataError, collate, make_hidden_factor_pairs, tokenize_pairs
+from disentanglement.evaluation import evaluate, label_recovery, mixture_token_nll, posterior_latents, score_batch
 from disentanglement.features import build_feature_cache
+from disentanglement.metrics import agreement_scores, kmeans_assignments, label_agreement, random_assignment_agreement
 from disentanglement.models import build_cvae
 
 REQUIRED_KEYS = (
@@ -37,6 +41,7 @@ SIX_TERMS = (
     "zfree_relative_reconstruction_loss",
 )
 LABEL_KEYS = ("label_nmi", "label_ari", "label_homogeneity", "label_completeness")
+FOUR = ("nmi", "ari", "homogeneity", "completeness")
 
 
 def finite_numbers(obj):
@@ -134,6 +139,90 @@ def test_discrete_latent_is_used_and_recovers_the_factor(discrete_report):
     assert report["mutual_information"] == pytest.approx(math.log(report["code_perplexity"][0]))
 
 
+def test_string_labels_are_one_factor_beside_its_baselines(discrete_report):
+    report, _, md_path = discrete_report
+    assert set(report["factors"]) == {"label"} and report["factor_random_permutations"] == 20
+    entry = report["factors"]["label"]
+    assert entry["latent"] == {key: report[f"label_{key}"] for key in FOUR}
+    assert entry["contingency"] == report["label_contingency"]
+    assert entry["values"] == NUM_FACTORS and entry["clusters"] == len(report["label_contingency"]["rows"])
+    for baseline in ("encoder_kmeans", "prior_kmeans", "random"):
+        assert set(entry[baseline]) == set(FOUR)
+    assert entry["random"]["nmi"] < 0.2 and entry["latent_beats_baselines"] is True
+    assert "factor label: NMI " in "\n".join(eval_summary_lines(report))
+    summary = md_path.read_text()
+    assert "### factor label" in summary and "| encoder k-means |" in summary
+
+
+def write_two_factor_data(path, seed: int = 0):
+    """The fixtures' pairs with object labels: ``factor`` (the hidden factor) and ``noise`` (a seeded coin
+    of three values that nothing in the text says)."""
+    rng = random.Random(seed)
+    pairs = make_hidden_factor_pairs(hidden_factor_prompts(), num_factors=NUM_FACTORS, kind="clean", seed=0)
+    lines = [
+        json.dumps(
+            {"prompt": p.prompt, "response": p.response, "label": {"factor": p.label, "noise": rng.choice("xyz")}}
+        )
+        for p in pairs
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_two_factor_report_through_run_eval(discrete_run, tmp_path):
+    data = write_two_factor_data(tmp_path / "two_factors.jsonl")
+    report, _, md_path = run_eval(
+        discrete_run.checkpoint,
+        data=str(data),
+        output=tmp_path / "two.json",
+        progress=False,
+        model_and_tokenizer=model_and_tokenizer(),
+    )
+    # object labels: the factors, and none of the top-level keys of a plain string label
+    assert list(report["factors"]) == ["factor", "noise"]
+    assert not any(key in report for key in (*LABEL_KEYS, "label_contingency"))
+    for name, values in (("factor", NUM_FACTORS), ("noise", 3)):
+        entry = report["factors"][name]
+        assert set(entry) >= {"values", "clusters", "latent", "encoder_kmeans", "prior_kmeans", "random"}
+        assert entry["values"] == values and isinstance(entry["latent_beats_baselines"], bool)
+        for key in ("latent", "encoder_kmeans", "prior_kmeans", "random"):
+            assert set(entry[key]) == set(FOUR) and all(math.isfinite(v) for v in entry[key].values())
+    # the latent's NMI of the true factor is label_agreement of its assignments, computed here independently
+    model, tok, config, _ = discrete_run.load()
+    examples, _ = load_examples(str(data), config, tok)
+    cache = build_feature_cache(model, examples, tok.pad_token_id, progress=False)
+    codes = posterior_latents(model, examples, cache, tok.pad_token_id)["codes"]
+    assert codes.shape == (200, 1)
+    factor = [e.label["factor"] for e in examples]
+    noise = [e.label["noise"] for e in examples]
+    entry = report["factors"]["factor"]
+    assert entry["latent"]["nmi"] == label_agreement(codes[:, 0], factor)["nmi"]
+    assert entry["latent"] == agreement_scores(codes[:, 0], factor)
+    assert entry["latent"]["nmi"] >= 0.9 and entry["latent_beats_baselines"] is True
+    assert label_recovery(model, examples, cache, tok.pad_token_id, factor="factor")["nmi"] == entry["latent"]["nmi"]
+    with pytest.raises(ValueError, match="several factors"):
+        label_recovery(model, examples, cache, tok.pad_token_id)
+    # the baselines, independently: k-means of the frozen features with the latent's cluster count, permutations
+    clusters = len(set(codes[:, 0].tolist()))
+    assert entry["clusters"] == clusters
+    for name, features in (("encoder_kmeans", cache.encoder_features), ("prior_kmeans", cache.prior_features)):
+        assert entry[name] == pytest.approx(agreement_scores(kmeans_assignments(features, clusters, seed=0), factor))
+    assert entry["random"] == pytest.approx(random_assignment_agreement(codes[:, 0], factor, permutations=20, seed=0))
+    # the noise factor: nothing beats chance by much
+    assert report["factors"]["noise"]["latent"] == agreement_scores(codes[:, 0], noise)
+    assert report["factors"]["noise"]["latent"]["nmi"] < 0.1
+    lines = eval_summary_lines(report)
+    for name in ("factor", "noise"):
+        e = report["factors"][name]
+        assert (
+            f"factor {name}: NMI {e['latent']['nmi']:.2f} (encoder k-means {e['encoder_kmeans']['nmi']:.2f}, "
+            f"prior k-means {e['prior_kmeans']['nmi']:.2f}, random {e['random']['nmi']:.2f})"
+        ) in lines
+    summary = md_path.read_text()
+    assert "### factor factor" in summary and "### factor noise" in summary
+    assert summary.count("| assignment | NMI | ARI | homogeneity | completeness |") == 2
+
+
 def test_discrete_bounds_are_consistent(discrete_report):
     report, _, _ = discrete_report
     iw = report["iw_nll"]
@@ -182,6 +271,9 @@ def test_continuous_report(continuous_run, tmp_path):
     assert "code_perplexity" not in report
     assert all(math.isfinite(v) for v in finite_numbers(report))
     assert report["label_assignment"] == "k-means of posterior means"
+    label = report["factors"]["label"]  # a string label is the single factor "label", computed the same way
+    assert label["latent"] == {key: report[f"label_{key}"] for key in FOUR}
+    assert label["clusters"] == label["values"] == NUM_FACTORS
     assert report["iw_nll"]["exact"] is False and report["iw_nll"]["samples"] == 3
     assert report["prior_mixture"] == {"method": "samples", "latents": 4}
     D = continuous_run.config.latent.latent_dim
@@ -286,3 +378,31 @@ def test_sampled_importance_bound_and_report(overrides):
         model, examples, cache, tok.pad_token_id, iw_samples=4, prior_samples=3, seed=1, progress=False
     )
     assert other_seed["iw_nll"] != report["iw_nll"]
+
+
+def test_factors_of_an_untrained_multi_slot_model():
+    model, tok, examples, cache = untrained(num_slots=2, codebook_size=3)
+    topics = ("billing", "login")
+    examples = [
+        dataclasses.replace(e, label={"style": e.label, "topic": topics[i % 2]}) for i, e in enumerate(examples)
+    ]
+    report = evaluate(model, examples, cache, tok.pad_token_id, iw_samples=1, progress=False)
+    assert list(report["factors"]) == ["style", "topic"] and "label_nmi" not in report
+    codes = posterior_latents(model, examples, cache, tok.pad_token_id)["codes"]  # [E, 2]
+    tuples = np.unique(codes, axis=0, return_inverse=True)[1].reshape(-1)
+    for name in ("style", "topic"):
+        values = [e.label[name] for e in examples]
+        entry = report["factors"][name]
+        assert entry["latent"] == agreement_scores(tuples, values)  # the code tuple
+        assert entry["latent_per_slot"] == [agreement_scores(codes[:, m], values) for m in range(2)]
+        clusters = len(np.unique(tuples))
+        assert entry["clusters"] == clusters
+        expected = agreement_scores(kmeans_assignments(cache.encoder_features, clusters, seed=0), values)
+        assert entry["encoder_kmeans"] == pytest.approx(expected)
+    # factor names that differ between examples are refused, naming the example
+    examples[3] = dataclasses.replace(examples[3], label={"style": "0"})
+    with pytest.raises(DataError, match=f"{examples[3].source}: label factors"):
+        evaluate(model, examples, cache, tok.pad_token_id, iw_samples=1, progress=False)
+    # an unlabelled example: no factors at all, as with string labels
+    examples[3] = dataclasses.replace(examples[3], label=None)
+    assert "factors" not in evaluate(model, examples, cache, tok.pad_token_id, iw_samples=1, progress=False)

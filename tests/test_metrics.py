@@ -1,3 +1,4 @@
+import json
 import math
 
 import numpy as np
@@ -226,6 +227,98 @@ def test_kmeans_recovers_separated_clusters_and_is_deterministic():
     assert a.shape == (100,)
     assert M.label_agreement(a, truth)["nmi"] == pytest.approx(1.0)
     np.testing.assert_array_equal(a, M.kmeans_assignments(torch.as_tensor(x), 4, seed=0))
+
+
+# --------------------------------------------------------------------------- factors beside baselines
+
+
+def test_agreement_scores_are_the_four_numbers_of_label_agreement():
+    assign, labels = [0, 0, 1, 2, 2, 1], ["a", "a", "b", "c", "b", "b"]
+    full = M.label_agreement(assign, labels)
+    assert M.agreement_scores(assign, labels) == {k: full[k] for k in ("nmi", "ari", "homogeneity", "completeness")}
+    assert M.AGREEMENT_METRICS == ("nmi", "ari", "homogeneity", "completeness")
+
+
+def test_random_assignments_keep_the_cluster_sizes_exactly():
+    assign = np.array([0] * 7 + [1] * 2 + [5] * 11 + [3])
+    rows = M.random_assignments(assign, permutations=20, seed=3)
+    assert rows.shape == (20, assign.size)
+    for row in rows:
+        np.testing.assert_array_equal(np.sort(row), np.sort(assign))  # the same multiset of cluster ids
+    assert len({tuple(row) for row in rows}) > 1  # actually shuffled
+    np.testing.assert_array_equal(rows, M.random_assignments(assign, permutations=20, seed=3))
+    assert not np.array_equal(rows, M.random_assignments(assign, permutations=20, seed=4))
+    with pytest.raises(ValueError, match="permutations"):
+        M.random_assignments(assign, permutations=0)
+
+
+def test_random_baseline_is_the_mean_over_seeded_permutations_and_near_zero():
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 4, size=4000)
+    perfect = (labels + 1) % 4  # the latent recovers the factor exactly
+    out = M.random_assignment_agreement(perfect, labels, permutations=20, seed=0)
+    assert M.label_agreement(perfect, labels)["nmi"] == pytest.approx(1.0)
+    assert out["nmi"] < 0.005 and abs(out["ari"]) < 0.005 and out["homogeneity"] < 0.005
+    # computed independently: the mean over the same seeded permutations
+    shuffle = np.random.default_rng(0)
+    by_hand = [M.label_agreement(shuffle.permutation(perfect), labels) for _ in range(20)]
+    for key in M.AGREEMENT_METRICS:
+        assert out[key] == pytest.approx(np.mean([r[key] for r in by_hand]), rel=1e-12, abs=1e-15)
+
+
+def two_factor_case(n_per_cell: int = 10, seed: int = 0):
+    """Factor ``style`` (2 values) x factor ``topic`` (3 values), every cell ``n_per_cell`` examples;
+    encoder features that separate the style perfectly, prior features that are noise."""
+    rng = np.random.default_rng(seed)
+    style = np.repeat(np.array(["polite", "rude"]), 3 * n_per_cell)
+    topic = np.tile(np.repeat(np.array(["billing", "login", "other"]), n_per_cell), 2)
+    centres = {"polite": np.zeros(4), "rude": np.full(4, 30.0)}
+    encoder = np.stack([centres[s] for s in style]) + rng.normal(scale=0.5, size=(style.size, 4))
+    prior = rng.normal(size=(style.size, 3))
+    return style, topic, encoder, prior
+
+
+def test_encoder_kmeans_baseline_recovers_a_factor_the_features_separate():
+    style, topic, encoder, prior = two_factor_case()
+    latent = (topic == "billing").astype(int)  # a latent of two clusters that says nothing about the style
+    features = {"encoder_kmeans": encoder, "prior_kmeans": prior}
+    entry = M.factor_agreement(latent, style, features, seed=0, permutations=20)
+    assert entry["values"] == 2 and entry["clusters"] == 2
+    assert entry["encoder_kmeans"]["nmi"] == pytest.approx(1.0)
+    assert entry["encoder_kmeans"]["ari"] == pytest.approx(1.0)
+    assert entry["latent"]["nmi"] == pytest.approx(0.0, abs=1e-12)
+    assert entry["latent_beats_baselines"] is False  # the frozen features already hold the style
+    assert set(entry) >= {"latent", "encoder_kmeans", "prior_kmeans", "random", "contingency"}
+    for name in ("latent", "encoder_kmeans", "prior_kmeans", "random"):
+        assert set(entry[name]) == set(M.AGREEMENT_METRICS)
+
+
+def test_factor_agreement_baselines_computed_independently():
+    style, topic, encoder, prior = two_factor_case()
+    latent = np.unique(topic, return_inverse=True)[1] * 2  # the latent holds the topic (ids 0, 2, 4)
+    features = {"encoder_kmeans": encoder, "prior_kmeans": prior}
+    cache: dict = {}
+    entries = {
+        name: M.factor_agreement(latent, v, features, 7, 5, cache) for name, v in (("style", style), ("topic", topic))
+    }
+    topic_entry, style_entry = entries["topic"], entries["style"]
+    assert topic_entry["latent"] == M.agreement_scores(latent, topic) and topic_entry["latent"]["nmi"] == pytest.approx(
+        1
+    )
+    assert topic_entry["latent_beats_baselines"] is True and style_entry["latent_beats_baselines"] is False
+    # k-means with as many clusters as the latent uses (3), whatever the factor's number of values (2 for style)
+    assert topic_entry["clusters"] == style_entry["clusters"] == 3 and style_entry["values"] == 2
+    for name, x in features.items():
+        clusters = M.kmeans_assignments(x, 3, seed=7)
+        assert style_entry[name] == M.agreement_scores(clusters, style)
+        assert topic_entry[name] == M.agreement_scores(clusters, topic)
+    assert set(cache) == {("encoder_kmeans", 3), ("prior_kmeans", 3)}  # one clustering shared by both factors
+    for entry, values in ((style_entry, style), (topic_entry, topic)):
+        assert entry["random"] == M.random_assignment_agreement(latent, values, permutations=5, seed=7)
+        baselines = max(entry[b]["nmi"] for b in M.FACTOR_BASELINES)
+        assert entry["latent_beats_baselines"] is (entry["latent"]["nmi"] > baselines)
+    assert topic_entry["contingency"] == M.label_agreement(latent, topic)["contingency"]
+    json.dumps(entries)  # JSON-able as it is
 
 
 # --------------------------------------------------------------------------- text and likelihood

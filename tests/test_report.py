@@ -247,3 +247,33 @@ def test_write_markdown_summary(tmp_path):
     assert "| 2 | 0 | 1 | 1 |" in text
     # per-slot list of dicts as one table
     assert re.search(r"^\| # \|.*perplexity", text, re.M)
+
+
+def test_markdown_summary_has_one_table_per_factor(tmp_path):
+    style = ["polite", "polite", "rude", "rude", "rude", "polite"]
+    topic = ["billing", "login", "billing", "login", "billing", "login"]
+    latent = [0, 0, 1, 1, 1, 0]
+    features = {"encoder_kmeans": [[0.0], [0.1], [5.0], [5.1], [5.2], [0.2]], "prior_kmeans": [[1.0], [2.0]] * 3}
+    factors = {
+        name: M.factor_agreement(latent, v, features, permutations=3)
+        for name, v in (("style", style), ("topic", topic))
+    }
+    factors["style"]["latent_per_slot"] = [M.agreement_scores(latent, style), M.agreement_scores([0] * 6, style)]
+    path = R.write_markdown_summary({"title": "Eval", "examples": 6, "factors": factors}, tmp_path / "summary.md")
+    text = path.read_text()
+    assert re.search(r"^## factors$", text, re.M)
+    header = "| assignment | NMI | ARI | homogeneity | completeness |"
+    for name, entry in factors.items():
+        assert re.search(rf"^### factor {name}$", text, re.M)
+        section = text.split(f"### factor {name}\n", 1)[1].split("### factor", 1)[0]
+        assert header in section
+        rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith(header)]
+        names = [row.split(" | ")[0][2:] for row in rows]
+        assert names[:4] == ["latent", "encoder k-means", "prior k-means", "random"]
+        for row, key in zip(rows, ("latent", "encoder_kmeans", "prior_kmeans", "random"), strict=False):
+            cells = [c.strip() for c in row.strip("|").split("|")][1:]
+            assert cells == [f"{entry[key][m]:.6g}" for m in M.AGREEMENT_METRICS]
+        assert f"latent NMI above every baseline's: {'yes' if entry['latent_beats_baselines'] else 'no'}" in section
+        assert f"| latent \\ {name} |" in section  # the latent x value table
+    assert "| slot 1 code | 0 |" in text
+    assert "#### latent" not in text and "encoder_kmeans" not in text  # not the generic nested rendering

@@ -234,6 +234,11 @@ def eval_summary_lines(report: dict) -> list[str]:
             f"labels: NMI {report['label_nmi']:.3f}, ARI {report['label_ari']:.3f}, homogeneity "
             f"{report['label_homogeneity']:.3f}, completeness {report['label_completeness']:.3f}"
         )
+    for name, entry in (report.get("factors") or {}).items():
+        lines.append(
+            f"factor {name}: NMI {entry['latent']['nmi']:.2f} (encoder k-means {entry['encoder_kmeans']['nmi']:.2f}, "
+            f"prior k-means {entry['prior_kmeans']['nmi']:.2f}, random {entry['random']['nmi']:.2f})"
+        )
     return lines
 
 

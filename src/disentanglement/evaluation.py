@@ -33,13 +33,15 @@ from tqdm.auto import tqdm
 
 from .continuous_cvae import ContinuousCVAE
 from .cvae_base import CVAEBase, FrozenFeatures
-from .data import Batch, Example, collate
+from .data import Batch, Example, collate, label_factor_names, label_factors
 from .features import FeatureCache
 from .losses import reconstruction_loss_stack
 from .metrics import (
     active_units,
+    agreement_scores,
     categorical_mutual_information_per_slot,
     code_usage_per_slot,
+    factor_agreement,
     gaussian_mutual_information,
     importance_weighted_nll,
     kmeans_assignments,
@@ -94,20 +96,78 @@ def latent_assignments(model: CVAEBase, latents: dict[str, np.ndarray], num_clus
     return kmeans_assignments(latents["mu"], num_clusters, seed=seed)
 
 
+def example_factor_values(examples: Sequence[Example]) -> dict[str, list[str]] | None:
+    """Per factor name, the value of every example, in order (a string label is the factor ``"label"``,
+    :func:`data.label_factors`); None unless every example has a label. A ``DataError`` names the first
+    example whose factor names differ from the others'."""
+    if not examples or any(e.label is None for e in examples):
+        return None
+    names = label_factor_names(examples) or ()
+    factors = [label_factors(e.label) or {} for e in examples]
+    return {name: [f[name] for f in factors] for name in names}
+
+
 def label_recovery(
     model: CVAEBase,
     examples: Sequence[Example],
     cache: FeatureCache,
     pad_token_id: int,
     seed: int = 0,
+    factor: str | None = None,
 ) -> dict:
-    """Agreement (NMI, ARI, homogeneity, completeness, contingency) between the latent and the labels."""
-    labels = [e.label for e in examples]
-    if any(label is None for label in labels):
+    """Agreement (NMI, ARI, homogeneity, completeness, contingency) between the latent and the labels
+    (of ``factor`` when the labels are objects of several named factors)."""
+    factors = example_factor_values(examples)
+    if factors is None:
         raise ValueError("label_recovery needs a label on every example")
+    if factor is None:
+        if len(factors) != 1:
+            raise ValueError(f"the labels have several factors {sorted(factors)}: name one (factor=...)")
+        factor = next(iter(factors))
+    if factor not in factors:
+        raise ValueError(f"unknown factor {factor!r}; the labels' factors are {sorted(factors)}")
+    values = factors[factor]
     latents = posterior_latents(model, examples, cache, pad_token_id)
-    assignments = latent_assignments(model, latents, len(set(labels)), seed=seed)
-    return label_agreement(assignments, labels)
+    assignments = latent_assignments(model, latents, len(set(values)), seed=seed)
+    return label_agreement(assignments, values)
+
+
+#: Seeded permutations of the latent's assignment averaged by the ``random`` factor baseline.
+RANDOM_PERMUTATIONS = 20
+
+
+def factor_agreements(
+    model: CVAEBase,
+    latents: dict[str, np.ndarray],
+    factor_values: dict[str, list[str]],
+    cache: FeatureCache,
+    seed: int = 0,
+    permutations: int = RANDOM_PERMUTATIONS,
+) -> dict[str, dict]:
+    """``{factor: metrics.factor_agreement(...)}`` of the latent's assignment against each factor.
+
+    The assignment is the argmax code (tuple) for the discrete model, the same for every factor;
+    k-means of the posterior means with as many clusters as the factor has values (at most ``E``)
+    for the continuous one. Baselines, with as many clusters as that assignment: ``encoder_kmeans``
+    (k-means of ``cache.encoder_features``, the frozen features the encoder consumes),
+    ``prior_kmeans`` (of ``cache.prior_features``, the prompt-only features) and ``random``. With
+    several slots each factor also gets ``latent_per_slot``, the four numbers of each slot's code.
+    """
+    E = len(next(iter(factor_values.values())))
+    kmeans_features = {
+        "encoder_kmeans": cache.encoder_features.float().numpy(),
+        "prior_kmeans": cache.prior_features.float().numpy(),
+    }
+    kmeans_cache: dict[tuple[str, int], np.ndarray] = {}
+    out: dict[str, dict] = {}
+    for name, values in factor_values.items():
+        assignments = latent_assignments(model, latents, min(len(set(values)), E), seed=seed)
+        entry = factor_agreement(assignments, values, kmeans_features, seed, permutations, kmeans_cache)
+        codes = latents.get("codes")
+        if codes is not None and codes.shape[1] > 1:
+            entry["latent_per_slot"] = [agreement_scores(codes[:, m], values) for m in range(codes.shape[1])]
+        out[name] = entry
+    return out
 
 
 # --------------------------------------------------------------------------- the posterior
@@ -399,15 +459,24 @@ def evaluate(
     - continuous: ``active_units`` (variance of the posterior mean > 0.01),
       ``posterior_mean_variance``; discrete: ``code_usage`` (per slot), ``code_perplexity``
       (per slot), ``dead_codes`` (per slot);
-    - with a label on every example: ``label_nmi``, ``label_ari``, ``label_homogeneity``,
-      ``label_completeness`` and ``label_contingency`` between the argmax codes (the code tuple
-      with several slots; continuous: k-means of the posterior means with as many clusters as
-      labels) and the labels; several slots also ``label_agreement_per_slot``.
+    - with a label on every example (and at least two examples): ``factors``, for each named
+      factor of the labels (a string label is the factor ``"label"``) the agreement of the latent's
+      assignment with it beside three baselines (:func:`factor_agreements`):
+      ``{"values", "clusters", "latent", "encoder_kmeans", "prior_kmeans", "random",
+      "latent_beats_baselines", "contingency"}`` (several slots: also ``latent_per_slot``), each
+      of ``latent`` and the baselines ``{nmi, ari, homogeneity, completeness}``;
+      ``factor_random_permutations`` (permutations averaged by ``random``); ``label_assignment``;
+    - with a string label on every example, as well: ``label_nmi``, ``label_ari``,
+      ``label_homogeneity``, ``label_completeness`` and ``label_contingency`` between the argmax
+      codes (the code tuple with several slots; continuous: k-means of the posterior means with as
+      many clusters as labels) and the labels (equal to ``factors["label"]``); several slots also
+      ``label_agreement_per_slot``.
     """
     if not examples:
         raise ValueError("evaluate needs at least one example")
     if len(cache) != len(examples):
         raise ValueError(f"the feature cache holds {len(cache)} examples, but {len(examples)} were given")
+    factor_values = example_factor_values(examples) if len(examples) >= 2 else None  # checks the factor names
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -506,7 +575,7 @@ def evaluate(
     report["kl"] = {"total": float(kl_total.mean()), unit: [float(v) for v in kl.mean(0)]}
 
     labels = [e.label for e in examples]
-    has_labels = E >= 2 and all(label is not None for label in labels)
+    has_labels = factor_values is not None and all(isinstance(label, str) for label in labels)
     if discrete:
         code_array = np.stack(codes).astype(np.int64)  # [E, M]
         probs = np.stack(q_probs)  # [E, M, K]
@@ -532,9 +601,14 @@ def evaluate(
         report["posterior_mean_variance"] = [float(v) for v in posterior_mean_variance(mu)]
         if has_labels:
             assignments = latent_assignments(model, {"mu": mu}, min(len(set(labels)), E), seed=seed)
+    if factor_values is not None:
+        report["label_assignment"] = "argmax code" if discrete else "k-means of posterior means"
     if has_labels:
         agreement = label_agreement(assignments, labels)
-        report["label_assignment"] = "argmax code" if discrete else "k-means of posterior means"
         for key in ("nmi", "ari", "homogeneity", "completeness", "contingency"):
             report[f"label_{key}"] = agreement[key]
+    if factor_values is not None:
+        latents = {"codes": code_array} if discrete else {"mu": mu}
+        report["factors"] = factor_agreements(model, latents, factor_values, cache, seed=seed)
+        report["factor_random_permutations"] = RANDOM_PERMUTATIONS
     return report

@@ -11,7 +11,7 @@ return Python floats, numpy arrays or JSON-able dicts. All information quantitie
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -239,6 +239,83 @@ def kmeans_assignments(x: Any, num_clusters: int, seed: int = 0) -> np.ndarray:
         raise ValueError(f"num_clusters must be in [1, N={data.shape[0]}], got {num_clusters}")
     km = KMeans(n_clusters=num_clusters, n_init=10, random_state=seed)
     return km.fit_predict(data).astype(np.int64)
+
+
+#: The four agreement numbers of :func:`label_agreement` that every factor reports, in table order.
+AGREEMENT_METRICS = ("nmi", "ari", "homogeneity", "completeness")
+
+#: The baselines of :func:`factor_agreement`, in table order.
+FACTOR_BASELINES = ("encoder_kmeans", "prior_kmeans", "random")
+
+
+def agreement_scores(assignments: Any, labels: Any) -> dict[str, float]:
+    """``{nmi, ari, homogeneity, completeness}`` of :func:`label_agreement` (without the contingency)."""
+    full = label_agreement(assignments, labels)
+    return {key: full[key] for key in AGREEMENT_METRICS}
+
+
+def random_assignments(assignments: Any, permutations: int = 20, seed: int = 0) -> np.ndarray:
+    """``permutations`` seeded random permutations of ``assignments`` ``[N]``, ``[permutations, N]``:
+    random clusterings with exactly the cluster sizes of ``assignments``."""
+    if permutations < 1:
+        raise ValueError(f"permutations must be >= 1, got {permutations}")
+    a = _as_numpy(assignments).reshape(-1)
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.permutation(a) for _ in range(permutations)])
+
+
+def random_assignment_agreement(
+    assignments: Any, labels: Any, permutations: int = 20, seed: int = 0
+) -> dict[str, float]:
+    """The chance level of ``assignments``: mean :func:`agreement_scores` over the clusterings of
+    :func:`random_assignments` (the same cluster sizes, assigned at random)."""
+    totals = dict.fromkeys(AGREEMENT_METRICS, 0.0)
+    shuffled = random_assignments(assignments, permutations, seed)
+    for row in shuffled:
+        for key, value in agreement_scores(row, labels).items():
+            totals[key] += value
+    return {key: value / len(shuffled) for key, value in totals.items()}
+
+
+def factor_agreement(
+    assignments: Any,
+    values: Any,
+    kmeans_features: Mapping[str, Any],
+    seed: int = 0,
+    permutations: int = 20,
+    kmeans_cache: dict[tuple[str, int], np.ndarray] | None = None,
+) -> dict[str, Any]:
+    """Agreement of a latent's clustering ``assignments`` ``[N]`` with one factor's ``values`` ``[N]``,
+    beside the same numbers for baselines that involve no training.
+
+    Each entry of ``kmeans_features`` (name -> features ``[N, F]``, e.g. ``"encoder_kmeans"``: the
+    frozen encoder features) is clustered by :func:`kmeans_assignments` (seeded) into as many
+    clusters as ``assignments`` uses; ``"random"`` is :func:`random_assignment_agreement`. Returns
+    ``{"values": distinct factor values, "clusters": clusters of the latent, "latent": {...},
+    <each k-means name>: {...}, "random": {...}, "latent_beats_baselines": bool, "contingency"}``,
+    each ``{...}`` the four :data:`AGREEMENT_METRICS`; ``latent_beats_baselines`` is whether the
+    latent's NMI exceeds every baseline's. ``kmeans_cache`` (keyed by ``(name, clusters)``) lets
+    several factors share one clustering.
+    """
+    a = _as_numpy(assignments).reshape(-1)
+    y = _as_numpy(values).reshape(-1)
+    full = label_agreement(a, y)
+    clusters = int(np.unique(a).size)
+    entry: dict[str, Any] = {
+        "values": int(np.unique(y).size),
+        "clusters": clusters,
+        "latent": {key: full[key] for key in AGREEMENT_METRICS},
+    }
+    cache = kmeans_cache if kmeans_cache is not None else {}
+    for name, features in kmeans_features.items():
+        if (name, clusters) not in cache:
+            cache[(name, clusters)] = kmeans_assignments(features, clusters, seed=seed)
+        entry[name] = agreement_scores(cache[(name, clusters)], y)
+    entry["random"] = random_assignment_agreement(a, y, permutations, seed)
+    baselines = [entry[name]["nmi"] for name in (*kmeans_features, "random")]
+    entry["latent_beats_baselines"] = bool(entry["latent"]["nmi"] > max(baselines))
+    entry["contingency"] = full["contingency"]
+    return entry
 
 
 # --------------------------------------------------------------------------- text and likelihood

@@ -439,6 +439,59 @@ def _md_contingency(c: Mapping[str, Any]) -> list[str]:
     return _md_table(header, ([r, *counts] for r, counts in zip(c["rows"], c["counts"], strict=True)))
 
 
+#: Rows of a factor's agreement table: (report key, row name).
+FACTOR_ROWS = (
+    ("latent", "latent"),
+    ("encoder_kmeans", "encoder k-means"),
+    ("prior_kmeans", "prior k-means"),
+    ("random", "random"),
+)
+#: Columns of a factor's agreement table: (metric key, column name).
+FACTOR_COLUMNS = (("nmi", "NMI"), ("ari", "ARI"), ("homogeneity", "homogeneity"), ("completeness", "completeness"))
+
+
+def _is_factor_table(v: Any) -> bool:
+    """Whether ``v`` is an evaluation report's ``factors``: factor name -> ``{"latent", "random", ...}``."""
+    return (
+        isinstance(v, Mapping)
+        and bool(v)
+        and all(isinstance(e, Mapping) and {"latent", "random"} <= set(e) for e in v.values())
+    )
+
+
+def _md_factors(factors: Mapping[str, Mapping[str, Any]], level: int) -> list[str]:
+    """One agreement table per factor (rows latent / encoder k-means / prior k-means / random,
+    columns NMI, ARI, homogeneity, completeness), then its per-slot table and latent x value table."""
+    heading = "#" * min(level, 6)
+    lines: list[str] = []
+    for name, entry in factors.items():
+        lines += [f"{heading} factor {name}", ""]
+        facts = []
+        if "values" in entry:
+            facts.append(f"{entry['values']} values")
+        if "clusters" in entry:
+            facts.append(f"{entry['clusters']} latent clusters (the k-means baselines use as many)")
+        if "latent_beats_baselines" in entry:
+            beats = "yes" if entry["latent_beats_baselines"] else "no"
+            facts.append(f"latent NMI above every baseline's: {beats}")
+        if facts:
+            lines += ["; ".join(facts) + ".", ""]
+        rows = [
+            (label, *(entry[key].get(m, "") for m, _ in FACTOR_COLUMNS)) for key, label in FACTOR_ROWS if key in entry
+        ]
+        lines += _md_table(["assignment", *(c for _, c in FACTOR_COLUMNS)], rows)
+        per_slot = entry.get("latent_per_slot")
+        if per_slot:
+            slot_rows = ([f"slot {m} code", *(s.get(k, "") for k, _ in FACTOR_COLUMNS)] for m, s in enumerate(per_slot))
+            lines += _md_table(["assignment", *(c for _, c in FACTOR_COLUMNS)], slot_rows)
+        contingency = entry.get("contingency")
+        if _is_contingency(contingency):
+            header = [f"latent \\ {name}", *contingency["columns"]]
+            counts = zip(contingency["rows"], contingency["counts"], strict=True)
+            lines += _md_table(header, ([r, *c] for r, c in counts))
+    return lines
+
+
 def _md_section(obj: Mapping[str, Any], level: int) -> list[str]:
     lines: list[str] = []
     scalars = [(k, v) for k, v in obj.items() if _is_scalar(v) or (isinstance(v, list) and all(map(_is_scalar, v)))]
@@ -446,7 +499,9 @@ def _md_section(obj: Mapping[str, Any], level: int) -> list[str]:
         lines += _md_table(["key", "value"], scalars)
     heading = "#" * min(level, 6)
     for key, v in obj.items():
-        if _is_contingency(v):
+        if key == "factors" and _is_factor_table(v):
+            lines += [f"{heading} factors", "", *_md_factors(v, level + 1)]
+        elif _is_contingency(v):
             lines += [f"{heading} {key}", "", *_md_contingency(v)]
         elif isinstance(v, Mapping):
             lines += [f"{heading} {key}", "", *_md_section(v, level + 1)]
@@ -468,7 +523,9 @@ def write_markdown_summary(report: Mapping[str, Any], path: str | Path) -> Path:
     Top-level scalars (and lists of scalars) form a key/value table; each nested dict gets a
     heading and its own table (recursively); ``{"rows", "columns", "counts"}`` contingency
     tables become code x label tables; lists of dicts (e.g. per-slot code usage) become one
-    table with a row per item. The title is ``report["title"]`` when present.
+    table with a row per item. An evaluation report's ``factors`` get one table per factor: rows
+    latent, encoder k-means, prior k-means and random, columns NMI, ARI, homogeneity and
+    completeness. The title is ``report["title"]`` when present.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
