@@ -1,0 +1,408 @@
+"""The built-in hidden-factor data sets (``synthetic.py``) and ``disentangle data synth``."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+from collections import Counter, defaultdict
+
+import pytest
+
+from disentanglement import synthetic
+from disentanglement.synthetic import (
+    CLEAN_RESPONSES,
+    STYLE_MARKERS,
+    SYNTHETIC_SETS,
+    TOPICS,
+    TWO_FACTOR_PHRASINGS,
+    TWO_FACTOR_WORDS,
+    add_data_subcommand,
+    balanced_design,
+    detect_factor,
+    make_clean,
+    make_style_in_content,
+    make_two_factor,
+    two_factor_response,
+    write_synthetic,
+)
+
+GENERATED = ("clean", "two-factor", "style-in-content")  # the sets that do not read the corpus
+SEEDS = (0, 1, 2, 3, 4)
+
+
+def values(rows, factor):
+    return [row["label"][factor] for row in rows]
+
+
+def prompt_majority_accuracy(rows, factor) -> float:
+    """Accuracy of the best predictor of ``factor`` that sees only the prompt (its majority value, in sample)."""
+    by_prompt: dict[str, Counter] = defaultdict(Counter)
+    for row in rows:
+        by_prompt[row["prompt"]][row["label"][factor]] += 1
+    return sum(counts.most_common(1)[0][1] for counts in by_prompt.values()) / len(rows)
+
+
+@pytest.fixture(scope="module")
+def chatterbot_rows():
+    return SYNTHETIC_SETS["chatterbot-style"]()
+
+
+# ------------------------------------------------------------------ rows, registry, determinism
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_rows_have_the_documented_shape(name):
+    spec = SYNTHETIC_SETS[name]
+    rows = spec()
+    assert len(rows) == spec.default_rows == 800
+    for i, row in enumerate(rows):
+        assert set(row) == {"prompt", "response", "label", "source"}
+        assert row["source"] == f"synth/{name}:#{i}"
+        assert tuple(row["label"]) == spec.factors
+        assert all(isinstance(v, str) and v for v in row["label"].values())
+        assert row["prompt"].strip() and row["response"].strip()
+        json.dumps(row)  # plain JSON
+    assert len(spec(rows=37, seed=5)) == 37
+    assert len(spec(rows=1)) == 1
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_deterministic_given_the_seed(name):
+    make = SYNTHETIC_SETS[name].make
+    assert make(800, 3) == make(800, 3)
+    assert make(800, 3) != make(800, 4)
+    assert SYNTHETIC_SETS[name](seed=3) == make(800, 3)
+
+
+def test_same_seed_writes_byte_identical_files(tmp_path):
+    for name in GENERATED:
+        a, b = tmp_path / f"{name}-a.jsonl", tmp_path / f"{name}-b.jsonl"
+        assert write_synthetic(name, a, 200, 7) == 200 == write_synthetic(name, b, 200, 7)
+        assert a.read_bytes() == b.read_bytes()
+
+
+def test_registry_describes_each_set():
+    assert set(SYNTHETIC_SETS) == {"clean", "two-factor", "style-in-content", "chatterbot-style"}
+    for name, spec in SYNTHETIC_SETS.items():
+        assert spec.name == name and callable(spec)
+        assert spec.description and "\n" not in spec.description
+        assert spec.factors
+
+
+def test_bad_row_counts_are_refused():
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="rows must be a positive integer"):
+            make_clean(bad, 0)
+    with pytest.raises(ValueError, match="asks for more"):
+        synthetic.make_chatterbot_style(10**6, 0)
+    with pytest.raises(ValueError, match="unknown synthetic set 'nope'"):
+        write_synthetic("nope", "x.jsonl")
+
+
+def test_balanced_design_balances_every_combination():
+    for rows in (1, 7, 48, 100, 800):
+        choices = [range(3), "ab", ("w", "x", "y", "z")]
+        design = balanced_design(random.Random(rows), choices, rows)
+        assert len(design) == rows
+        counts = Counter(design)
+        full = rows // 24
+        assert all(full <= counts[c] <= full + 1 for c in itertools.product(range(3), "ab", "wxyz"))
+        for j, choice in enumerate(choices):  # each value of each choice gets its fair share within 2
+            single = Counter(item[j] for item in design)
+            assert all(abs(single[v] - rows / len(choice)) <= 2 for v in choice), (rows, single)
+
+
+# ------------------------------------------------------------------ balance and independence
+
+
+@pytest.mark.parametrize("seed", (0, 1))
+def test_the_default_800_rows_are_an_exactly_balanced_design(seed):
+    clean = Counter((r["prompt"], r["label"]["style"]) for r in make_clean(800, seed))
+    assert len(clean) == 10 * 4 and set(clean.values()) == {20}
+    two = Counter((r["prompt"], r["label"]["A"], r["label"]["B"]) for r in make_two_factor(800, seed))
+    assert len(two) == 10 * 4 * 4 and set(two.values()) == {5}
+    sic = Counter((r["prompt"], r["response"]) for r in make_style_in_content(800, seed))
+    assert len(sic) == 800  # every (question, answer, style) once
+
+
+@pytest.mark.parametrize("rows", (800, 1000, 333))
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("name", GENERATED)
+def test_factor_values_are_balanced(name, seed, rows):
+    rows = SYNTHETIC_SETS[name](rows, seed=seed)
+    for factor in SYNTHETIC_SETS[name].factors:
+        counts = Counter(values(rows, factor))
+        expected = len(rows) / len(counts)
+        assert len(counts) == (8 if factor == "topic" else 4)
+        assert all(abs(c - expected) <= 6 for c in counts.values()), (factor, counts)  # 1.5% of 400
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_two_factor_factors_are_independent(seed):
+    rows = make_two_factor(800, seed)
+    joint = Counter(zip(values(rows, "A"), values(rows, "B"), strict=True))
+    assert len(joint) == 16
+    assert all(abs(c - 50) <= 5 for c in joint.values()), joint  # 800 / 16 = 50 per combination
+    # knowing A does not help to guess B (nor B to guess A): the majority of each conditional is near chance
+    for given, target in (("A", "B"), ("B", "A")):
+        by_value: dict[str, Counter] = defaultdict(Counter)
+        for row in rows:
+            by_value[row["label"][given]][row["label"][target]] += 1
+        accuracy = sum(c.most_common(1)[0][1] for c in by_value.values()) / len(rows)
+        assert accuracy <= 0.28
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("name", ("clean", "two-factor"))
+def test_the_prompt_cannot_predict_a_hidden_factor(name, seed):
+    rows = SYNTHETIC_SETS[name](seed=seed)
+    prompts = Counter(row["prompt"] for row in rows)
+    assert len(prompts) >= 10
+    for factor in SYNTHETIC_SETS[name].factors:
+        by_prompt: dict[str, Counter] = defaultdict(Counter)
+        for row in rows:
+            by_prompt[row["prompt"]][row["label"][factor]] += 1
+        for prompt, counts in by_prompt.items():
+            assert len(counts) == 4, (prompt, counts)  # every prompt is seen with every value
+            assert counts.most_common(1)[0][1] / prompts[prompt] <= 0.3, (prompt, counts)  # chance is 0.25
+        assert prompt_majority_accuracy(rows, factor) <= 0.27
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_style_in_content_style_is_hidden_and_topic_follows_the_prompt(seed):
+    rows = make_style_in_content(800, seed)
+    by_prompt: dict[str, set] = defaultdict(set)
+    topic_of_prompt: dict[str, set] = defaultdict(set)
+    for row in rows:
+        by_prompt[row["prompt"]].add(row["label"]["style"])
+        topic_of_prompt[row["prompt"]].add(row["label"]["topic"])
+    assert len(by_prompt) == 40
+    assert all(len(styles) >= 3 for styles in by_prompt.values())  # a prompt appears with several styles
+    assert prompt_majority_accuracy(rows, "style") <= 0.4  # chance 0.25 with about 25 rows per prompt
+    assert all(len(topics) == 1 for topics in topic_of_prompt.values())  # the prompt gives the topic
+    assert prompt_majority_accuracy(rows, "topic") == 1.0
+    # the style is independent of the topic too
+    joint = Counter(zip(values(rows, "topic"), values(rows, "style"), strict=True))
+    assert len(joint) == 32 and set(joint.values()) == {25}, joint  # exact at 800 rows
+    # the content is a topic answer (the marker removed), chosen independently of the question template
+    for row in rows:
+        assert synthetic._strip_style_marker(row["response"]) in TOPICS[row["label"]["topic"]][1]
+    answers_per_prompt = defaultdict(set)
+    for row in rows:
+        answers_per_prompt[row["prompt"]].add(synthetic._strip_style_marker(row["response"]))
+    assert all(len(a) >= 3 for a in answers_per_prompt.values())
+
+
+def test_chatterbot_style_is_balanced_within_every_category(chatterbot_rows):
+    rows = chatterbot_rows
+    assert len(rows) == 2296  # every English pair but the 10 whose response occurs in two categories
+    counts = Counter(values(rows, "style"))
+    assert set(counts) == set(STYLE_MARKERS)
+    assert max(counts.values()) - min(counts.values()) <= len({r["label"]["category"] for r in rows})
+    per_category: dict[str, Counter] = defaultdict(Counter)
+    for row in rows:
+        per_category[row["label"]["category"]][row["label"]["style"]] += 1
+    for category, c in per_category.items():
+        assert max(c.values()) - min(c[s] for s in STYLE_MARKERS) <= 1, (category, c)
+    subset = synthetic.make_chatterbot_style(300, 1)
+    assert len(subset) == 300 and subset == synthetic.make_chatterbot_style(300, 1)
+    assert subset != synthetic.make_chatterbot_style(300, 2)
+
+
+# ------------------------------------------------------------------ what carries each factor
+
+
+def test_two_factor_a_changes_exactly_one_word():
+    for b in TWO_FACTOR_PHRASINGS:
+        for a1, a2 in itertools.combinations(TWO_FACTOR_WORDS, 2):
+            w1, w2 = two_factor_response(a1, b).split(), two_factor_response(a2, b).split()
+            assert len(w1) == len(w2)
+            differing = [i for i, (x, y) in enumerate(zip(w1, w2, strict=True)) if x != y]
+            assert len(differing) == 1
+            assert (w1[differing[0]], w2[differing[0]]) == (a1, a2)
+
+
+def test_two_factor_b_changes_only_the_phrasing():
+    for a in TWO_FACTOR_WORDS:
+        middles = set()
+        for b, (opener, closer) in TWO_FACTOR_PHRASINGS.items():
+            response = two_factor_response(a, b)
+            assert response.startswith(opener + " ") and response.endswith(" " + closer)
+            middles.add(response[len(opener) + 1 : -len(closer) - 1])
+            assert not set(synthetic._words(opener + " " + closer)) & set(TWO_FACTOR_WORDS)
+        assert middles == {synthetic.TWO_FACTOR_SENTENCE.format(word=a)}  # the same sentence for every B
+    # and the data holds only these responses
+    for row in make_two_factor(800, 0):
+        assert row["response"] == two_factor_response(row["label"]["A"], row["label"]["B"])
+
+
+def test_clean_responses_are_fixed_and_distinct():
+    assert len(set(CLEAN_RESPONSES.values())) == 4
+    assert len({synthetic._words(r)[0] for r in CLEAN_RESPONSES.values()}) == 4
+    for row in make_clean(800, 0):
+        assert row["response"] == CLEAN_RESPONSES[row["label"]["style"]]
+
+
+# ------------------------------------------------------------------ detect_factor
+
+
+@pytest.mark.parametrize("seed", (0, 1))
+@pytest.mark.parametrize("name", GENERATED)
+def test_detect_factor_recovers_every_factor_of_every_row(name, seed):
+    for row in SYNTHETIC_SETS[name](seed=seed):
+        for factor, value in row["label"].items():
+            assert detect_factor(name, factor, row["response"]) == value, (row, factor)
+
+
+def test_detect_factor_recovers_every_chatterbot_row(chatterbot_rows):
+    for row in chatterbot_rows:
+        for factor, value in row["label"].items():
+            assert detect_factor("chatterbot-style", factor, row["response"]) == value, (row, factor)
+
+
+def test_detect_factor_tolerates_generation_noise_and_says_none_when_unsure():
+    # case, punctuation and spacing do not matter; a generation cut short still shows its factors
+    assert detect_factor("clean", "style", "  hmm give me a QUIET moment to mull this over properly") == "pensive"
+    assert detect_factor("clean", "style", "Something else entirely.") is None
+    text = "okay no problem you will find it in the Lobster drawer"
+    assert detect_factor("two-factor", "A", text) == "lobster"
+    assert detect_factor("two-factor", "B", text) == "okay"
+    assert detect_factor("two-factor", "B", "It is in the cactus drawer. Have a nice day!") == "question"
+    assert detect_factor("two-factor", "B", "Sure thing! It is there. Have a nice day!") is None  # two B values
+    assert detect_factor("two-factor", "A", "the saffron or the cactus drawer") is None
+    assert detect_factor("two-factor", "A", "the top drawer") is None
+    assert detect_factor("style-in-content", "style", "ahoy there, the rain stops soon") == "ahoy"
+    assert detect_factor("style-in-content", "style", "Listen up. Rain soon. Over and out.") is None
+    assert (
+        detect_factor("style-in-content", "topic", "Ahoy there! My guitar needs new strings for the song.") == "music"
+    )
+    assert detect_factor("style-in-content", "topic", "Nothing to see here.") is None
+    assert detect_factor("chatterbot-style", "category", "Not a corpus response at all.") is None
+    with pytest.raises(ValueError, match="has factors style, topic, not 'A'"):
+        detect_factor("style-in-content", "A", "x")
+    with pytest.raises(ValueError, match="unknown synthetic set"):
+        detect_factor("marked", "style", "x")
+
+
+def test_topic_keywords_name_only_their_own_topic():
+    for topic, keywords in synthetic.TOPIC_KEYWORDS.items():
+        assert not any(keywords & other for t, other in synthetic.TOPIC_KEYWORDS.items() if t != topic)
+        for answer in TOPICS[topic][1]:  # the keyword vote alone also finds every answer's topic
+            hits = {t: len(set(synthetic._words(answer)) & k) for t, k in synthetic.TOPIC_KEYWORDS.items()}
+            assert max(hits, key=hits.get) == topic and sorted(hits.values())[-2] < hits[topic], (answer, hits)
+
+
+# ------------------------------------------------------------------ writing and the command line
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="disentangle")
+    add_data_subcommand(top.add_subparsers(dest="command", required=True))
+    return top
+
+
+def run_cli(argv):
+    args = parser().parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_writes_the_file(tmp_path, capsys):
+    out = tmp_path / "two.jsonl"
+    assert run_cli(["data", "synth", "two-factor", "--output", str(out), "--rows", "50", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote 50 rows to {out} (factors: A, B)"
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert rows == make_two_factor(50, 3)
+    assert run_cli(["data", "synth", "clean", "--output", str(out)]) == 0  # replaces; defaults 800 rows, seed 0
+    assert "wrote 800 rows" in capsys.readouterr().out
+    assert [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()] == make_clean(800, 0)
+    assert not [p for p in tmp_path.iterdir() if p.name != "two.jsonl"]  # no temporary file left
+
+
+def test_cli_writes_chatterbot_style(tmp_path, capsys):
+    out = tmp_path / "cb.jsonl"
+    assert run_cli(["data", "synth", "chatterbot-style", "--output", str(out), "--rows", "20"]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote 20 rows to {out} (factors: style, category)"
+    assert [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()] == (
+        synthetic.make_chatterbot_style(20, 0)
+    )
+
+
+def test_cli_lists_the_sets(capsys):
+    assert run_cli(["data", "synth", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name, spec in SYNTHETIC_SETS.items():
+        assert name in out and spec.description in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["data"],
+        ["data", "synth"],
+        ["data", "synth", "clean"],
+        ["data", "synth", "--output", "x.jsonl"],
+        ["data", "synth", "marked", "--output", "x.jsonl"],
+        ["data", "synth", "clean", "--output", "x.jsonl", "--rows", "0"],
+        ["data", "synth", "clean", "--output", "x.jsonl", "--seed", "one"],
+    ],
+)
+def test_cli_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_cli(argv)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_bad_output_paths_are_named(tmp_path):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    cases = {
+        str(tmp_path): "is a directory",
+        str(tmp_path / "rows.json"): "must end in .jsonl",
+        str(tmp_path / "missing" / "rows.jsonl"): "does not exist",
+        str(a_file / "rows.jsonl"): "is not a directory",
+    }
+    for path, message in cases.items():
+        with pytest.raises(ValueError, match=message) as exc:
+            write_synthetic("clean", path, 10)
+        assert path in str(exc.value)
+        with pytest.raises(ValueError, match=message):
+            run_cli(["data", "synth", "clean", "--output", path])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_unwritable_folder_is_named(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        with pytest.raises(ValueError, match="not writable"):
+            write_synthetic("clean", folder / "rows.jsonl", 10)
+    finally:
+        folder.chmod(0o700)
+
+
+def test_failed_write_names_the_path_and_keeps_the_old_file(tmp_path, monkeypatch):
+    out = tmp_path / "rows.jsonl"
+    out.write_text("old\n")
+
+    def fail(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(synthetic.os, "replace", fail)
+    with pytest.raises(ValueError, match=f"cannot write output path {out}: Permission denied"):
+        write_synthetic("clean", out, 10)
+    assert out.read_text() == "old\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.jsonl"]  # the temporary file is removed
+
+
+def test_written_file_mode_follows_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        write_synthetic("clean", tmp_path / "rows.jsonl", 5)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "rows.jsonl").stat().st_mode & 0o777 == 0o644
