@@ -201,3 +201,27 @@ def test_cli_inspect(discrete_run, tmp_path, injected_loader, capsys):
 def test_default_output_dir_is_next_to_the_checkpoints(discrete_run, injected_loader):
     assert cli.main(["inspect", str(discrete_run.run_dir), "--index", "0", "--no-plots", "--no-progress"]) == 0
     assert (discrete_run.run_dir / "inspect" / "inspect_0.html").is_file()
+
+
+def test_factor_labels_get_one_heat_map_each(discrete_run, tmp_path):
+    rows = [json.loads(line) for line in discrete_run.data_path.read_text().splitlines()][:24]
+    data = tmp_path / "factors.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps(
+                {"prompt": r["prompt"], "response": r["response"], "label": {"factor": r["label"], "half": str(i % 2)}}
+            )
+            + "\n"
+            for i, r in enumerate(rows)
+        )
+    )
+    paths = run_inspect(
+        discrete_run.checkpoint,
+        data=str(data),
+        index=0,
+        output_dir=tmp_path / "out",
+        progress=False,
+        model_and_tokenizer=model_and_tokenizer(),
+    )
+    names = {p.name for p in paths["plots"]}
+    assert {"code_factor_heatmap.png", "code_half_heatmap.png"} <= names and "code_label_heatmap.png" not in names

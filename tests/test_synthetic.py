@@ -406,3 +406,17 @@ def test_written_file_mode_follows_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "rows.jsonl").stat().st_mode & 0o777 == 0o644
+
+
+def test_the_disentangle_command_writes_a_set_that_train_can_read(tmp_path, capsys):
+    from disentanglement import cli
+    from disentanglement.config import DataConfig
+    from disentanglement.data import load_pairs
+
+    out = tmp_path / "two.jsonl"
+    assert cli.main(["data", "synth", "two-factor", "--output", str(out), "--rows", "40", "--seed", "1"]) == 0
+    assert "wrote 40 rows" in capsys.readouterr().out
+    pairs = load_pairs(DataConfig(data=str(out)))
+    assert len(pairs) == 40 and set(pairs[0].label) == {"A", "B"}
+    assert cli.main(["data", "synth", "two-factor", "--output", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err

@@ -26,7 +26,7 @@ import torch
 
 from .cvae_base import CVAEBase
 from .data import Example, collate
-from .evaluation import batch_weighting, latent_assignments, posterior_latents, score_batch
+from .evaluation import batch_weighting, example_factor_values, latent_assignments, posterior_latents, score_batch
 from .features import FeatureCache
 from .metrics import code_usage_per_slot, label_agreement
 from .report import (
@@ -174,9 +174,16 @@ def write_run_plots(
     if isinstance(model, SharedDiscreteCVAE):
         usage = code_usage_per_slot(latents["codes"], model.codebook_size)
         written.append(plot_code_usage(usage, out_dir / "code_usage.png"))
-    labels = [e.label for e in examples]
-    if len(examples) >= 2 and all(label is not None for label in labels):
-        assignments = latent_assignments(model, latents, min(len(set(labels)), len(examples)), seed=seed)
-        agreement = label_agreement(assignments, labels)
-        written.append(plot_contingency_heatmap(agreement["contingency"], out_dir / "code_label_heatmap.png"))
+    factors = example_factor_values(examples) if len(examples) >= 2 else None
+    for name, values in (factors or {}).items():  # one heat map per factor; a plain label is the factor "label"
+        assignments = latent_assignments(model, latents, min(len(set(values)), len(examples)), seed=seed)
+        agreement = label_agreement(assignments, values)
+        file = "code_label_heatmap.png" if name == "label" else f"code_{_safe_name(name)}_heatmap.png"
+        written.append(plot_contingency_heatmap(agreement["contingency"], out_dir / file))
     return written
+
+
+def _safe_name(name: str) -> str:
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
