@@ -268,10 +268,27 @@ class LatentConfig:
         10, "Nearest: a code unused for this many steps restarts at a recent encoder output (0 = never)."
     )
     bow_weight: float = option(0.0, "Weight of the bag-of-words loss predicting response tokens from z.")
+    encoder_view: Literal["mean_last", "token_weighted", "attention"] = option(
+        "mean_last",
+        "What the encoder q(z|x,y) pools of the reference's hidden states over the response, always "
+        "concatenated with the last token's state: 'mean_last' = their mean (the seed); 'token_weighted' = "
+        "sum_t pi_t h_t with term 3's token weights pi_t (token_weight_alpha, token_weight_eps, "
+        "token_weight_source, token_weight_interpolation; for token_weight_source 'dynamic', which changes "
+        "every step, the surprisal shares), computed in the frozen pass and cached; 'attention' = a learned "
+        "query's softmax attention over the response positions (keys LayerNorm'ed, padding masked; the query "
+        "starts at 0, i.e. at the mean, and trains at encoder_lr); its per-token states are cached, about "
+        "4 x hidden size bytes per response token.",
+    )
+    encoder_layer: int = option(
+        -1,
+        "Which hidden state of the reference the encoder and prior features come from: hidden_states[layer] "
+        "(-1 = the last layer, after the final norm; 0 = the token embeddings; checked against the model's "
+        "number of layers L: -(L+1) .. L). The z-free surprisal always comes from the last layer.",
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
-        for name in ("latent", "latent_placement", "prior", "assignment", "codebook_init"):
+        for name in ("latent", "latent_placement", "prior", "assignment", "codebook_init", "encoder_view"):
             _choice(self, name)
         for name in ("latent_tokens", "num_slots", "codebook_size", "code_dim", "latent_dim", "encoder_hidden"):
             _number(self, name, low=1, integer=True)

@@ -25,7 +25,7 @@ class ContinuousCVAE(CVAEBase):
 
     def posterior(self, features: FrozenFeatures) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mu, logvar)`` of ``q(z | x, y)``, each ``[B, D]``."""
-        mu, logvar = self.encoder(self.encoder_norm(features.encoder_features)).chunk(2, dim=-1)
+        mu, logvar = self.encoder(self.encoder_norm(self.encoder_input(features))).chunk(2, dim=-1)
         return mu, logvar.clamp(*LOGVAR_RANGE)
 
     def prior(self, features: FrozenFeatures) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,12 @@ length ``Tc = T + P``; ``N = Tc - 1`` conditioned positions; ``H`` hidden size; 
 
 One no-grad pass of the frozen model over the z-free sequence ``[x][y]`` gives the z-free
 per-token surprisal, the prior's features (hidden state at the last prompt token) and the
-encoder's features (mean of the response's hidden states, concatenated with the last token's).
+encoder's features: a pool of the response's hidden states, concatenated with the last token's.
+The pool is the encoder's view (``LatentConfig.encoder_view``): the plain mean (``mean_last``, the
+default), the sum weighted by term 3's token weights ``pi_t`` (``token_weighted``), or a learned
+query's attention over the per-token states (``attention``, pooled in the step by
+:class:`AttentionPool`). Features come from ``hidden_states[encoder_layer]`` (the last layer by
+default); the surprisal always from the last.
 The latent family (a subclass) turns features into a latent vector; a linear projection turns
 it into ``P`` soft embeddings placed ``[z][x][y]`` (``prefix``) or ``[x][z][y]`` (``between``).
 """
@@ -20,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
+from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
 from .data import Batch
 from .losses import (
     default_chunk_size,
@@ -45,13 +50,20 @@ class FrozenFeatures:
 
     zfree_token_nll: torch.Tensor  # [B, T-1], b_t on the z-free layout, zero off the response
     prior_features: torch.Tensor  # [B, H], hidden state at the last prompt token
-    encoder_features: torch.Tensor  # [B, 2H], mean response hidden state ++ last token hidden state
+    # [B, 2H], the response pool ++ the last token's hidden state: the pool is the mean (encoder_view
+    # "mean_last", and "attention", whose encoder replaces it by its own pool of response_hidden) or
+    # sum_t pi_t h_t ("token_weighted").
+    encoder_features: torch.Tensor
     # The reference's predictive entropy on the same layout, when token_weight_source = "entropy".
     zfree_token_entropy: torch.Tensor | None = None
     # Optional: the token weighting on the z-free layout, precomputed (by the feature cache) for
     # ``weighting_params`` (source, alpha, eps, interpolation); a model uses it only when those are its own.
     zfree_weighting: TokenWeighting | None = None
     weighting_params: WeightingParams | None = None
+    # encoder_view "attention" only: the hidden states at the response tokens' positions of [x][y],
+    # [B, T, H], zero elsewhere, and the [B, T] boolean mask of those positions (target_mask).
+    response_hidden: torch.Tensor | None = None
+    response_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -157,6 +169,44 @@ def mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d_in, d_hidden), nn.GELU(approximate="tanh"), nn.Linear(d_hidden, d_out))
 
 
+class AttentionPool(nn.Module):
+    """A learned query's attention over the response's hidden states (``encoder_view = "attention"``).
+
+    ``a_t = softmax_t(q . LayerNorm(h_t) / sqrt(H))`` over the response positions only (prompt and
+    padding masked out), pooled ``sum_t a_t h_t``, ``[B, H]``. The key's LayerNorm has no parameters;
+    the query starts at zero, so before training the pool is the plain mean of ``mean_last``.
+    """
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(hidden_size))
+        self.key_norm = nn.LayerNorm(hidden_size, elementwise_affine=False)
+        self.scale = hidden_size**-0.5
+
+    def weights(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``a_t``, ``[B, T]`` for ``[B, T, H]`` states and a ``[B, T]`` mask (rows sum to 1 over the mask)."""
+        scores = (self.key_norm(hidden) @ self.query.to(hidden.dtype)) * self.scale  # [B, T]
+        return torch.softmax(scores.float().masked_fill(~mask.bool(), float("-inf")), dim=1)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        weights = self.weights(hidden, mask).to(hidden.dtype)  # [B, T], exactly 0 off the response
+        return (weights.unsqueeze(-1) * hidden).sum(1)
+
+
+def weighted_pool(hidden: torch.Tensor, token_weights: torch.Tensor) -> torch.Tensor:
+    """``sum_t pi_t h_t``, ``[B, H]``: ``[B, T-1]`` token weights on the z-free positions that predict
+    each token (position ``t`` weights token ``t + 1``) applied to the ``[B, T, H]`` states at the
+    tokens' own positions."""
+    return (token_weights.to(hidden.dtype).unsqueeze(-1) * hidden[:, 1:]).sum(1)
+
+
+def num_hidden_layers(model: nn.Module) -> int | None:
+    """The number of transformer layers of a Hugging Face causal LM (peft-wrapped or not), if it says."""
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    return int(layers) if isinstance(layers, int) else None
+
+
 def bag_of_words_loss(bow_logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
     """``mean_b (1/n_b) sum_t m_t -log softmax(bow_logits[b])[y_t]`` for ``[B, V]`` logits, ``[B, T]`` ids/mask."""
     log_probs = F.log_softmax(bow_logits.float(), dim=-1)  # [B, V]
@@ -198,6 +248,19 @@ class CVAEBase(nn.Module):
         self.num_latent_tokens = latent.latent_tokens
         self.zfree_reference_scale: float | None = reconstruction.zfree_reference_scale
         H = self.hidden_size
+        layers = num_hidden_layers(decoder)
+        if layers is not None and not -(layers + 1) <= latent.encoder_layer <= layers:
+            raise ConfigError(
+                f"LatentConfig.encoder_layer must be in [{-(layers + 1)}, {layers}] for this model "
+                f"({layers} layers: hidden_states[0] is the token embeddings, -1 the last layer), "
+                f"got {latent.encoder_layer}",
+                field="encoder_layer",
+            )
+        # The hidden_states index of the features, counted from 0 (None: not known, the model's last).
+        self.encoder_layer_index = latent.encoder_layer % (layers + 1) if layers is not None else None
+        self.decoder_layers = layers
+        # encoder_view "attention": the learned query, trained with the encoder heads ("encoder" group).
+        self.encoder_pool = AttentionPool(H) if latent.encoder_view == "attention" else None
         # Parameter-free: the first Linear of each head absorbs any affine, and a norm of frozen
         # features without parameters has nothing to differentiate.
         self.encoder_norm = nn.LayerNorm(2 * H, elementwise_affine=False)
@@ -231,6 +294,46 @@ class CVAEBase(nn.Module):
 
     def post_step(self, step: int) -> None:
         """Called after the optimizer step whose forward passes ran with ``step`` (e.g. dead-code restart)."""
+
+    # -- the encoder's view ----------------------------------------------------------------------
+    def encoder_input(self, features: FrozenFeatures) -> torch.Tensor:
+        """What the encoder head sees, ``[B, 2H]`` (before its LayerNorm): ``features.encoder_features``,
+        except for ``encoder_view = "attention"``, where the response pool is the learned query's."""
+        if self.encoder_pool is None:
+            return features.encoder_features
+        if features.response_hidden is None or features.response_mask is None:
+            raise ValueError(
+                "encoder_view 'attention' needs the per-token response hidden states, which these features do "
+                "not carry: pass features from frozen_pass or FeatureCache.features of a cache built by a model "
+                "with encoder_view 'attention'"
+            )
+        pooled = self.encoder_pool(features.response_hidden, features.response_mask)  # [B, H]
+        return torch.cat([pooled, features.encoder_features[:, self.hidden_size :].to(pooled.dtype)], dim=-1)
+
+    @property
+    def encoder_view_params(self) -> dict[str, object]:
+        """What the frozen pass's features depend on besides weights and data (for the cache fingerprint):
+        empty for the defaults (``mean_last`` from the last layer), so that their caches stay valid."""
+        params: dict[str, object] = {}
+        cfg = self.latent_cfg
+        if cfg.encoder_view != "mean_last":
+            params["encoder_view"] = cfg.encoder_view
+        if cfg.encoder_view == "token_weighted":
+            source, alpha, eps, interpolation = self.encoder_weighting_params
+            params.update(source=source, alpha=alpha, eps=eps, interpolation=interpolation)
+        if self.encoder_layer_index is None:
+            if cfg.encoder_layer != -1:
+                params["encoder_layer"] = cfg.encoder_layer
+        elif self.encoder_layer_index != self.decoder_layers:
+            params["encoder_layer"] = self.encoder_layer_index
+        return params
+
+    @property
+    def encoder_weighting_params(self) -> WeightingParams:
+        """``(source, alpha, eps, interpolation)`` of the ``token_weighted`` view's ``pi_t``: the model's own,
+        with the surprisal shares in place of ``dynamic`` weights (which change every step)."""
+        source, alpha, eps, interpolation = self.weighting_params
+        return ("surprisal" if source == "dynamic" else source, alpha, eps, interpolation)
 
     # -- parameters ----------------------------------------------------------------------------
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
@@ -283,7 +386,8 @@ class CVAEBase(nn.Module):
 
     @torch.no_grad()
     def frozen_pass(self, batch: Batch) -> FrozenFeatures:
-        """One no-grad pass of the reference over ``[x][y]``: z-free NLL and both heads' features."""
+        """One no-grad pass of the reference over ``[x][y]``: z-free NLL (last layer) and both heads'
+        features (``hidden_states[encoder_layer]``; the response pool of the configured encoder view)."""
         with self.reference_context() as reference:
             was_training = reference.training
             reference.eval()
@@ -313,14 +417,33 @@ class CVAEBase(nn.Module):
             else:
                 window = lm_head_token_nll_per_position(*window_args)
         zfree_nll = F.pad(window.float(), (start, 0))  # [B, T-1]
+        if self.latent_cfg.encoder_layer != -1:
+            hidden = out.hidden_states[self.latent_cfg.encoder_layer]  # [B, T, H], the features' layer
         hidden = hidden.float()
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         prior_features = hidden[rows, batch.prompt_lengths - 1]  # [B, H]
         mask = batch.target_mask.to(hidden.dtype).unsqueeze(-1)  # [B, T, 1]
-        mean_response = (hidden * mask).sum(1) / mask.sum(1)  # [B, H]
+        view = self.latent_cfg.encoder_view
+        if view == "token_weighted":
+            source, alpha, eps, interpolation = self.encoder_weighting_params
+            pi = token_weighting_from_base_nll(
+                zfree_nll,
+                batch.target_mask[:, 1:],
+                alpha,
+                eps,
+                signal=entropy if source == "entropy" else None,
+                interpolation=interpolation,
+            ).token_weights  # [B, T-1], term 3's pi_t on the z-free layout
+            pooled = weighted_pool(hidden, pi)  # [B, H]
+        else:
+            pooled = (hidden * mask).sum(1) / mask.sum(1)  # [B, H], the mean
         last_token = hidden[rows, batch.prompt_lengths + batch.response_lengths - 1]  # [B, H]
-        encoder_features = torch.cat([mean_response, last_token], dim=-1)
-        return FrozenFeatures(zfree_nll, prior_features, encoder_features, zfree_token_entropy=entropy)
+        encoder_features = torch.cat([pooled, last_token], dim=-1)
+        features = FrozenFeatures(zfree_nll, prior_features, encoder_features, zfree_token_entropy=entropy)
+        if view == "attention":
+            features.response_hidden = hidden * mask  # [B, T, H], zero off the response
+            features.response_mask = batch.target_mask.bool()
+        return features
 
     # -- injection and decoding ------------------------------------------------------------------
     def latent_embeddings(self, vector: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 The frozen reference is deterministic per example, so its outputs (z-free per-token NLL of the
 response, the prior's and the encoder's features) are computed once and reused by every step;
-a training step then costs one decoder forward and backward.
+a training step then costs one decoder forward and backward. For ``encoder_view = "attention"``
+the per-token hidden states of every response token are cached too (``[sum_b n_b, H]`` float32,
+``4 H`` bytes per response token), and the learned query pools them in the step.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save
 from tqdm.auto import tqdm
@@ -51,7 +54,9 @@ class FeatureCache:
     ``rho``...) is a function of its cached ``b_t`` (and, for the entropy source, its cached entropy)
     alone: it is computed once per weighting setting (:meth:`response_weighting`) and handed out with
     the features, so a training step only looks it up. The ``"dynamic"`` source depends on the
-    training model and is computed by the model every step.
+    training model and is computed by the model every step. For ``encoder_view = "attention"`` it also
+    holds every response token's hidden state (:attr:`response_hidden`), placed back into ``[B, T, H]``
+    per batch for the learned query to pool.
     """
 
     response_nll: list[torch.Tensor]  # per example [n_b]: b_t of each response token
@@ -59,6 +64,9 @@ class FeatureCache:
     encoder_features: torch.Tensor  # [E, 2H]
     # Per example [n_b]: the reference's predictive entropy at each response token (entropy source only).
     response_entropy: list[torch.Tensor] | None = None
+    # encoder_view "attention" only: the hidden state at every response token's position, [sum_b n_b, H]
+    # float32, example after example (4 H bytes per response token).
+    response_hidden: torch.Tensor | None = None
     # Derived once, on first use: per-token weighting per setting; the flat layout of the responses.
     _weightings: dict[WeightingParams, tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -78,11 +86,16 @@ class FeatureCache:
     def subset(self, start: int, stop: int) -> FeatureCache:
         """The cache of examples ``start .. stop - 1`` (re-indexed from 0)."""
         entropy = None if self.response_entropy is None else self.response_entropy[start:stop]
+        hidden = None
+        if self.response_hidden is not None:  # a view of the rows of examples start .. stop - 1
+            first = sum(len(n) for n in self.response_nll[:start])
+            hidden = self.response_hidden[first : first + sum(len(n) for n in self.response_nll[start:stop])]
         return FeatureCache(
             self.response_nll[start:stop],
             self.prior_features[start:stop],
             self.encoder_features[start:stop],
             entropy,
+            hidden,
         )
 
     def response_weighting(self, params: WeightingParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,6 +164,11 @@ class FeatureCache:
         device = batch.input_ids.device
         idx = batch.indices.cpu()
         prior, encoder = self.prior_features[idx].to(device), self.encoder_features[idx].to(device)
+        hidden = {}
+        if self.response_hidden is not None:
+            # Token k of a response sits one position after the position that predicts it: [B, T, H].
+            placed = F.pad(self._place(self.response_hidden, batch), (0, 0, 1, 0))
+            hidden = dict(response_hidden=placed, response_mask=batch.target_mask.bool())
         if weighting_params is None or weighting_params[0] == "dynamic":
             if self._flat_nll is None:
                 self._flat_nll = _flatten(self.response_nll)
@@ -159,7 +177,9 @@ class FeatureCache:
                 if self._flat_entropy is None:
                     self._flat_entropy = _flatten(self.response_entropy)
                 entropy = self._place(self._flat_entropy, batch)
-            return FrozenFeatures(self._place(self._flat_nll, batch), prior, encoder, zfree_token_entropy=entropy)
+            return FrozenFeatures(
+                self._place(self._flat_nll, batch), prior, encoder, zfree_token_entropy=entropy, **hidden
+            )
         tokens, statistics = self.response_weighting(weighting_params)
         per_token = self._place(tokens, batch)  # [B, T-1, 3]: b_t, pi_t, pi_inv_t
         stats = statistics[idx].to(device)  # [B, 5]
@@ -170,7 +190,7 @@ class FeatureCache:
             **{name: stats[:, i] for i, name in enumerate(_WEIGHTING_STATISTICS)},
         )
         return FrozenFeatures(
-            per_token[..., 0], prior, encoder, zfree_weighting=weighting, weighting_params=weighting_params
+            per_token[..., 0], prior, encoder, zfree_weighting=weighting, weighting_params=weighting_params, **hidden
         )
 
 
@@ -190,19 +210,28 @@ def build_feature_cache(
     prior: list[torch.Tensor | None] = [None] * len(examples)
     encoder: list[torch.Tensor | None] = [None] * len(examples)
     entropy: list[torch.Tensor] | None = None
+    hidden: torch.Tensor | None = None  # [sum_b n_b, H], filled in example order
+    lengths = [len(e.response_ids) for e in examples]
+    first_row = [0] * len(examples)
+    for i in range(1, len(examples)):
+        first_row[i] = first_row[i - 1] + lengths[i - 1]
     for start in tqdm(range(0, len(order), batch_size), desc=description, disable=not progress, unit="batch"):
         chunk = order[start : start + batch_size]
         batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
         out = model.frozen_pass(batch)
+        if out.response_hidden is not None and hidden is None:
+            hidden = torch.zeros(sum(lengths), out.response_hidden.shape[-1])
         for row, index in enumerate(chunk):
             p, r = int(batch.prompt_lengths[row]), int(batch.response_lengths[row])
             response_nll[index] = out.zfree_token_nll[row, p - 1 : p - 1 + r].float().cpu()
             if out.zfree_token_entropy is not None:
                 entropy = entropy if entropy is not None else [None] * len(examples)  # type: ignore[list-item]
                 entropy[index] = out.zfree_token_entropy[row, p - 1 : p - 1 + r].float().cpu()
+            if hidden is not None:  # the states at the response tokens' own positions p .. p + r - 1
+                hidden[first_row[index] : first_row[index] + r] = out.response_hidden[row, p : p + r].float().cpu()
             prior[index] = out.prior_features[row].float().cpu()
             encoder[index] = out.encoder_features[row].float().cpu()
-    return FeatureCache(response_nll, torch.stack(prior), torch.stack(encoder), entropy)  # type: ignore[arg-type]
+    return FeatureCache(response_nll, torch.stack(prior), torch.stack(encoder), entropy, hidden)  # type: ignore[arg-type]
 
 
 def batch_features(model: CVAEBase, batch: Batch, cache: FeatureCache | None) -> FrozenFeatures:
@@ -218,9 +247,16 @@ FEATURE_PASS_VERSION = (
 
 def feature_fingerprint(model: CVAEBase, examples: Sequence[Example]) -> str:
     """A hash of everything the frozen pass depends on: the reference's weights and every example's
-    token ids (which fix the tokenizer, chat template, length caps and data), and the pass itself."""
+    token ids (which fix the tokenizer, chat template, length caps and data), and the pass itself.
+
+    The encoder's view enters only when it is not the default (``CVAEBase.encoder_view_params``: the
+    view, the ``token_weighted`` view's weighting settings, an ``encoder_layer`` other than the last),
+    so that caches of the default pass stay valid."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(FEATURE_PASS_VERSION.encode())
+    view = model.encoder_view_params
+    if view:
+        digest.update(json.dumps(view, sort_keys=True).encode())
     with model.reference_context() as reference:
         state = reference.state_dict()
         for name in sorted(state):
@@ -245,6 +281,8 @@ def save_feature_cache(cache: FeatureCache, path: Path, fingerprint: str) -> Non
     }
     if cache.response_entropy is not None:
         tensors["response_entropy"] = _flatten(cache.response_entropy)
+    if cache.response_hidden is not None:
+        tensors["response_hidden"] = cache.response_hidden.contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
     replace_file_durably(path, save(tensors, metadata={"fingerprint": fingerprint, "version": FEATURE_PASS_VERSION}))
 
@@ -261,7 +299,10 @@ def load_feature_cache(path: Path, fingerprint: str) -> FeatureCache | None:
         lengths = tensors["response_lengths"].tolist()
         nll = list(torch.split(tensors["response_nll"], lengths))
         entropy = list(torch.split(tensors["response_entropy"], lengths)) if "response_entropy" in tensors else None
-        return FeatureCache(nll, tensors["prior_features"], tensors["encoder_features"], entropy)
+        hidden = tensors.get("response_hidden")
+        if hidden is not None and (hidden.dim() != 2 or hidden.shape[0] != sum(lengths)):
+            raise ValueError(f"response_hidden has shape {tuple(hidden.shape)} for {sum(lengths)} response tokens")
+        return FeatureCache(nll, tensors["prior_features"], tensors["encoder_features"], entropy, hidden)
     except Exception as exc:  # a damaged cache is derived data: rebuild it rather than fail or trust it
         logger.warning("feature cache %s is unreadable (%s: %s); rebuilding it", path, type(exc).__name__, exc)
         return None
@@ -280,7 +321,8 @@ def load_or_build_feature_cache(
 
     A cache built for other weights, tokenizer, template, caps or data has another fingerprint and
     is never used: it is rebuilt (and the old file replaced). So is one without the predictive
-    entropy when the model weights tokens by it.
+    entropy when the model weights tokens by it, or without the per-token hidden states when its
+    encoder attends over them; one built for another encoder view or layer has another fingerprint.
     """
     if cache_dir is None:
         return build_feature_cache(model, examples, pad_token_id, batch_size, device, progress)
@@ -288,11 +330,15 @@ def load_or_build_feature_cache(
     path = Path(cache_dir) / "frozen_pass.safetensors"
     cache = load_feature_cache(path, fingerprint)
     needs_entropy = model.reconstruction_cfg.token_weight_source == "entropy"
+    needs_hidden = model.latent_cfg.encoder_view == "attention"
     if cache is not None and len(cache) == len(examples):
-        if not needs_entropy or cache.response_entropy is not None:
+        if needs_entropy and cache.response_entropy is None:
+            logger.info("frozen pass: %s holds no predictive entropy (token_weight_source 'entropy'); rebuilding", path)
+        elif needs_hidden and cache.response_hidden is None:
+            logger.info("frozen pass: %s holds no per-token hidden states (encoder_view 'attention'); rebuilding", path)
+        else:
             logger.info("frozen pass: reusing %s (fingerprint %s)", path, fingerprint)
             return cache
-        logger.info("frozen pass: %s holds no predictive entropy (token_weight_source 'entropy'); rebuilding", path)
     elif path.exists():
         logger.info("frozen pass: %s was built for other weights or data; rebuilding", path)
     cache = build_feature_cache(model, examples, pad_token_id, batch_size, device, progress)

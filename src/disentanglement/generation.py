@@ -99,7 +99,8 @@ def _device(model: CVAEBase) -> torch.device:
 
 @torch.no_grad()
 def prompt_features(model: CVAEBase, prompt_ids: Sequence[list[int]], pad_token_id: int) -> FrozenFeatures:
-    """The prior's features of prompts alone: the reference's last hidden state at the last prompt token.
+    """The prior's features of prompts alone: the reference's hidden state (``hidden_states[encoder_layer]``,
+    the last layer by default) at the last prompt token.
 
     The model is causal, so this equals the training features of ``[x][y]`` at that position. Only
     ``prior_features`` is filled (``[B, H]``); the other fields are empty.
@@ -117,7 +118,7 @@ def prompt_features(model: CVAEBase, prompt_ids: Sequence[list[int]], pad_token_
             out = reference(input_ids=ids, attention_mask=attention, output_hidden_states=True)
         finally:
             reference.train(was_training)
-    hidden = out.hidden_states[-1].float()
+    hidden = out.hidden_states[model.latent_cfg.encoder_layer].float()  # the prior's layer, as in training
     prior = hidden[torch.arange(len(prompt_ids), device=device), lengths - 1]  # [B, H]
     empty = prior.new_zeros(len(prompt_ids), 0)
     return FrozenFeatures(zfree_token_nll=empty, prior_features=prior, encoder_features=empty)

@@ -51,7 +51,7 @@ class SharedDiscreteCVAE(CVAEBase):
 
     def encoder_outputs(self, features: FrozenFeatures) -> torch.Tensor:
         """``e``, ``[B, M, C]``."""
-        e = self.encoder(self.encoder_norm(features.encoder_features))
+        e = self.encoder(self.encoder_norm(self.encoder_input(features)))
         return e.view(e.shape[0], self.num_slots, self.latent_cfg.code_dim)
 
     def posterior_logits(self, e: torch.Tensor) -> torch.Tensor:
