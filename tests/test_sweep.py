@@ -158,3 +158,9 @@ def test_sweep_command_line(tmp_path, data_file, monkeypatch, capsys):
     seeded.write_text(yaml.safe_dump(dict(BASE, seed=3)))
     assert cli.main(["sweep", "--config", str(seeded), "--output-dir", str(tmp_path / "x")]) == 2
     assert "sets 'seed'" in capsys.readouterr().err
+
+
+def test_a_single_valued_set_is_a_setting_of_every_cell():
+    spec = sweep.build_spec({"beta": 0.1}, ["a latent_tokens=2"], ["data=x.jsonl", "token_weight_alpha=1,2"])
+    assert list(spec.cells) == ["a,token_weight_alpha=1", "a,token_weight_alpha=2"]
+    assert spec.base == {"beta": 0.1, "data": "x.jsonl"}

@@ -7,7 +7,8 @@ evaluate every (cell, seed), then report each metric's mean and 95% confidence i
         --cell "term3 reconstruction_weight=0 token_weighted_weight=1"
 
 Cells are the named ``--cell`` settings (``NAME FIELD=VALUE ...``; none: one cell, the base) crossed
-with the grid of every ``--set FIELD=V1,V2,...`` (the product of all of them). ``FIELD`` is a config
+with the grid of every ``--set FIELD=V1,V2,...`` (the product of all of them; a ``--set`` with one
+value sets that field in every cell). ``FIELD`` is a config
 field name, optionally with its section (``kl.beta``); values are read as YAML scalars and
 type-checked like a config file's. Layout of the output directory::
 
@@ -153,6 +154,8 @@ def build_spec(
     if cells and len(named) != len(cells):
         raise ConfigError("sweep: two --cell options have the same name")
     grid = parse_grid(sets)
+    base = dict(base, **{k: v[0] for k, v in grid.items() if len(v) == 1})  # one value: a setting of every cell
+    grid = {k: v for k, v in grid.items() if len(v) > 1}
     combined: dict[str, dict[str, Any]] = {}
     for cell_name, cell_values in named.items():
         for combo in itertools.product(*grid.values()):

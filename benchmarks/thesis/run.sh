@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The thesis sweeps of the README table: which factor the latent takes under each reconstruction term.
+# Embedded model, CPU; about 25 min per sweep of 15 runs with 2 jobs on 2 cores.
+#   bash benchmarks/thesis/run.sh [OUT]      (default OUT = runs/thesis)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${1:-runs/thesis}"
+D=".venv/bin/disentangle"
+mkdir -p "$OUT/data"
+for set in two-factor style-in-content; do
+  [ -f "$OUT/data/$set-train.jsonl" ] || $D data synth "$set" --output "$OUT/data/$set-train.jsonl" --rows 800 --seed 0
+  [ -f "$OUT/data/$set-heldout.jsonl" ] || $D data synth "$set" --output "$OUT/data/$set-heldout.jsonl" --rows 200 --seed 1
+done
+TERMS=(
+  --cell "raw reconstruction_weight=1"
+  --cell "term3-alpha1 reconstruction_weight=0 token_weighted_weight=1 token_weight_alpha=1"
+  --cell "term3-alpha2 reconstruction_weight=0 token_weighted_weight=1 token_weight_alpha=2"
+  --cell "term4 reconstruction_weight=0 normalized_concentration_corrected_token_weighted_weight=1"
+  --cell "term5 reconstruction_weight=0 normalized_inverse_surprisal_token_weighted_weight=1"
+)
+$D sweep --config benchmarks/thesis/base.yaml --output-dir "$OUT/two-factor" --seeds 0,1,2 --jobs 2 \
+  --set "data.data=$OUT/data/two-factor-train.jsonl" --eval-data "$OUT/data/two-factor-heldout.jsonl" "${TERMS[@]}"
+$D sweep --config benchmarks/thesis/base.yaml --output-dir "$OUT/style-in-content" --seeds 0,1,2 --jobs 2 \
+  --set "data.data=$OUT/data/style-in-content-train.jsonl" --eval-data "$OUT/data/style-in-content-heldout.jsonl" \
+  --cell "raw reconstruction_weight=1" \
+  --cell "default reconstruction_weight=1 token_weighted_weight=1 token_weight_alpha=1" \
+  --cell "term3-alpha2 reconstruction_weight=0 token_weighted_weight=1 token_weight_alpha=2"
