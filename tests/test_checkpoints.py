@@ -364,7 +364,9 @@ def test_nonfinite_weights_never_reach_a_checkpoint(tmp_path):
 
 def test_an_exploding_loss_stops_with_a_diagnostic(tmp_path):
     exploding = dict(latent_lr=1e4, encoder_lr=1e4, max_grad_norm=1e30, warmup_steps=0, save_every=1, max_steps=12)
-    with pytest.raises(TrainingDiverged, match="the loss .* is more than 100 x max\\(median") as raised:
+    with pytest.raises(
+        TrainingDiverged, match="the loss .* is more than 100 x max\\(the lowest running median"
+    ) as raised:
         run(tmp_path / "on", **exploding)
     assert "largest terms: codebook_loss" in str(raised.value)
     assert f"the last good checkpoint is {latest_checkpoint(tmp_path / 'on')}" in str(raised.value)
@@ -374,17 +376,39 @@ def test_an_exploding_loss_stops_with_a_diagnostic(tmp_path):
 
 def test_loss_monitor_thresholds():
     monitor = LossMonitor(ratio=10.0, c_base=2.0)
-    assert monitor.check({"loss": 5.0, "reconstruction_loss": 19.9}) is None  # 19.9 <= 10 x 2
+    assert monitor.check({"loss": 5.0, "reconstruction_loss": 19.9}) is None  # 19.9 <= 10 x max(2, 1)
     assert "reconstruction loss 20.1" in monitor.check({"loss": 5.0, "reconstruction_loss": 20.1})
+    assert monitor.strikes == 1
     for loss in (3.0, 5.0, 4.0):
-        monitor.check({"loss": loss, "reconstruction_loss": 1.0})
-    # history 5, 5, 3, 5, 4: median 5 -> threshold 50 (c_base 2 is smaller)
+        assert monitor.check({"loss": loss, "reconstruction_loss": 1.0}) is None
+    assert monitor.strikes == 0
+    # losses 5, 5, 3, 5, 4: the lowest running median is 5 -> threshold 50 (c_base 2 is smaller)
+    assert monitor.best_median == 5.0
     assert monitor.check({"loss": 49.0, "reconstruction_loss": 1.0}) is None
-    assert "median" in monitor.check({"loss": -51.0, "reconstruction_loss": 1.0})
-    small = LossMonitor(ratio=10.0, c_base=2.0)
-    small.check({"loss": 0.01, "reconstruction_loss": 0.01})
-    assert small.check({"loss": 19.0, "reconstruction_loss": 0.01}) is None  # the floor is c_base, not 0.01
+    assert "lowest running median" in monitor.check({"loss": -51.0, "reconstruction_loss": 1.0})
+    # A small c_base is floored at 1 nat/token.
+    small = LossMonitor(ratio=10.0, c_base=0.01)
+    assert small.check({"loss": 5.0, "reconstruction_loss": 9.9}) is None
+    assert small.check({"loss": 0.01, "reconstruction_loss": 0.01}) is None
+    assert small.check({"loss": 9.0, "reconstruction_loss": 0.01}) is None  # the floor is 1, not 0.01
     assert LossMonitor(ratio=0.0, c_base=2.0).check({"loss": 1e30, "reconstruction_loss": 1e30}) is None
+
+
+def test_a_slow_blow_up_is_caught_and_a_long_example_is_not_a_divergence():
+    monitor, loss, steps = LossMonitor(ratio=100.0, c_base=3.0), 5.0, 0
+    while monitor.strikes < 3:  # 15% a step: the lowest median stays put, so it is caught near 100 x
+        monitor.check({"loss": loss, "reconstruction_loss": 3.0})
+        loss, steps = loss * 1.15, steps + 1
+    assert loss < 1e4 and steps < 50
+    # One step whose sequence-summed loss is 150 x the usual (a long response) is one strike, not a stop.
+    spiky = LossMonitor(ratio=100.0, c_base=3.0)
+    for i in range(60):
+        spiky.check({"loss": 2000.0 if i == 30 else 13.0, "reconstruction_loss": 3.0})
+        assert spiky.strikes <= 1
+    state = spiky.state()
+    restored = LossMonitor(ratio=100.0, c_base=3.0)
+    restored.load(json.loads(json.dumps(state)))
+    assert restored.state() == state
 
 
 # ------------------------------------------------------------------------------------------------
@@ -404,6 +428,52 @@ CORRUPTIONS = [
         "trainer_state.json", lambda b: b.replace(b'"step": 6', b'"step": "six"'), "'step' must be", id="state-step"
     ),
 ]
+
+
+def _state_edit(**changes):
+    """Damage trainer_state.json by setting fields (dotted for nested ones); the result stays JSON."""
+
+    def damage(data: bytes) -> bytes:
+        state = json.loads(data)
+        for key, value in changes.items():
+            *parents, last = key.split(".")
+            target = state
+            for parent in parents:
+                target = target[parent]
+            target[last] = value
+        return json.dumps(state).encode()
+
+    return damage
+
+
+# trainer_state.json with values of the wrong type or range: each refused, named, and resume falls back.
+for _id, _changes, _fragment in (
+    ("c-base-null", {"zfree_reference_scale": None}, "'zfree_reference_scale' must be a finite number > 0"),
+    ("c-base-negative", {"zfree_reference_scale": -1.0}, "'zfree_reference_scale' must be a finite number > 0"),
+    ("epoch-string", {"data_order.epoch": "0"}, "'data_order' must be"),
+    ("position-float", {"data_order.position": 1.5}, "'data_order' must be"),
+    ("epoch-negative", {"data_order.epoch": -1}, "'data_order' must be"),
+    ("files-list", {"files": []}, "'files' must map file names to SHA-256"),
+    ("step-not-the-directory", {"step": 10**12}, "'step' is 1000000000000 but the directory is step-000006"),
+    ("format-other", {"format": "zzz"}, "'format' 'zzz' is not this version's"),
+    ("monitor-string", {"loss_monitor.history": ["x"]}, "'loss_monitor' must hold finite numbers"),
+    ("nonfinite-negative", {"nonfinite_steps": -1}, "'nonfinite_steps' must be a non-negative integer"),
+):
+    CORRUPTIONS.append(pytest.param("trainer_state.json", _state_edit(**_changes), _fragment, id=_id))
+CORRUPTIONS += [
+    pytest.param(
+        "trainer_state.json",
+        lambda b: b.replace(b'"zfree_reference_scale": ', b'"zfree_reference_scale": NaN, "x": '),
+        "non-finite number NaN",
+        id="c-base-nan",
+    ),
+    pytest.param(
+        "trainer_state.json",
+        lambda b: b.replace(b'"step": 6,', b'"step": 6, "step": 6,'),
+        "duplicate key 'step'",
+        id="duplicate-key",
+    ),
+]
 # Without a recorded checksum (a file forged consistently, or an older checkpoint), parsing catches it.
 FORGED = [
     pytest.param("model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}", "not a valid safetensors", id="weights"),
@@ -411,6 +481,7 @@ FORGED = [
     pytest.param("scheduler.json", b"[1", "scheduler.json: corrupt", id="scheduler"),
     pytest.param("rng.safetensors", b"\x00" * 16, "rng.safetensors: corrupt", id="rng"),
     pytest.param("config.yaml", b"latent: [", "config.yaml: not a valid config", id="config"),
+    pytest.param("scheduler.json", b'{"a": NaN}', "non-finite number NaN", id="scheduler-nan"),
 ]
 RESUME_ONLY = {"optimizer.pt", "scheduler.json", "rng.safetensors"}  # evaluation does not read these
 
@@ -479,7 +550,7 @@ def test_metrics_with_a_partial_last_line_resume_cleanly(tmp_path, caplog):
     lines[1] = "garbage"
     (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match="metrics.jsonl:2: not a metrics record"):
-        run(tmp_path / "run", resume=str(tmp_path / "run" / "checkpoints" / "step-000003"))
+        run(tmp_path / "run", resume=str(tmp_path / "run" / "checkpoints" / "step-000003"), overwrite=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -591,3 +662,171 @@ def test_cli_exit_codes_and_one_line_messages(tmp_path, cli_train, capsys, monke
     assert cli_train("--output-dir", str(done), "--resume", "auto") == 2
     err = capsys.readouterr().err
     assert "no checkpoint of" in err and "trainer_state.json: unreadable or corrupt" in err
+
+
+def _rng_bytes(**broken) -> bytes:
+    state = checkpoints.rng_state()
+    if "python_mt" in broken:
+        version, mt, gauss = state["python"]
+        state["python"] = (version, mt[:100], gauss)
+    if "numpy_kind" in broken:
+        state["numpy"] = ("XYZ", *state["numpy"][1:])
+    if "torch_short" in broken:
+        state["torch"] = state["torch"][:100]
+    return checkpoints.rng_state_to_safetensors(state)
+
+
+@pytest.mark.parametrize("broken", ["python_mt", "numpy_kind", "torch_short"])
+def test_a_forged_rng_state_is_refused_before_it_is_applied(tmp_path, finished_run, broken, caplog):
+    import random
+
+    run_dir = _copy_run(finished_run, tmp_path / "run")
+    rewrite(run_dir / "checkpoints" / "step-000006", "rng.safetensors", _rng_bytes(**{broken: True}), True)
+    before = random.getstate()
+    with caplog.at_level(logging.WARNING, logger="disentanglement.checkpoints"):
+        assert read_resumable(run_dir).path.name == "step-000003"
+    assert "rng.safetensors: corrupt" in caplog.text and random.getstate() == before
+
+
+def _forged_optimizer(checkpoint: Path, edit) -> None:
+    state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    edit(state)
+    rewrite(checkpoint, "optimizer.pt", pickle_bytes(state), True)
+
+
+OPTIMIZER_FORGERIES = {
+    "exp_avg of the wrong shape": (
+        lambda s: s["state"][0].update(exp_avg=torch.zeros(3)),
+        "exp_avg is torch.float32 (3,)",
+    ),
+    "exp_avg_sq of another dtype": (
+        lambda s: s["state"][0].update(exp_avg_sq=s["state"][0]["exp_avg_sq"].double()),
+        "exp_avg_sq is torch.float64",
+    ),
+    "a missing group": (lambda s: s["param_groups"].pop(), "parameter groups"),
+    "an unknown parameter": (lambda s: s["state"].update({999: s["state"][0]}), "unknown parameter 999"),
+    "an extra state entry": (lambda s: s["state"][0].update(evil=torch.zeros(1)), "unexpected state"),
+    "a non-finite moment": (
+        lambda s: s["state"][0].update(exp_avg=torch.full_like(s["state"][0]["exp_avg"], float("nan"))),
+        "exp_avg is not finite",
+    ),
+}
+
+
+@pytest.mark.parametrize("forgery", OPTIMIZER_FORGERIES.values(), ids=OPTIMIZER_FORGERIES.keys())
+def test_a_forged_optimizer_state_never_reaches_the_fused_kernel(tmp_path, finished_run, forgery):
+    # A state of the wrong shape loads with weights_only=True and load_state_dict does not check it:
+    # the fused AdamW step would then read and write out of bounds.
+    edit, fragment = forgery
+    run_dir = _copy_run(finished_run, tmp_path / "run")
+    _forged_optimizer(run_dir / "checkpoints" / "step-000006", edit)
+    with pytest.raises(CheckpointError, match=re.escape(fragment)):
+        run(tmp_path / "branch", resume=str(run_dir / "checkpoints" / "step-000006"), max_steps=6)
+
+
+def test_a_forged_scheduler_state_is_refused(tmp_path, finished_run):
+    run_dir = _copy_run(finished_run, tmp_path / "run")
+    checkpoint = run_dir / "checkpoints" / "step-000006"
+    state = json.loads((checkpoint / "scheduler.json").read_text())
+    state["optimizer"] = "x"  # load_state_dict would set any attribute it is given
+    rewrite(checkpoint, "scheduler.json", json.dumps(state).encode(), True)
+    with pytest.raises(CheckpointError, match="scheduler.json: corrupt \\(keys"):
+        run(tmp_path / "branch", resume=str(checkpoint))
+
+
+# ------------------------------------------------------------------------------------------------
+# where a resumed run goes
+
+
+def test_resume_path_never_mixes_two_runs(tmp_path, finished_run):
+    source = _copy_run(finished_run, tmp_path / "source")
+    other = tmp_path / "other"
+    run(other, max_steps=3, seed=2)
+    with pytest.raises(ConfigError, match="a checkpoint of the run in .*already holds another run"):
+        run(other, resume=str(source / "checkpoints" / "step-000003"))
+    # Into an empty directory: a branch, which continues exactly as the source would have.
+    branch = run(tmp_path / "branch", resume=str(source / "checkpoints" / "step-000003"))
+    straight = run(tmp_path / "straight")
+    assert branch.final_step == 6 and metrics(tmp_path / "branch")[0]["step"] == 4
+    for name, value in straight.model.trainable_state_dict().items():
+        assert torch.equal(branch.model.trainable_state_dict()[name], value), name
+    # From an older checkpoint of its own run: the later checkpoints are another branch's.
+    with pytest.raises(ConfigError, match="the run has later checkpoints \\(step-000006\\); pass --overwrite"):
+        run(source, resume=str(source / "checkpoints" / "step-000003"), latent_lr=1e-3)
+    run(source, resume=str(source / "checkpoints" / "step-000003"), latent_lr=1e-3, overwrite=True, max_steps=6)
+    assert [r["lr_latent"] for r in metrics(source)][3] != [r["lr_latent"] for r in metrics(tmp_path / "straight")][3]
+    with pytest.raises(ConfigError, match="give one of them"):
+        run(source, resume="auto", overwrite=True)
+    # A run directory as --resume PATH means its newest checkpoint.
+    assert run(tmp_path / "branch2", resume=str(source)).final_step == 6
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_can_start(tmp_path, finished_run, monkeypatch):
+    import disentanglement.trainer as trainer
+
+    run_dir = _copy_run(finished_run, tmp_path / "run")
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("the model cannot be built (simulated)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "build_cvae", fails)
+        with pytest.raises(RuntimeError, match="simulated"):
+            run(run_dir, overwrite=True)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    assert (run_dir / "metrics.jsonl").is_file()
+    (run_dir / ".config.yaml.tmp").write_text("left by a crash")
+    run(run_dir, overwrite=True, max_steps=3)  # an interrupted write's leftover is a run artefact
+    assert not (run_dir / ".config.yaml.tmp").exists()
+
+
+def test_resume_refuses_other_data(tmp_path):
+    with pytest.raises(Stop):
+        run(tmp_path, callbacks=[stop_at(3)])
+    tokenizer = tiny_tokenizer()
+    fewer = pairs()[:-8]
+    with pytest.raises(ConfigError, match="the data, the tokenizer or the frozen model differ"):
+        train(config_for(tmp_path, resume="auto"), (tiny_llama(len(tokenizer)), tokenizer), fewer)
+    with pytest.raises(ConfigError, match="the data, the tokenizer or the frozen model differ"):
+        train(config_for(tmp_path, resume="auto"), (tiny_llama(len(tokenizer), seed=5), tokenizer), pairs())
+
+
+def test_cli_resume_takes_where_to_write_from_the_command_line_never_the_checkpoint(tmp_path, finished_run):
+    import yaml
+
+    source = _copy_run(finished_run, tmp_path / "run")
+    checkpoint = source / "checkpoints" / "step-000003"
+    stored = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    stored["train"]["output_dir"] = str(tmp_path / "victim")
+    stored["model"]["model_cache_dir"] = str(tmp_path / "victim-cache")
+    rewrite(checkpoint, "config.yaml", yaml.safe_dump(stored).encode(), True)
+    (source / "config.yaml").unlink()  # so the checkpoint's config is the one continued
+    parser = cli.build_parser()
+    config = cli._train_config(parser.parse_args(["train", "--resume", str(checkpoint)]))
+    assert config.train.output_dir == str(source) and config.model.model_cache_dir is None
+    config = cli._train_config(parser.parse_args(["train", "--resume", str(checkpoint), "--output-dir", "elsewhere"]))
+    assert config.train.output_dir == "elsewhere"
+
+
+def test_metrics_are_fsynced_with_each_checkpoint_and_gaps_are_reported(tmp_path, monkeypatch, caplog):
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    with pytest.raises(Stop):
+        run(tmp_path, callbacks=[stop_at(3)])
+    assert str(tmp_path / "metrics.jsonl") in synced
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "metrics.jsonl").write_text("\n".join([lines[0], lines[2]]) + "\n")  # step 2 lost
+    with caplog.at_level(logging.WARNING):
+        run(tmp_path, resume="auto")
+    assert "no records of steps [2]" in caplog.text
+    (tmp_path / "metrics.jsonl").write_text('{"step": "1"}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:1: not a metrics record \\('step' is '1'"):
+        run(tmp_path, resume="auto")

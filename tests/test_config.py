@@ -575,3 +575,15 @@ def test_non_utf8_and_non_mapping_sections(tmp_path):
 def test_default_config_file_loads():
     for path in sorted((Path(__file__).parent.parent / "configs").glob("*.y*ml")):
         assert isinstance(load_run_config(path), RunConfig), path
+
+
+def test_yaml_floats_need_no_dot(tmp_path):
+    from disentanglement.config import read_config_file, resolve_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("encoder_lr: 1e-3\nlatent_lr: 3E+1\ntoken_weight_eps: 1.0e-6\nmodel: 1e3x\n")
+    values = read_config_file(path)
+    assert values == {"encoder_lr": 1e-3, "latent_lr": 30.0, "token_weight_eps": 1e-6, "model": "1e3x"}
+    path.write_text("encoder_lr: 1e-3\nmax_steps: 1e2\n")
+    with pytest.raises(ConfigError, match="max_steps must be an integer, got 100.0"):
+        resolve_config(path)

@@ -592,3 +592,22 @@ def test_tokenize_without_special_token_strings_does_not_warn(tokenizer, caplog)
         _, stats = tokenize_pairs(pairs, tokenizer, DataConfig())
         tokenize_pairs(pairs, tiny_tokenizer(chat_template=False), DataConfig())
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING] and stats["special_token_texts"] == 0
+
+
+def test_tokenize_warns_about_added_control_tokens_that_all_special_tokens_omits(caplog):
+    # SmolLM2's <file_sep>, <jupyter_code>, ... are special added tokens missing from all_special_tokens.
+    import logging
+
+    from tokenizers import AddedToken
+
+    from disentanglement.config import DataConfig
+    from disentanglement.data import PromptResponse, tokenize_pairs
+    from helpers import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.add_tokens([AddedToken("<file_sep>", special=True)])
+    assert "<file_sep>" not in tok.all_special_tokens
+    pairs = [PromptResponse("see <file_sep> here", "fine", None, "x.jsonl:1")]
+    with caplog.at_level(logging.WARNING, logger="disentanglement.data"):
+        _, stats = tokenize_pairs(pairs, tok, DataConfig(chat_template=False))
+    assert stats["special_token_texts"] == 1 and "<file_sep>" in caplog.text and "x.jsonl:1" in caplog.text

@@ -212,6 +212,8 @@ EVAL_CASES = [
     pytest.param("eval", no_input, ("--batch-size", "0"), ("--batch-size must be an integer >= 1, got 0",), id="eval-batch-size-0"),
     pytest.param("eval", no_input, ("--exact-limit", "-1"), ("--exact-limit must be an integer >= 0, got -1",), id="eval-exact-limit-negative"),
     pytest.param("eval", no_input, ("--output", "."), ("--output . is a directory",), id="eval-output-directory"),
+    pytest.param("eval", no_input, ("--output", "train.jsonl/r.json"), ("--output train.jsonl/r.json: train.jsonl is a file",), id="eval-output-under-a-file"),
+    pytest.param("inspect", no_input, ("--output-dir", "train.jsonl/sub"), ("--output-dir train.jsonl/sub: train.jsonl is a file",), id="inspect-output-dir-under-a-file"),
     pytest.param("inspect", no_input, ("--index", "-1"), ("--index must be an integer >= 0, got -1",), id="inspect-index-negative"),
     pytest.param("inspect", no_input, ("--index", "5", "--max-examples", "5"), ("--index 5 is outside [0, 5)",), id="inspect-index-past-max-examples"),
     pytest.param("inspect", no_input, ("--prior-samples", "0"), ("--prior-samples must be an integer >= 1, got 0",), id="inspect-prior-samples-0"),

@@ -277,3 +277,14 @@ def test_markdown_summary_has_one_table_per_factor(tmp_path):
         assert f"| latent \\ {name} |" in section  # the latent x value table
     assert "| slot 1 code | 0 |" in text
     assert "#### latent" not in text and "encoder_kmeans" not in text  # not the generic nested rendering
+
+
+def test_read_metrics_jsonl_leaves_out_a_partial_last_line(tmp_path):
+    from disentanglement.report import read_metrics_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert read_metrics_jsonl(path) == [{"step": 1, "loss": 2.0}]
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="line 2: invalid JSON"):
+        read_metrics_jsonl(path)

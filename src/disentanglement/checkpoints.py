@@ -26,8 +26,10 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import random
+import re
 import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -278,11 +280,15 @@ def save_checkpoint(
         write_durably(tmp / TRAINER_STATE, json.dumps(state, indent=2, allow_nan=False).encode())  # written last
         fsync_dir(tmp)
         old = root / f".old-{final.name}"
+        shutil.rmtree(old, ignore_errors=True)  # a leftover of a crash between the two renames below
         if final.exists():  # a re-run of the same step (resumed from an earlier checkpoint)
             os.replace(final, old)
         os.replace(tmp, final)
         fsync_dir(root)
         shutil.rmtree(old, ignore_errors=True)
+    except ValueError:  # a state that cannot be written as it must be read back (e.g. NaN in the JSON)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_checkpoint(output_dir)
@@ -315,18 +321,74 @@ class CheckpointContents:
         return int(self.trainer_state["step"])
 
 
+def _strict_json(data: str | bytes, path: Path) -> Any:
+    """JSON without duplicate keys, NaN or infinities (what this code writes never has them)."""
+
+    def pairs(items):
+        keys = [k for k, _ in items]
+        duplicated = sorted({k for k in keys if keys.count(k) > 1})
+        if duplicated:
+            raise CheckpointError(f"{path}: corrupt (duplicate key {duplicated[0]!r})")
+        return dict(items)
+
+    def constant(name):
+        raise CheckpointError(f"{path}: corrupt (non-finite number {name})")
+
+    return json.loads(data, object_pairs_hook=pairs, parse_constant=constant)
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_trainer_state(state: Any, path: Path, checkpoint: Path) -> None:
+    """Every field of a trainer state has the type and range this code writes; else a CheckpointError."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: corrupt ({what})")
+
+    if not isinstance(state, dict) or any(key not in state for key in REQUIRED_STATE_KEYS):
+        raise bad(f"expected an object with keys {list(REQUIRED_STATE_KEYS)}")
+    if not _is_int(state["step"]):
+        raise bad(f"'step' must be a non-negative integer, got {state['step']!r}")
+    named = checkpoint_step(checkpoint)
+    if named is not None and named != state["step"]:
+        raise bad(f"'step' is {state['step']} but the directory is {checkpoint.name}")
+    order = state["data_order"]
+    if not (isinstance(order, dict) and set(order) == {"epoch", "position"} and all(map(_is_int, order.values()))):
+        raise bad(f"'data_order' must be {{'epoch': int >= 0, 'position': int >= 0}}, got {order!r}")
+    if not _is_number(state["zfree_reference_scale"]) or state["zfree_reference_scale"] <= 0:
+        raise bad(f"'zfree_reference_scale' must be a finite number > 0, got {state['zfree_reference_scale']!r}")
+    if "nonfinite_steps" in state and not _is_int(state["nonfinite_steps"]):
+        raise bad(f"'nonfinite_steps' must be a non-negative integer, got {state['nonfinite_steps']!r}")
+    monitor = state.get("loss_monitor", {})
+    if not isinstance(monitor, dict) or not all(
+        isinstance(v, list) and all(map(_is_number, v)) if k == "history" else _is_number(v) or v is None
+        for k, v in monitor.items()
+    ):
+        raise bad(f"'loss_monitor' must hold finite numbers, got {monitor!r}")
+    files = state.get("files", {})
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) for k, v in files.items()
+    ):
+        raise bad("'files' must map file names to SHA-256 hex digests")
+    if "format" in state and state["format"] != FORMAT_VERSION:
+        raise bad(f"'format' {state['format']!r} is not this version's {FORMAT_VERSION}")
+
+
 def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
     path = checkpoint / TRAINER_STATE
     try:
-        state = json.loads(path.read_text(encoding="utf-8"))
+        state = _strict_json(path.read_text(encoding="utf-8"), path)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path}: missing; {checkpoint} is not a complete checkpoint") from exc
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: unreadable or corrupt ({exc})") from exc
-    if not isinstance(state, dict) or any(key not in state for key in REQUIRED_STATE_KEYS):
-        raise CheckpointError(f"{path}: corrupt (expected an object with keys {list(REQUIRED_STATE_KEYS)})")
-    if not isinstance(state["step"], int) or isinstance(state["step"], bool) or state["step"] < 0:
-        raise CheckpointError(f"{path}: corrupt ('step' must be a non-negative integer, got {state['step']!r})")
+    _check_trainer_state(state, path, checkpoint)
     return state
 
 
@@ -380,16 +442,92 @@ def read_checkpoint(checkpoint: str | Path, for_resume: bool = False) -> Checkpo
             f"{checkpoint / 'optimizer.pt'}: not a plain optimizer state, refused ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''})"
         ) from exc
+    if not (
+        isinstance(contents.optimizer_state, dict)
+        and isinstance(contents.optimizer_state.get("state"), dict)
+        and isinstance(contents.optimizer_state.get("param_groups"), list)
+    ):
+        raise CheckpointError(f"{checkpoint / 'optimizer.pt'}: corrupt (not an optimizer state dict)")
+    scheduler_path = checkpoint / "scheduler.json"
     try:
-        contents.scheduler_state = json.loads(_read_verified(checkpoint, "scheduler.json", state))
+        contents.scheduler_state = _strict_json(_read_verified(checkpoint, "scheduler.json", state), scheduler_path)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{checkpoint / 'scheduler.json'}: corrupt ({exc})") from exc
+        raise CheckpointError(f"{scheduler_path}: corrupt ({exc})") from exc
+    if not isinstance(contents.scheduler_state, dict):
+        raise CheckpointError(f"{scheduler_path}: corrupt (not a scheduler state)")
     _read_verified(checkpoint, "rng.safetensors", state)
     try:
         contents.rng_state = rng_state_from_safetensors(checkpoint / "rng.safetensors")
-    except (SafetensorError, KeyError, ValueError, RuntimeError, OSError) as exc:
+        _check_rng_state(contents.rng_state)
+    except (SafetensorError, KeyError, ValueError, TypeError, RuntimeError, OSError) as exc:
         raise CheckpointError(f"{checkpoint / 'rng.safetensors'}: corrupt ({exc})") from exc
     return contents
+
+
+def _check_rng_state(state: Mapping[str, Any]) -> None:
+    """Apply the states to scratch generators: what they refuse, the global ones would refuse mid-restore."""
+    random.Random().setstate(state["python"])
+    np.random.RandomState().set_state(state["numpy"])
+    torch.Generator().set_state(state["torch"])
+
+
+def check_optimizer_state(saved: Mapping[str, Any], optimizer, path: Path) -> None:
+    """Refuse an optimizer state whose groups, keys, shapes or dtypes do not fit ``optimizer``'s parameters.
+
+    ``load_state_dict`` does not check shapes, and the fused AdamW kernel reads and writes a state of
+    the wrong shape out of bounds: a crafted ``optimizer.pt`` must not get that far."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: does not fit this model's trainable parameters ({what})")
+
+    groups = saved["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise bad(f"{len(groups)} parameter groups, the model has {len(optimizer.param_groups)}")
+    params: dict[int, torch.Tensor] = {}
+    for i, (group, live) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
+        ids = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(ids, list) or len(ids) != len(live["params"]) or not all(map(_is_int, ids)):
+            raise bad(f"group {i} lists other parameters")
+        if group.get("name") != live.get("name"):
+            raise bad(f"group {i} is {group.get('name')!r}, the model's is {live.get('name')!r}")
+        params.update(zip(ids, live["params"], strict=True))
+    for key, entry in saved["state"].items():
+        if key not in params or not isinstance(entry, dict):
+            raise bad(f"state for unknown parameter {key!r}")
+        param = params[key]
+        if set(entry) - {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}:
+            raise bad(f"parameter {key}: unexpected state {sorted(set(entry))}")
+        for name, value in entry.items():
+            if not isinstance(value, torch.Tensor):
+                raise bad(f"parameter {key}: {name} is not a tensor")
+            if name == "step":
+                if value.dim() != 0 or not value.is_floating_point():
+                    raise bad(f"parameter {key}: step must be a 0-d float tensor")
+            elif value.shape != param.shape or value.dtype != param.dtype:
+                raise bad(
+                    f"parameter {key}: {name} is {value.dtype} {tuple(value.shape)}, "
+                    f"the parameter {param.dtype} {tuple(param.shape)}"
+                )
+            if not bool(torch.isfinite(value).all()):
+                raise bad(f"parameter {key}: {name} is not finite")
+
+
+def check_scheduler_state(saved: Mapping[str, Any], scheduler, path: Path) -> None:
+    """A scheduler state has exactly the keys and value types of this scheduler's own state."""
+    expected = scheduler.state_dict()
+    if set(saved) != set(expected):
+        raise CheckpointError(f"{path}: corrupt (keys {sorted(saved)}, expected {sorted(expected)})")
+    for key, value in expected.items():
+        got = saved[key]
+        same_kind = isinstance(got, bool) == isinstance(value, bool) and (
+            isinstance(got, type(value)) or (_is_number(got) and _is_number(value))
+        )
+        if not same_kind or (isinstance(value, list) and len(got) != len(value)):
+            raise CheckpointError(f"{path}: corrupt ({key!r} is {got!r})")
+        if isinstance(value, list) and not all(
+            isinstance(v, type(e)) or _is_number(v) for v, e in zip(got, value, strict=True)
+        ):
+            raise CheckpointError(f"{path}: corrupt ({key!r} is {got!r})")
 
 
 def read_resumable(output_dir: str | Path) -> CheckpointContents | None:

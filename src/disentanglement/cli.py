@@ -47,21 +47,42 @@ def _add_train(subparsers) -> None:
     parser.set_defaults(func=_run_train)
 
 
+#: Where a run writes: never taken from a stored config (a checkpoint handed to a user must not choose).
+_NOT_FROM_CHECKPOINT = ("output_dir", "feature_cache_dir", "model_cache_dir", "resume", "overwrite")
+
+
+def _stored_config_path(resume: str, output_dir: Path) -> Path | None:
+    """The config a resumed run continues: the run's own, else its newest checkpoint's."""
+    from .checkpoints import latest_checkpoint
+
+    path = output_dir if resume == "auto" else Path(resume)
+    for candidate in (path / "config.yaml", (latest_checkpoint(path) or path) / "config.yaml"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 def _train_config(args: argparse.Namespace):
     """The config of ``train``. Resuming starts from the run's stored config, so that
-    ``--resume auto --output-dir RUN`` continues RUN as it was configured; ``--config`` and flags go on top."""
+    ``--resume auto --output-dir RUN`` continues RUN as it was configured; ``--config`` and flags go on top.
+    Where the run writes (``output_dir``, the cache directories) never comes from a stored config:
+    ``--resume RUN/checkpoints/step-N`` without ``--output-dir`` continues in RUN."""
     config = config_from_namespace(args)
     resume = config.train.resume
     if resume is None:
         return config
-    stored = Path(config.train.output_dir) / "config.yaml" if resume == "auto" else Path(resume) / "config.yaml"
-    if not stored.is_file():
-        return config
-    values = {name: value for section in load_run_config(stored).to_dict().values() for name, value in section.items()}
-    if getattr(args, "config", None):
-        values.update(read_config_file(args.config))
-    values.update({k: v for k, v in vars(args).items() if k in FIELDS})
-    values["resume"] = resume
+    given = {k: v for k, v in vars(args).items() if k in FIELDS}
+    file_values = read_config_file(args.config) if getattr(args, "config", None) else {}
+    values: dict = {}
+    stored = _stored_config_path(resume, Path(config.train.output_dir))
+    if stored is not None:
+        values = {k: v for section in load_run_config(stored).to_dict().values() for k, v in section.items()}
+        values = {k: v for k, v in values.items() if k not in _NOT_FROM_CHECKPOINT}
+    if resume != "auto" and "output_dir" not in given and "output_dir" not in file_values:
+        path = Path(resume)
+        values["output_dir"] = str(path if (path / "checkpoints").is_dir() else path.parent.parent)
+    values.update(file_values)
+    values.update(given)
     return build_config(values)
 
 

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,6 +87,25 @@ def load_examples(
     if not examples:
         raise ValueError(f"no examples in {description}")
     return examples, description
+
+
+def check_writable_target(path: str | Path, flag: str, directory: bool = False) -> None:
+    """Fail now, before the model loads, if ``path`` (a file, or with ``directory`` a folder) cannot be
+    written: a file where a folder is needed on the way to it, or a folder that is not writable."""
+    path = Path(path)
+    if directory and path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} exists and is not a directory")
+    if not directory and path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; expected a file path")
+    ancestor = path if directory else path.parent
+    while not ancestor.exists():
+        if ancestor.parent == ancestor:
+            break
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{flag} {path}: {ancestor} is a file, so nothing can be written under it")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {ancestor} is not writable")
 
 
 def _check_at_least(flag: str, value: int | None, low: int, *, optional: bool = False) -> None:
@@ -182,6 +202,9 @@ def run_eval(
     if output is not None and Path(output).is_dir():
         raise ValueError(f"--output {output} is a directory; expected the path of the JSON report")
     check_data_option(checkpoint, data)
+    checkpoint_dir, run_dir = resolve_run(checkpoint)
+    json_path = Path(output) if output is not None else run_dir / "eval" / f"eval_{_slug(data)}.json"
+    check_writable_target(json_path, "--output")
     model, tokenizer, config, state, checkpoint_dir, run_dir = load_checkpoint(checkpoint, model_and_tokenizer, device)
     examples, description = load_examples(data, config, tokenizer, max_examples, seed)
     model_device = next(model.parameters()).device
@@ -207,7 +230,6 @@ def run_eval(
         "data": description,
         **body,
     }
-    json_path = Path(output) if output is not None else run_dir / "eval" / f"eval_{_slug(data)}.json"
     _write_json(json_path, report)
     md_path = write_markdown_summary(report, json_path.with_suffix(".md"))
     return report, json_path, md_path
@@ -301,6 +323,9 @@ def run_generate(
     """Generate from a checkpoint (:func:`generation.generate`; ``options`` are its keyword arguments,
     ``sampling`` a :class:`generation.SamplingOptions`). Writes the result as JSON to ``output`` when given."""
     from .generation import generate
+
+    if output is not None:
+        check_writable_target(output, "--output")
 
     model, tokenizer, config, state, checkpoint_dir, _ = load_checkpoint(checkpoint, model_and_tokenizer, device)
     result = generate(model, tokenizer, config, prompts, batch_size=batch_size, **options)
@@ -425,6 +450,7 @@ def run_inspect(
     if output_dir is not None and Path(output_dir).exists() and not Path(output_dir).is_dir():
         raise ValueError(f"--output-dir {output_dir} exists and is not a directory")
     check_data_option(checkpoint, data)
+    check_writable_target(output_dir or resolve_run(checkpoint)[1] / "inspect", "--output-dir", directory=True)
     model, tokenizer, config, state, checkpoint_dir, run_dir = load_checkpoint(checkpoint, model_and_tokenizer, device)
     examples, description = load_examples(data, config, tokenizer, max_examples, seed)
     if not 0 <= index < len(examples):

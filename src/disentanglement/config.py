@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -563,7 +564,8 @@ class _DuplicateKey(Exception):
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last).
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last),
+    and that floats need no dot (``1e-3`` is a float, as in YAML 1.2 and JSON; YAML 1.1 reads it as a string).
 
     Keys merged in with ``<<`` may still be overridden, as YAML intends.
     """
@@ -583,6 +585,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 raise _DuplicateKey(key, line, first)
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def _unique_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -537,7 +537,12 @@ SPECIAL_TOKEN_SOURCES_SHOWN = 5
 
 def _warn_special_token_texts(pairs: Sequence[PromptResponse], tokenizer: Any) -> int:
     """Log one WARNING for pairs whose raw text holds the tokenizer's special-token strings; their number."""
-    specials = sorted({t for t in (getattr(tokenizer, "all_special_tokens", None) or []) if t}, key=len, reverse=True)
+    # Every control token, not only the named ones: SmolLM2's <file_sep>, <jupyter_code>, ... are added
+    # special tokens that all_special_tokens does not list.
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    named = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    controls = named | {token.content for token in added.values() if getattr(token, "special", False)}
+    specials = sorted((t for t in controls if t), key=len, reverse=True)
     if not specials:
         return 0
     pattern = re.compile("|".join(re.escape(t) for t in specials))
@@ -578,8 +583,8 @@ def tokenize_pairs(pairs: Sequence[PromptResponse], tokenizer: Any, cfg: DataCon
     Both texts are tokenised separately with ``add_special_tokens=False``.
 
     Control strings: a prompt or response whose raw text (before the template) contains one of the
-    tokenizer's special-token strings (``tokenizer.all_special_tokens``, e.g. ``<|im_end|>`` or
-    ``<|im_start|>``) is kept as it is, but that string is tokenised as the control token, not as
+    tokenizer's control-token strings (its special added tokens, e.g. ``<|im_end|>``, ``<|im_start|>``
+    or SmolLM2's ``<file_sep>``) is kept as it is, but that string is tokenised as the control token, not as
     literal text (``add_special_tokens=False`` only stops BOS/EOS being added), so such data can end
     a turn early or fake a role. One WARNING summarises how many pairs do this, which strings were
     found and the first few sources; ``stats["special_token_texts"]`` is the number of such pairs.

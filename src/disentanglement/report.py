@@ -243,21 +243,25 @@ def write_token_report(
 def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Read a metrics log, one JSON object per line (blank lines skipped).
 
-    Raises ``ValueError`` naming the file and line number on a malformed line.
+    Raises ``ValueError`` naming the file and line number on a malformed line; a partial last line
+    (no newline after it: a run killed while writing it) is left out.
     """
     path = Path(path)
     records = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: line {lineno}: invalid JSON ({err.msg})") from err
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}: line {lineno}: expected a JSON object, got {type(record).__name__}")
-            records.append(record)
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    partial_last = lines[-1] != ""  # a run killed while writing its last line
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if partial_last and lineno == len(lines):
+                continue  # the trainer drops it on resume, too
+            raise ValueError(f"{path}: line {lineno}: invalid JSON ({err.msg})") from err
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: line {lineno}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
     return records
 
 

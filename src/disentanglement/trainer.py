@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import tempfile
 from collections import deque
@@ -41,6 +42,10 @@ from .checkpoints import (
     CheckpointError,
     NonFiniteState,
     apply_trainable_weights,
+    check_optimizer_state,
+    check_scheduler_state,
+    checkpoint_step,
+    complete_checkpoints,
     latest_checkpoint,
     load_trainable_weights,
     load_trained,
@@ -55,7 +60,7 @@ from .checkpoints import (
 from .config import ConfigError, RunConfig
 from .cvae_base import CVAEBase
 from .data import Example, collate, limit_examples, load_pairs, split_train_validation, tokenize_pairs
-from .features import FeatureCache, batch_features, load_or_build_feature_cache
+from .features import FeatureCache, batch_features, feature_fingerprint, load_or_build_feature_cache
 from .losses import estimate_zfree_reference_scale
 from .models import build_cvae
 
@@ -91,14 +96,16 @@ RESUME_FREE_FIELDS = frozenset(
         "model_cache_dir",
     }
 )
+#: Free fields that change the order of the arithmetic: a resumed run is then equal to rounding, not bit for bit.
+RESUME_INEXACT_FIELDS = frozenset({"feature_cache", "device"})
 #: Config fields that may differ on resume and are applied from the resumed step on.
 RESUME_APPLIED_FIELDS = frozenset({"encoder_lr", "latent_lr", "decoder_lr", "weight_decay", "max_grad_norm"})
 #: What a run directory may hold besides ``feature_cache/`` (what ``--overwrite`` removes).
 RUN_ARTEFACTS = frozenset(
     {"config.yaml", "metrics.jsonl", "data_stats.json", "checkpoints", "tensorboard", "eval", "inspect"}
 )
-#: The divergence check's window of recent losses.
-LOSS_WINDOW = 50
+#: The divergence check's window of recent losses, and the suspect steps in a row that stop training.
+LOSS_WINDOW, LOSS_PATIENCE = 50, 3
 
 
 class TrainingDiverged(RuntimeError):
@@ -216,38 +223,35 @@ def validate(
     return {f"val_{k}": v for k, v in _mean_records(records).items()}
 
 
-def prepare_run_directory(output_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Make ``output_dir`` a writable directory that holds this run only; fails before any model loads.
+def _run_entries(output_dir: Path) -> list[str]:
+    """What a run directory holds besides its keyed feature cache (an empty folder holds no run)."""
+    return sorted(
+        p.name for p in output_dir.iterdir() if p.name != "feature_cache" and not (p.is_dir() and not any(p.iterdir()))
+    )
 
-    A directory holding another run is refused unless resuming it or overwriting it; ``overwrite``
-    removes the run's artefacts (never a file it did not write) and keeps the keyed feature cache.
+
+def _is_run_artefact(name: str) -> bool:
+    return name in RUN_ARTEFACTS or (name.startswith(".") and name.endswith(".tmp"))  # .tmp: an interrupted write
+
+
+def check_run_directory(
+    output_dir: Path, resumed: CheckpointContents | None, resume: str | None, overwrite: bool
+) -> list[Path]:
+    """Check that ``output_dir`` can take this run, before any model loads; returns what to remove first.
+
+    A directory holding a run is refused unless resuming that run or overwriting it (``overwrite``
+    removes the run's artefacts, never a file it did not write, and keeps the keyed feature cache).
+    ``--resume PATH`` continues PATH's run in its own directory, discarding the checkpoints after PATH
+    only with ``overwrite``, or branches into an ``output_dir`` that holds no run.
     """
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"TrainConfig.output_dir {output_dir} is a file, not a directory")
+    if resume == "auto" and overwrite:
+        raise ConfigError("--resume auto continues the run in output_dir and --overwrite replaces it: give one of them")
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"TrainConfig.output_dir {output_dir}: cannot be created ({exc.strerror or exc})") from exc
-    # An empty folder holds no run (e.g. checkpoints/ of a run that failed before its first save).
-    present = sorted(
-        p.name for p in output_dir.iterdir() if p.name != "feature_cache" and not (p.is_dir() and not any(p.iterdir()))
-    )
-    if present and not resume:
-        foreign = [name for name in present if name not in RUN_ARTEFACTS]
-        if not overwrite:
-            raise ConfigError(
-                f"TrainConfig.output_dir {output_dir} already holds {', '.join(present)}: pass --resume auto to "
-                "continue that run, --overwrite to replace it, or choose another --output-dir"
-            )
-        if foreign:
-            raise ConfigError(
-                f"TrainConfig.output_dir {output_dir} holds files that are not a run's ({', '.join(foreign)}); "
-                "--overwrite only replaces a run directory: choose another --output-dir"
-            )
-        logger.warning("--overwrite: removing the previous run's %s from %s", ", ".join(present), output_dir)
-        for name in present:
-            path = output_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
     for folder in (output_dir, output_dir / "checkpoints"):
         if not folder.is_dir():
             continue
@@ -258,6 +262,45 @@ def prepare_run_directory(output_dir: Path, resume: bool, overwrite: bool) -> No
             raise ConfigError(
                 f"TrainConfig.output_dir: {folder} is not writable ({exc.strerror or exc}); checkpoints could not be saved"
             ) from exc
+    present = _run_entries(output_dir)
+    if resume == "auto":
+        return []
+    if resume is not None and resumed is not None:
+        source_run = resumed.path.parent.parent
+        if source_run.resolve() != output_dir.resolve():
+            if present:
+                raise ConfigError(
+                    f"--resume {resume}: a checkpoint of the run in {source_run}, but TrainConfig.output_dir "
+                    f"{output_dir} already holds another run ({', '.join(present)}): continue a run in its own "
+                    "directory, or branch into an empty --output-dir"
+                )
+            return []
+        newer = [c for c in complete_checkpoints(output_dir) if checkpoint_step(c) > resumed.step]
+        if newer and not overwrite:
+            raise ConfigError(
+                f"--resume {resume}: the run has later checkpoints ({', '.join(c.name for c in newer)}); pass "
+                f"--overwrite to discard them and branch from step {resumed.step}, or --resume auto to continue the newest"
+            )
+        return newer
+    if present and not overwrite:
+        raise ConfigError(
+            f"TrainConfig.output_dir {output_dir} already holds {', '.join(present)}: pass --resume auto to "
+            "continue that run, --overwrite to replace it, or choose another --output-dir"
+        )
+    foreign = [name for name in present if not _is_run_artefact(name)]
+    if foreign:
+        raise ConfigError(
+            f"TrainConfig.output_dir {output_dir} holds files that are not a run's ({', '.join(foreign)}); "
+            "--overwrite only replaces a run directory: choose another --output-dir"
+        )
+    return [output_dir / name for name in present]
+
+
+def _remove(paths: Sequence[Path], output_dir: Path) -> None:
+    if paths:
+        logger.warning("--overwrite: removing %s from %s", ", ".join(p.name for p in paths), output_dir)
+    for path in paths:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def _flat_fields(config: RunConfig) -> dict[str, Any]:
@@ -278,6 +321,13 @@ def check_resume_config(stored: RunConfig, given: RunConfig, checkpoint: Path) -
             f"resume: {', '.join(sorted(RESUME_APPLIED_FIELDS))} (applied from the resumed step), and "
             "bookkeeping such as save_every, eval_every and progress"
         )
+    inexact = sorted(set(changed) & RESUME_INEXACT_FIELDS)
+    if inexact:
+        logger.warning(
+            "resuming with a changed %s: the arithmetic runs in another order, so the run continues equal to "
+            "float rounding, not bit for bit",
+            ", ".join(inexact),
+        )
     return {k: v for k, v in changed.items() if k in RESUME_APPLIED_FIELDS}
 
 
@@ -290,7 +340,17 @@ def _resume_source(config: RunConfig, output_dir: Path) -> CheckpointContents | 
         if contents is None:
             logger.info("--resume auto: %s has no checkpoint yet; starting from step 0", output_dir)
         return contents
-    return read_checkpoint(Path(resume), for_resume=True)
+    path = Path(resume)
+    if (path / "checkpoints").is_dir():  # a run directory: its newest checkpoint that reads back
+        contents = read_resumable(path)
+        if contents is None:
+            raise CheckpointError(f"--resume {resume}: the run directory holds no checkpoint")
+        return contents
+    if not path.is_dir():
+        raise CheckpointError(
+            f"--resume {resume}: not a checkpoint directory (RUN/checkpoints/step-N), a run or 'auto'"
+        )
+    return read_checkpoint(path, for_resume=True)
 
 
 def _apply_optimizer_settings(optimizer, scheduler, config: RunConfig, changes: dict[str, tuple[Any, Any]]) -> None:
@@ -316,39 +376,56 @@ def _apply_optimizer_settings(optimizer, scheduler, config: RunConfig, changes: 
 class LossMonitor:
     """Detects a loss that explodes while staying finite.
 
-    A step diverges when its token-mean reconstruction exceeds ``ratio x c_base`` (the decoder is then
-    far worse than the z-free model it started from), or when its objective exceeds
-    ``ratio x max(median |loss| of the last LOSS_WINDOW steps, c_base)``.
+    A step is suspect when its token-mean reconstruction exceeds ``ratio x max(c_base, 1)`` (the decoder
+    far worse than the z-free model it started from; per token, so response lengths do not matter), or
+    its objective exceeds ``ratio x max(reference, c_base, 1)``, the reference being the lowest median
+    of the last LOSS_WINDOW steps seen in the run (a slow blow-up cannot drag it along). Training stops
+    after LOSS_PATIENCE suspect steps in a row (one long example in a sequence-summed term is not one).
     """
 
     ratio: float
     c_base: float
     history: deque = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
+    best_median: float | None = None
+    strikes: int = 0
 
     def check(self, record: dict[str, float]) -> str | None:
         if not self.ratio:
             return None
         loss, reconstruction = record["loss"], record["reconstruction_loss"]
+        floor = max(self.c_base, 1.0)
         problem = None
-        if reconstruction > self.ratio * self.c_base:
+        if reconstruction > self.ratio * floor:
             problem = (
-                f"the token-mean reconstruction loss {reconstruction:.4g} nats/token is more than {self.ratio:g} x the "
-                f"z-free reference scale c_base {self.c_base:.4g}"
+                f"the token-mean reconstruction loss {reconstruction:.4g} nats/token is more than {self.ratio:g} x "
+                f"max(c_base, 1) = {floor:.4g} (c_base is the z-free reference scale)"
             )
-        elif self.history:
-            scale = max(float(np.median(np.abs(self.history))), self.c_base)
+        elif self.best_median is not None:
+            scale = max(self.best_median, floor)
             if abs(loss) > self.ratio * scale:
                 problem = (
-                    f"the loss {loss:.4g} is more than {self.ratio:g} x max(median |loss| of the last "
-                    f"{len(self.history)} steps, c_base) = {scale:.4g}"
+                    f"the loss {loss:.4g} is more than {self.ratio:g} x max(the lowest running median |loss| "
+                    f"{self.best_median:.4g}, c_base, 1) = {self.ratio * scale:.4g}"
                 )
         self.history.append(loss)
+        median = float(np.median(np.abs(self.history)))
+        self.best_median = median if self.best_median is None else min(self.best_median, median)
+        self.strikes = self.strikes + 1 if problem else 0
         if problem is None:
             return None
         largest = sorted(
-            ((k, v) for k, v in record.items() if k.endswith("loss") and k != "loss"), key=lambda kv: -abs(kv[1])
+            ((k, v) for k, v in record.items() if k.endswith("loss") and k != "loss" and not k.startswith("val_")),
+            key=lambda kv: -abs(kv[1]),
         )
         return problem + " (largest terms: " + ", ".join(f"{k} {v:.4g}" for k, v in largest[:3]) + ")"
+
+    def state(self) -> dict[str, Any]:
+        return {"history": list(self.history), "best_median": self.best_median, "strikes": self.strikes}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.history.extend(float(v) for v in state.get("history", []))
+        self.best_median = state.get("best_median")
+        self.strikes = int(state.get("strikes", 0))
 
 
 def _diverged(step: int, what: str, checkpoint: Path | None) -> TrainingDiverged:
@@ -372,8 +449,10 @@ def train(
     tcfg = config.train
     output_dir = Path(tcfg.output_dir)
     # Everything that can be wrong with the run directory, the checkpoint or the data fails before the model loads.
-    prepare_run_directory(output_dir, resume=tcfg.resume is not None, overwrite=tcfg.overwrite)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"TrainConfig.output_dir {output_dir} is a file, not a directory")
     resumed = _resume_source(config, output_dir)
+    to_remove = check_run_directory(output_dir, resumed, tcfg.resume, tcfg.overwrite)
     applied = check_resume_config(resumed.config, config, resumed.path) if resumed is not None else {}
     pairs = load_pairs(config.data) if pairs is None else pairs
 
@@ -394,6 +473,13 @@ def train(
     logger.info("data: %s", data.stats)
 
     model = build_cvae(config, decoder).to(device)
+    fingerprint = feature_fingerprint(model, data.train + data.validation)  # the data, tokenizer and frozen model
+    if resumed is not None and resumed.trainer_state.get("frozen_pass_fingerprint", fingerprint) != fingerprint:
+        raise ConfigError(
+            f"cannot resume {resumed.path}: the data, the tokenizer or the frozen model differ from the run's "
+            f"(fingerprint {fingerprint}, the run's {resumed.trainer_state['frozen_pass_fingerprint']}); "
+            "resuming would continue on other data: start a new run"
+        )
     start_step = resumed.step if resumed is not None else 0
     all_examples = data.train + data.validation
     n_train = len(data.train)
@@ -431,6 +517,7 @@ def train(
             "estimated zfree_reference_scale c_base = %.4f nats/token over %d examples", c_base, len(data.train)
         )
     model.zfree_reference_scale = c_base
+    _remove(to_remove, output_dir)  # --overwrite: only now that everything before the first write has worked
     replace_file_durably(output_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False).encode())
     stats = json.dumps(dict(data.stats, zfree_reference_scale=c_base), indent=2)
     replace_file_durably(output_dir / "data_stats.json", stats.encode())
@@ -520,8 +607,11 @@ def train(
                 record[f"lr_{group['name']}"] = group["lr"]
             if tcfg.eval_every and step % tcfg.eval_every == 0 or step == tcfg.max_steps:
                 record.update(validate(core, data.validation, val_cache, pad_id, config, step, device))
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
+            try:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+            except OSError as exc:
+                raise OSError(exc.errno, f"could not write {metrics_path} ({exc.strerror or exc})") from exc
             if writer is not None:
                 for key, value in record.items():
                     if key != "step":
@@ -531,16 +621,28 @@ def train(
             bar.set_postfix(loss=f"{record['loss']:.3f}", rec=f"{record['reconstruction_loss']:.3f}")
             problem = monitor.check(record)
             if problem is not None:
-                raise _diverged(step, problem, checkpoint)
-            if step % tcfg.save_every == 0 or step == tcfg.max_steps:
+                if monitor.strikes >= LOSS_PATIENCE:
+                    raise _diverged(step, problem, checkpoint)
+                logger.warning(
+                    "step %d: %s (%d of %d such steps in a row stop training)",
+                    step,
+                    problem,
+                    monitor.strikes,
+                    LOSS_PATIENCE,
+                )
+            if (step % tcfg.save_every == 0 or step == tcfg.max_steps) and monitor.strikes:
+                logger.warning("step %d: not checkpointed while the loss is far above its scale", step)
+            elif step % tcfg.save_every == 0 or step == tcfg.max_steps:
                 trainer_state = {
                     "step": step,
                     "data_order": order.state(),
                     "zfree_reference_scale": c_base,
                     "nonfinite_steps": nonfinite,
                     "latent": config.latent.latent,
-                    "loss_history": list(monitor.history),
+                    "loss_monitor": monitor.state(),
+                    "frozen_pass_fingerprint": fingerprint,
                 }
+                os.fsync(metrics_file.fileno())  # the metrics up to a checkpoint are as durable as it is
                 try:
                     checkpoint = save_checkpoint(
                         output_dir,
@@ -575,6 +677,10 @@ def _restore(
     """Put a checkpoint's weights, optimizer, scheduler, RNG and loss history in place; returns
     ``(step, consecutive non-finite steps, data order at the step)``."""
     apply_trainable_weights(core, resumed.model_state, resumed.path)
+    check_optimizer_state(resumed.optimizer_state, optimizer, resumed.path / "optimizer.pt")
+    check_scheduler_state(
+        resumed.scheduler_state, getattr(scheduler, "scheduler", scheduler), resumed.path / "scheduler.json"
+    )
     try:
         optimizer.load_state_dict(resumed.optimizer_state)
     except (ValueError, KeyError, TypeError) as error:  # other parameters: e.g. an older version of the heads
@@ -590,9 +696,12 @@ def _restore(
     set_rng_state(resumed.rng_state)
     state = resumed.trainer_state
     position = state["data_order"]
-    if not (isinstance(position, dict) and set(position) == {"epoch", "position"}):
-        raise CheckpointError(f"{resumed.path / 'trainer_state.json'}: corrupt data_order {position!r}")
-    monitor.history.extend(float(v) for v in state.get("loss_history", []))
+    if position["position"] > len_train:
+        raise CheckpointError(
+            f"{resumed.path / 'trainer_state.json'}: data position {position['position']} is past the "
+            f"{len_train} training examples"
+        )
+    monitor.load(state.get("loss_monitor", {}))
     logger.info("resumed from %s at step %d", resumed.path, resumed.step)
     order = DataOrder(len_train, config.train.seed, **position)
     return resumed.step, int(state.get("nonfinite_steps", 0)), order
@@ -602,7 +711,7 @@ def truncate_metrics(path: Path, step: int) -> None:
     """Keep the records of steps <= ``step`` (a resumed run recomputes the rest; 0 keeps none).
 
     A partial last line (a crash while it was written) is dropped with a warning; an unreadable line
-    elsewhere is an error naming the file and line.
+    elsewhere is an error naming the file and line; steps missing before ``step`` are warned about.
     """
     if not path.exists():
         return
@@ -610,13 +719,15 @@ def truncate_metrics(path: Path, step: int) -> None:
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
-    kept = []
+    kept, steps = [], []
     for lineno, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         try:
             record = json.loads(raw.decode("utf-8"))
             record_step = record["step"]
+            if not isinstance(record_step, int) or isinstance(record_step, bool):
+                raise TypeError(f"'step' is {record_step!r}, not an integer")
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
             if lineno == len(lines) and not data.endswith(b"\n"):
                 logger.warning("%s:%d: dropped a partial last line (a crash while it was written)", path, lineno)
@@ -626,6 +737,12 @@ def truncate_metrics(path: Path, step: int) -> None:
             ) from exc
         if record_step <= step:
             kept.append(raw.decode("utf-8"))
+            steps.append(record_step)
+    missing = sorted(set(range(1, step + 1)) - set(steps))
+    if missing:
+        logger.warning(
+            "%s: no records of steps %s (lost before the checkpoint); the log has a gap there", path, missing
+        )
     replace_file_durably(path, "".join(line + "\n" for line in kept).encode())
 
 
