@@ -75,6 +75,8 @@ def case(case_id: str, writer: Writer, *expected: str, args: tuple[str, ...] = (
 
 # fmt: off
 TRAIN_CASES = [
+    case("lora-target-modules-empty", config_yaml("decoder_training: lora\nlora_target_modules: []\n"), "config file {file}: ModelConfig.lora_target_modules must name at least one module for LoRA, got []"),
+    case("output-dir-empty", config_yaml("output_dir: ''\n"), "config file {file}: TrainConfig.output_dir must name a directory, got ''", output_dir=False),
     # type confusion in a config file: the field, the value and its type, and the file
     case("chat-template-string-false", config_yaml('chat_template: "false"\n'), "config file {file}: DataConfig.chat_template must be a boolean (true/false), got 'false' (str)"),
     case("feature-cache-string-no", config_yaml("train:\n  feature_cache: 'no'\n"), "config file {file}: TrainConfig.feature_cache must be a boolean (true/false), got 'no' (str)"),

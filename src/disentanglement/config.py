@@ -378,6 +378,13 @@ class ModelConfig:
         _number(self, "lora_r", low=1, integer=True)
         _number(self, "lora_alpha", low=0, low_open=True)
         _number(self, "lora_dropout", low=0, high=1)
+        if self.decoder_training == "lora" and not (
+            self.lora_target_modules and all(map(str.strip, self.lora_target_modules))
+        ):
+            raise ConfigError(
+                f"ModelConfig.lora_target_modules must name at least one module for LoRA, got {self.lora_target_modules!r}",
+                field="lora_target_modules",
+            )
 
 
 @dataclass
@@ -448,6 +455,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _choice(self, "device")
+        if not self.output_dir.strip():
+            raise ConfigError("TrainConfig.output_dir must name a directory, got ''", field="output_dir")
         for name in (
             "max_steps",
             "batch_size",

@@ -94,6 +94,10 @@ RESUME_FREE_FIELDS = frozenset(
         "feature_cache_dir",
         "device",
         "model_cache_dir",
+        # Paths whose content the frozen pass's fingerprint checks on resume (token ids and frozen weights),
+        # so that a moved data file or model does not block resuming.
+        "data",
+        "model",
     }
 )
 #: Free fields that change the order of the arithmetic: a resumed run is then equal to rounding, not bit for bit.
