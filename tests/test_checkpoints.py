@@ -831,3 +831,13 @@ def test_metrics_are_fsynced_with_each_checkpoint_and_gaps_are_reported(tmp_path
     (tmp_path / "metrics.jsonl").write_text('{"step": "1"}\n')
     with pytest.raises(ValueError, match="metrics.jsonl:1: not a metrics record \\('step' is '1'"):
         run(tmp_path, resume="auto")
+
+
+def test_one_process_at_a_time_trains_a_run_directory(tmp_path):
+    from disentanglement.trainer import run_lock
+
+    with run_lock(tmp_path):  # as another process training here would hold it (flock is per open file)
+        with pytest.raises(ConfigError, match=f"is being trained by pid {os.getpid()}"):
+            run(tmp_path, max_steps=2)
+    assert run(tmp_path, max_steps=2).final_step == 2  # released, and .lock is no run artefact
+    assert run(tmp_path, max_steps=2, overwrite=True).final_step == 2

@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,6 +240,15 @@ def run_one(
     return flatten_report(report)
 
 
+def _die_with_parent() -> None:
+    """Worker initializer: on Linux, end the worker when the sweep's process ends (no orphaned runs)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _run_in_process(args: tuple) -> tuple[str, int, dict[str, float]]:
     spec, cell, seed, output_dir, model_factory, threads = args
     logging.basicConfig(level=logging.WARNING)
@@ -265,7 +275,8 @@ def run_sweep(
 
         threads = max(1, (os.cpu_count() or 1) // jobs)
         work = [(spec, cell, seed, output_dir, model_factory, threads) for cell, seed in spec.runs()]
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(jobs, mp_context=context, initializer=_die_with_parent) as pool:
             for cell, seed, flat in pool.map(_run_in_process, work):
                 results[cell, seed] = flat
     rows = []

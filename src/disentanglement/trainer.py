@@ -19,6 +19,7 @@ norm, which are applied from the resumed step on.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
@@ -27,6 +28,7 @@ import shutil
 import tempfile
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,6 +110,8 @@ RESUME_APPLIED_FIELDS = frozenset({"encoder_lr", "latent_lr", "decoder_lr", "wei
 RUN_ARTEFACTS = frozenset(
     {"config.yaml", "metrics.jsonl", "data_stats.json", "checkpoints", "tensorboard", "eval", "inspect"}
 )
+#: The advisory lock a training process holds in its run directory.
+LOCK_FILE = ".lock"
 #: The divergence check's window of recent losses, and the suspect steps in a row that stop training.
 LOSS_WINDOW, LOSS_PATIENCE = 50, 3
 
@@ -228,9 +232,11 @@ def validate(
 
 
 def _run_entries(output_dir: Path) -> list[str]:
-    """What a run directory holds besides its keyed feature cache (an empty folder holds no run)."""
+    """What a run directory holds besides its keyed feature cache and lock (an empty folder holds no run)."""
     return sorted(
-        p.name for p in output_dir.iterdir() if p.name != "feature_cache" and not (p.is_dir() and not any(p.iterdir()))
+        p.name
+        for p in output_dir.iterdir()
+        if p.name not in ("feature_cache", LOCK_FILE) and not (p.is_dir() and not any(p.iterdir()))
     )
 
 
@@ -440,21 +446,63 @@ def _diverged(step: int, what: str, checkpoint: Path | None) -> TrainingDiverged
     )
 
 
+@contextmanager
+def run_lock(output_dir: Path):
+    """Hold ``OUTPUT_DIR/.lock`` (an advisory ``flock``) while training: a second process training the
+    same directory is refused instead of interleaving its metrics and checkpoints with the first's."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"TrainConfig.output_dir {output_dir} is a file, not a directory")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(output_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held for the whole run
+    except OSError as exc:
+        raise ConfigError(f"TrainConfig.output_dir {output_dir}: cannot be used ({exc.strerror or exc})") from exc
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ConfigError(
+            f"TrainConfig.output_dir {output_dir} is being trained by {holder}: wait for it to end, or choose "
+            "another --output-dir"
+        ) from None
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
 def train(
     config: RunConfig,
     model_and_tokenizer: tuple[Any, Any] | None = None,
     pairs: Sequence | None = None,
     callbacks: Sequence[Callable[[int, dict], None]] = (),
 ) -> TrainResult:
-    """Train a CVAE as configured. ``model_and_tokenizer`` and ``pairs`` replace loading (tests)."""
+    """Train a CVAE as configured. ``model_and_tokenizer`` and ``pairs`` replace loading (tests).
+
+    One process at a time trains a run directory (:func:`run_lock`)."""
+    with run_lock(Path(config.train.output_dir)):
+        return _train(config, model_and_tokenizer, pairs, callbacks)
+
+
+def _train(
+    config: RunConfig,
+    model_and_tokenizer: tuple[Any, Any] | None,
+    pairs: Sequence | None,
+    callbacks: Sequence[Callable[[int, dict], None]],
+) -> TrainResult:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     tcfg = config.train
     output_dir = Path(tcfg.output_dir)
     # Everything that can be wrong with the run directory, the checkpoint or the data fails before the model loads.
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConfigError(f"TrainConfig.output_dir {output_dir} is a file, not a directory")
     resumed = _resume_source(config, output_dir)
     to_remove = check_run_directory(output_dir, resumed, tcfg.resume, tcfg.overwrite)
     applied = check_resume_config(resumed.config, config, resumed.path) if resumed is not None else {}
