@@ -109,3 +109,25 @@ def train_and_read_metrics(output_dir: Path, decoder, tokenizer, pairs, **overri
     settings.update(overrides)
     train(build_config(settings), (decoder, tokenizer), pairs)
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def trainer_config(output_dir, **overrides):
+    """The trainer tests' run: 6 steps of 4 examples, checkpoints and validation every 3, terms 1, 3 and 4."""
+    from disentanglement.config import build_config
+
+    values = dict(
+        output_dir=str(output_dir),
+        max_steps=6,
+        batch_size=4,
+        save_every=3,
+        eval_every=3,
+        eval_batches=2,
+        warmup_steps=2,
+        progress=False,
+        token_weighted_weight=0.5,
+        normalized_concentration_corrected_token_weighted_weight=0.5,
+        chat_template=False,
+        validation_fraction=0.2,
+    )
+    values.update(overrides)
+    return build_config(values)

@@ -21,10 +21,10 @@ from safetensors.torch import load_file
 
 from disentanglement import checkpoints, cli
 from disentanglement.checkpoints import CheckpointError, complete_checkpoints, latest_checkpoint, read_resumable
-from disentanglement.config import ConfigError, build_config
+from disentanglement.config import ConfigError
 from disentanglement.data import make_hidden_factor_pairs
 from disentanglement.trainer import LossMonitor, TrainingDiverged, load_trained, train
-from helpers import tiny_llama, tiny_tokenizer
+from helpers import tiny_llama, tiny_tokenizer, trainer_config
 
 TESTS = Path(__file__).parent
 PROMPTS = [f"tell me about topic {i}" for i in range(40)]
@@ -34,23 +34,7 @@ def pairs():
     return make_hidden_factor_pairs(PROMPTS, kind="clean", seed=0)
 
 
-def config_for(output_dir, **overrides):
-    values = dict(
-        output_dir=str(output_dir),
-        max_steps=6,
-        batch_size=4,
-        save_every=3,
-        eval_every=3,
-        eval_batches=2,
-        warmup_steps=2,
-        progress=False,
-        token_weighted_weight=0.5,
-        normalized_concentration_corrected_token_weighted_weight=0.5,
-        chat_template=False,
-        validation_fraction=0.2,
-    )
-    values.update(overrides)
-    return build_config(values)
+config_for = trainer_config
 
 
 def run(output_dir, callbacks=(), **overrides):
@@ -836,8 +820,8 @@ def test_metrics_are_fsynced_with_each_checkpoint_and_gaps_are_reported(tmp_path
 def test_one_process_at_a_time_trains_a_run_directory(tmp_path):
     from disentanglement.trainer import run_lock
 
-    with run_lock(tmp_path):  # as another process training here would hold it (flock is per open file)
-        with pytest.raises(ConfigError, match=f"is being trained by pid {os.getpid()}"):
-            run(tmp_path, max_steps=2)
+    # held as another process training here would hold it (flock is per open file)
+    with run_lock(tmp_path), pytest.raises(ConfigError, match=f"is being trained by pid {os.getpid()}"):
+        run(tmp_path, max_steps=2)
     assert run(tmp_path, max_steps=2).final_step == 2  # released, and .lock is no run artefact
     assert run(tmp_path, max_steps=2, overwrite=True).final_step == 2

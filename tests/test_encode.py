@@ -270,6 +270,18 @@ def test_parquet_round_trip(tmp_path):
     assert pq.read_table(path).to_pylist() == rows
 
 
+def test_run_encode_parquet_equals_jsonl(discrete_run, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    kwargs = dict(data=str(discrete_run.data_path), max_examples=6, progress=False)
+    jsonl = run_encode(
+        discrete_run.checkpoint, output=tmp_path / "l.jsonl", model_and_tokenizer=model_and_tokenizer(), **kwargs
+    )
+    parquet = run_encode(
+        discrete_run.checkpoint, output=tmp_path / "l.parquet", model_and_tokenizer=model_and_tokenizer(), **kwargs
+    )
+    assert pq.read_table(parquet).to_pylist() == read_rows(jsonl)
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -336,4 +348,3 @@ def test_decode_from_latent_continuous(continuous_encoded, continuous_run):
     assert decode_from_latent(model, tokenizer, config, row["prompt"], row["mu"], sampling) == text
     with pytest.raises(ValueError, match="finite"):
         decode_from_latent(model, tokenizer, config, row["prompt"], [math.nan] * len(row["mu"]), sampling)
-

@@ -14,7 +14,7 @@ from disentanglement.config import build_config
 from disentanglement.data import make_hidden_factor_pairs
 from disentanglement.losses import TERM_WEIGHT_FIELDS
 from disentanglement.trainer import TrainingDiverged, latest_checkpoint, load_trained, train
-from helpers import tiny_llama, tiny_tokenizer
+from helpers import tiny_llama, tiny_tokenizer, trainer_config
 
 
 @pytest.fixture(scope="module")
@@ -27,23 +27,7 @@ def pairs():
     return make_hidden_factor_pairs([f"tell me about topic {i}" for i in range(40)], kind="clean", seed=0)
 
 
-def config_for(tmp_path, **overrides):
-    values = dict(
-        output_dir=str(tmp_path),
-        max_steps=6,
-        batch_size=4,
-        save_every=3,
-        eval_every=3,
-        eval_batches=2,
-        warmup_steps=2,
-        progress=False,
-        token_weighted_weight=0.5,
-        normalized_concentration_corrected_token_weighted_weight=0.5,
-        chat_template=False,
-        validation_fraction=0.2,
-    )
-    values.update(overrides)
-    return build_config(values)
+config_for = trainer_config
 
 
 def run(tmp_path, tokenizer, pairs, callbacks=(), **overrides):
