@@ -348,3 +348,11 @@ def test_decode_from_latent_continuous(continuous_encoded, continuous_run):
     assert decode_from_latent(model, tokenizer, config, row["prompt"], row["mu"], sampling) == text
     with pytest.raises(ValueError, match="finite"):
         decode_from_latent(model, tokenizer, config, row["prompt"], [math.nan] * len(row["mu"]), sampling)
+
+
+def test_encode_is_a_disentangle_subcommand():
+    from disentanglement import cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["encode", "RUN", "--output", "z.jsonl"])
+    assert args.command == "encode" and args.output == "z.jsonl"

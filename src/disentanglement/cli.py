@@ -4,6 +4,7 @@
     disentangle eval CHECKPOINT [--data ...] [--output report.json]
     disentangle generate CHECKPOINT --prompt "..." [...]
     disentangle inspect CHECKPOINT --data ... --index I
+    disentangle encode CHECKPOINT --data ... --output latents.jsonl
     disentangle data synth NAME --output FILE.jsonl [--rows N] [--seed S]
     disentangle sweep --config base.yaml --output-dir OUT --set FIELD=V1,V2 --seeds 0,1,2 [...]
 
@@ -105,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_train(subparsers)
-    from . import commands, sweep, synthetic
+    from . import commands, encode, sweep, synthetic
 
     commands.add_subcommands(subparsers)
+    encode.add_encode_subcommand(subparsers)
     sweep.add_sweep_subcommand(subparsers)
     synthetic.add_data_subcommand(subparsers)
     return parser
