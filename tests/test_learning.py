@@ -48,7 +48,7 @@ def validation_cache(result) -> FeatureCache:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("latent", "steps"),
-    [("discrete", 150), ("continuous", 150)],
+    [("discrete", 200), ("continuous", 150)],
 )
 def test_latent_recovers_the_hidden_factor(tmp_path, embedded, hidden_factor_pairs, latent, steps):
     decoder, tokenizer = embedded
