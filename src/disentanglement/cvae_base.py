@@ -38,6 +38,7 @@ from .token_weighting import (
     TokenWeighting,
     align_to_conditioned,
     align_token_weighting,
+    apply_head,
     token_weighting_from_base_nll,
 )
 
@@ -156,7 +157,17 @@ class Decoded:
 
     def logits(self) -> torch.Tensor:
         """All logits of the window, ``[B, Tc - start, V]`` (materialises the full block)."""
-        return self.head(self.hidden)
+        return apply_head(self.head, self.hidden)
+
+
+def unused_logits(inputs: torch.Tensor) -> torch.Tensor:
+    """``logits_to_keep`` for a forward whose own logits are not used: position 0 as an index tensor.
+
+    The model's head then gets a contiguous ``[B, 1, H]`` copy. ``logits_to_keep=1`` gives it a strided
+    view instead, on which a linear layer runs as a batched matmul against its weight expanded over the
+    batch (for bf16 weights on the CPU a copy of the ``[V, H]`` weight per example: seconds per pass).
+    """
+    return torch.zeros(1, dtype=torch.long, device=inputs.device)
 
 
 def _pad_last(mask: torch.Tensor) -> torch.Tensor:
@@ -396,7 +407,7 @@ class CVAEBase(nn.Module):
                     input_ids=batch.input_ids,
                     attention_mask=batch.attention_mask,
                     output_hidden_states=True,
-                    logits_to_keep=1,  # the head runs below, only from the first response prediction on
+                    logits_to_keep=unused_logits(batch.input_ids),  # the head runs below, on the window
                 )
                 head = reference.get_output_embeddings()
             finally:
@@ -518,7 +529,7 @@ class CVAEBase(nn.Module):
             attention_mask=attention,
             use_cache=False,
             output_hidden_states=True,
-            logits_to_keep=1,  # the head runs on the hidden states below, chunk by chunk
+            logits_to_keep=unused_logits(embeds),  # the head runs on the hidden states below, chunk by chunk
         )
         hidden = out.hidden_states[-1][:, start:]  # [B, Tc - start, H], after the final norm
         return Decoded(hidden, self.decoder.get_output_embeddings(), start, ids, target, offsets)
