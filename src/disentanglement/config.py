@@ -367,8 +367,9 @@ class ModelConfig:
     lora_target_modules: list[str] = option(["q_proj", "v_proj"], "Module names that get LoRA adapters.")
     dtype: Literal["auto", "float32", "bfloat16"] = option(
         "auto",
-        "Weights dtype when loading: auto = float32 weights (training adds bf16 autocast on CUDA); "
-        "bfloat16 halves memory.",
+        "Decoder weights dtype: auto = bfloat16 on CUDA and on a CPU with bf16 matmul instructions "
+        "(AMX-BF16, AVX512-BF16), else float32, and float32 for decoder_training full; bfloat16 halves the "
+        "decoder's memory. The CVAE's heads, optimizer state and every loss stay float32.",
     )
 
     def __post_init__(self) -> None:

@@ -104,13 +104,51 @@ def resolve_model_source(model: str | None) -> ModelSource:
     return ModelSource("hub", model)
 
 
+# /proc/cpuinfo flags of the x86 instructions that oneDNN runs bf16 matmuls with (AMX tiles or AVX512-BF16).
+FAST_BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+
+
+def cpu_has_fast_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether bf16 matmuls on this CPU run on bf16 instructions, and so are faster than float32.
+
+    Needs torch's oneDNN backend (without it a bf16 matmul is emulated, about 100 times slower than
+    float32) and AMX-BF16 or AVX512-BF16: as torch itself detects them (``torch.cpu._is_amx_tile_supported``,
+    ``torch.cpu._is_avx512_bf16_supported``, which are what its kernels dispatch on), or, where this torch
+    has no such check, the ``flags`` line of ``cpuinfo`` (a Linux ``/proc/cpuinfo``). Other CPUs (ARM among
+    them) count as not having them.
+    """
+    if not torch.backends.mkldnn.is_available():
+        return False
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    if all(callable(check) for check in checks):
+        return any(bool(check()) for check in checks)
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return False
+    flags = {flag for line in text.splitlines() if line.startswith("flags") for flag in line.partition(":")[2].split()}
+    return bool(flags & FAST_BF16_CPU_FLAGS)
+
+
 def resolve_dtype(cfg: ModelConfig, device: torch.device | str) -> torch.dtype:
-    """``cfg.dtype`` as a torch dtype: "auto" is bfloat16 on CUDA and float32 elsewhere."""
+    """``cfg.dtype`` as the torch dtype of the decoder's weights on ``device``.
+
+    "auto" is bfloat16 where the hardware computes in it fast (CUDA; a CPU with AMX-BF16 or AVX512-BF16,
+    :func:`cpu_has_fast_bf16`) and float32 elsewhere, and always float32 for ``decoder_training = "full"``,
+    whose decoder weights and their AdamW state train (bf16 weights would lose most small updates to
+    rounding). Only the decoder takes this dtype: the CVAE's heads, latent parameters and optimizer state
+    are float32, and every loss is computed in float32 (the LM head's log-softmax included).
+    """
     if cfg.dtype == "float32":
         return torch.float32
     if cfg.dtype == "bfloat16":
         return torch.bfloat16
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if cfg.decoder_training == "full":
+        return torch.float32
+    kind = torch.device(device).type
+    if kind == "cuda" or (kind == "cpu" and cpu_has_fast_bf16()):
+        return torch.bfloat16
+    return torch.float32
 
 
 def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
@@ -264,7 +302,8 @@ def load_model_and_tokenizer(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The causal LM (in eval mode, on ``device``, nothing frozen) and its tokenizer (with a pad token).
 
-    ``dtype`` defaults to :func:`resolve_dtype` of the config (float32 on CPU). Offline only: see the
+    ``dtype`` defaults to :func:`resolve_dtype` of the config on ``device`` (bfloat16 on a CPU with bf16
+    matmul instructions, else float32). Offline only: see the
     module docstring for the accepted ``cfg.model`` values and the GGUF cache.
     """
     dtype = dtype or resolve_dtype(cfg, device)
