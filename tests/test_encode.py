@@ -23,7 +23,9 @@ from disentanglement.encode import (
     add_encode_subcommand,
     decode_from_latent,
     encode_examples,
+    encode_pairs,
     raw_pairs,
+    read_latents,
     run_encode,
     write_rows,
 )
@@ -356,3 +358,53 @@ def test_encode_is_a_disentangle_subcommand():
     parser = cli.build_parser()
     args = parser.parse_args(["encode", "RUN", "--output", "z.jsonl"])
     assert args.command == "encode" and args.output == "z.jsonl"
+
+
+# --------------------------------------------------------------------------- the Python API and reading rows back
+
+
+def test_encode_pairs_equals_the_encode_file(discrete_encoded, discrete_run):
+    rows, _ = discrete_encoded
+    model, tokenizer, config, _ = discrete_run.load()
+    model.eval()
+    chosen = rows[:6]
+    as_tuples = encode_pairs(model, tokenizer, config, [(r["prompt"], r["response"], r["label"]) for r in chosen])
+    assert [r["source"] for r in as_tuples] == [f"pair:{i}" for i in range(6)]
+    for mine, theirs in zip(as_tuples, chosen, strict=True):
+        assert list(mine) == [*COMMON_KEYS, *DISCRETE_KEYS]
+        assert mine["codes"] == theirs["codes"] and mine["label"] == theirs["label"]
+        np.testing.assert_allclose(mine["posterior"], theirs["posterior"], rtol=1e-5, atol=1e-7)
+        assert mine["kl"] == pytest.approx(theirs["kl"], rel=1e-5, abs=1e-7)
+    as_mappings = encode_pairs(
+        model,
+        tokenizer,
+        config,
+        [{"prompt": r["prompt"], "response": r["response"], "source": r["source"]} for r in chosen],
+    )
+    assert [r["source"] for r in as_mappings] == [r["source"] for r in chosen]
+    assert [r["codes"] for r in as_mappings] == [r["codes"] for r in chosen]
+    # the latent read off a pair decodes as the code does
+    sampling = SamplingOptions(greedy=True, max_new_tokens=8)
+    assert decode_from_latent(model, tokenizer, config, "x 1", as_tuples[0], sampling) == decode_from_latent(
+        model, tokenizer, config, "x 1", chosen[0]["codes"], sampling
+    )
+    with pytest.raises(ValueError, match="pair 0: expected"):
+        encode_pairs(model, tokenizer, config, ["just a string"])
+    with pytest.raises(ValueError, match="at least one pair"):
+        encode_pairs(model, tokenizer, config, [])
+
+
+def test_read_latents_round_trips_jsonl_and_parquet(discrete_encoded, tmp_path):
+    rows, _ = discrete_encoded
+    back = read_latents(write_rows(rows, tmp_path / "rows.jsonl"))
+    assert back.rows == rows and back.path == str(tmp_path / "rows.jsonl") and len(back) == len(rows)
+    pytest.importorskip("pyarrow")
+    assert read_latents(write_rows(rows, tmp_path / "rows.parquet")).rows == rows
+    mixed = [
+        {"source": "f:1", "label": {"style": "a"}, "codes": [1]},
+        {"source": "f:2", "label": "b", "codes": [0]},
+        {"source": "f:3", "label": None, "codes": [0]},
+    ]
+    assert read_latents(write_rows(mixed, tmp_path / "mixed.parquet")).rows == mixed  # labels were JSON text
+    plain = [{"source": "f:1", "label": '{"not": json', "codes": [1]}, {"source": "f:2", "label": "b", "codes": [0]}]
+    assert read_latents(write_rows(plain, tmp_path / "plain.parquet")).rows == plain

@@ -115,9 +115,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _attach_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--range -3:3`` -> ``--range=-3:3``: argparse takes a value that starts with '-' (and is not a plain
+    negative number) for an option."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--range" and arg.startswith("-") and not arg.startswith("--"):
+            out[-1] = f"--range={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

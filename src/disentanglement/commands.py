@@ -322,10 +322,22 @@ def run_generate(
 ) -> dict:
     """Generate from a checkpoint (:func:`generation.generate`; ``options`` are its keyword arguments,
     ``sampling`` a :class:`generation.SamplingOptions`). Writes the result as JSON to ``output`` when given."""
-    from .generation import generate
+    from .generation import generate, parse_range
 
     if output is not None:
         check_writable_target(output, "--output")
+    # the latent file and the steering options before the model loads
+    if isinstance(options.get("latents"), str | Path):
+        from .encode import read_latents
+
+        options["latents"] = read_latents(options["latents"])
+    if options.get("traverse") is not None:
+        parse_range(options.get("traverse_range", (-3.0, 3.0)))
+    if options.get("attributes"):
+        from .encode import parse_attribute
+
+        for spec in options["attributes"]:
+            parse_attribute(spec)
 
     model, tokenizer, config, state, checkpoint_dir, _ = load_checkpoint(checkpoint, model_and_tokenizer, device)
     result = generate(model, tokenizer, config, prompts, batch_size=batch_size, **options)
@@ -347,9 +359,30 @@ def _add_generate(subparsers) -> None:
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
     parser.add_argument(
         "--mode",
-        choices=("codes", "prior", "posterior", "interpolate"),
+        choices=("codes", "prior", "posterior", "interpolate", "row", "attribute", "traverse"),
         help="latents: codes (discrete default), prior (continuous default), posterior of --reference-response, "
-        "interpolate (continuous) between two reference responses' posteriors",
+        "interpolate (continuous) between two reference responses' posteriors; row, attribute, traverse "
+        "(continuous; implied by --row, --attribute, --traverse)",
+    )
+    latent_file = parser.add_argument_group("latents read off data (an output of disentangle encode)")
+    latent_file.add_argument("--latents", help="an encode file (.jsonl or .parquet) of this checkpoint")
+    latent_file.add_argument(
+        "--row", type=int, help="decode with row I's latent: its codes (discrete, as --codes) or its mu"
+    )
+    latent_file.add_argument(
+        "--attribute",
+        action="append",
+        dest="attributes",
+        metavar="LABEL:SCALE",
+        help="continuous: add SCALE * (mean(mu | LABEL) - mean(mu)) over --latents to the latent (--row's mu, "
+        "else the prompt's prior mean); LABEL is value or factor=value; repeatable",
+    )
+    latent_file.add_argument(
+        "--code-examples",
+        type=int,
+        default=0,
+        metavar="N",
+        help="discrete: show each generated code's N most typical responses of --latents (highest posterior)",
     )
     discrete = parser.add_argument_group("discrete latents")
     discrete.add_argument("--slot", type=int, help="sweep every code of this slot (default 0 unless --codes is given)")
@@ -359,7 +392,13 @@ def _add_generate(subparsers) -> None:
     continuous = parser.add_argument_group("continuous latents")
     continuous.add_argument("--reference-response", help="response whose posterior is used (posterior, interpolate)")
     continuous.add_argument("--reference-response-b", help="second reference response (interpolate)")
-    continuous.add_argument("--steps", type=int, default=5, help="interpolation points, ends included")
+    continuous.add_argument("--steps", type=int, default=5, help="interpolation or traversal points, ends included")
+    continuous.add_argument(
+        "--traverse", type=int, metavar="DIM", help="traverse dimension DIM around the prior mean (or --row's mu)"
+    )
+    continuous.add_argument(
+        "--range", dest="traverse_range", default="-3:3", metavar="LOW:HIGH", help="offsets of --traverse"
+    )
     parser.add_argument(
         "--num-samples", type=int, default=1, help="responses per latent (prior mode: latents drawn, one response each)"
     )
@@ -399,6 +438,12 @@ def _generate_main(args: argparse.Namespace) -> int:
         reference_response=args.reference_response,
         reference_response_b=args.reference_response_b,
         steps=args.steps,
+        latents=args.latents,
+        row=args.row,
+        attributes=args.attributes,
+        traverse=args.traverse,
+        traverse_range=args.traverse_range,
+        code_examples=args.code_examples,
         sampling=sampling,
     )
     print(json.dumps(result, indent=1) if args.json else format_generations(result))

@@ -19,6 +19,24 @@ Latent choices (``mode``):
 - ``interpolate`` (continuous): ``steps`` points on the line between the posterior means of two
   reference responses.
 
+Latents read off data (``latents``: an encode file of ``disentangle encode``, or its rows):
+
+- ``row`` ``I``: the latent of row ``I``. Discrete: its ``codes`` are the forced codes of ``codes`` mode
+  (so ``slot`` still sweeps one slot around them); continuous (mode ``row``): its ``mu``.
+- ``attribute`` (continuous): ``attributes`` ``["LABEL:SCALE", ...]``; the latent is the base (the row's
+  ``mu`` with ``row``, else the prompt's prior mean) plus ``sum SCALE * (mean(mu | LABEL) - mean(mu))``
+  over the file's rows (:func:`encode.attribute_vector`); the base itself is generated first, for
+  comparison (``latent_description["base_only"]`` true).
+- ``traverse`` (continuous): dimension ``traverse`` of the base (with any attributes added) set to
+  ``base[dim] + offset`` for ``steps`` offsets evenly spaced over ``traverse_range`` (``-3:3``, ends
+  included; :func:`traversal_offsets`); each generation's description has ``offset`` and ``value``.
+- ``code_examples`` ``N`` (discrete): for every code the generations use, per slot, the ``N`` rows of the
+  file most typical of it (assigned to it, highest posterior probability; :func:`encode.code_examples`),
+  in ``result["code_examples"]``.
+
+Unless ``mode`` is given it is ``traverse`` with ``traverse``, ``attribute`` with ``attributes``, ``row``
+with a continuous ``row``, else ``codes`` (discrete) or ``prior`` (continuous).
+
 Diversity: distinct-1 and distinct-2 (whitespace tokens) over the responses to each prompt, across
 latents and samples, and their mean over prompts.
 """
@@ -26,14 +44,16 @@ latents and samples, and their mean over prompts.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from . import encode as encode_module
 from .config import DataConfig, RunConfig
 from .cvae_base import CVAEBase, FrozenFeatures
 from .data import PromptResponse, collate, prompt_text_for_generation, tokenize_pairs
@@ -42,7 +62,9 @@ from .metrics import distinct_n
 from .shared_discrete_cvae import SharedDiscreteCVAE
 
 logger = logging.getLogger(__name__)
-MODES = ("codes", "prior", "posterior", "interpolate")
+MODES = ("codes", "prior", "posterior", "interpolate", "row", "attribute", "traverse")
+#: Continuous modes whose base latent is a row's mu or the prompt's prior mean.
+STEERING_MODES = ("row", "attribute", "traverse")
 
 
 @dataclass
@@ -333,6 +355,154 @@ def _continuous_plan(
     return choices
 
 
+def parse_range(text: str | Sequence[float]) -> tuple[float, float]:
+    """``"-3:3"`` -> ``(-3.0, 3.0)`` (a pair of numbers passes through); low < high, both finite."""
+    if isinstance(text, str):
+        low_text, sep, high_text = text.partition(":")
+        if not sep:
+            raise ValueError(f"--range {text!r} must be LOW:HIGH, e.g. -3:3")
+        try:
+            low, high = float(low_text), float(high_text)
+        except ValueError:
+            raise ValueError(f"--range {text!r}: LOW and HIGH must be numbers") from None
+    else:
+        low, high = (float(v) for v in text)
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ValueError(f"--range needs finite LOW < HIGH, got {low}:{high}")
+    return low, high
+
+
+def traversal_offsets(low: float, high: float, steps: int) -> list[float]:
+    """``steps`` (>= 2) evenly spaced offsets from ``low`` to ``high``, ends included: ``low + (high - low) i /
+    (steps - 1)``; ``(-3, 3, 7)`` gives ``-3, -2, ..., 3``."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"--steps must be an integer >= 2 for a traversal, got {steps!r}")
+    return [low + (high - low) * i / (steps - 1) for i in range(steps)]
+
+
+def _steering_plan(
+    model: CVAEBase,
+    features: FrozenFeatures,
+    mode: str,
+    row_mu: torch.Tensor | None,
+    row_description: dict[str, Any],
+    attributes: list[tuple[torch.Tensor, dict[str, Any], float]],
+    traverse: int | None,
+    offsets: list[float],
+) -> list[LatentChoice]:
+    """Continuous ``row``, ``attribute`` and ``traverse`` latents (see the module docstring)."""
+    prior_mu, _ = model.prior(features)  # [B, D]
+    choices: list[LatentChoice] = []
+
+    def z_list(z: torch.Tensor) -> list[float]:
+        return [round(float(v), 5) for v in z]
+
+    for p in range(prior_mu.shape[0]):
+        if row_mu is not None:
+            base, base_name = row_mu.to(prior_mu), f"row {row_description['row']}"
+            common: dict[str, Any] = {"base": "row", **row_description}
+        else:
+            base, base_name = prior_mu[p], "prior mean"
+            common = {"base": "prior_mean"}
+        if mode == "row":
+            choices.append(LatentChoice(p, base_name, {**common, "z": z_list(base)}, base))
+            continue
+        steered, name = base.clone(), base_name
+        for vector, description, scale in attributes:
+            steered = steered + scale * vector.to(steered)
+            name += f" {'+' if scale >= 0 else '-'} {abs(scale):g}*{description['label']}"
+        common["attributes"] = [{**d, "scale": scale} for _, d, scale in attributes]
+        if mode == "attribute":
+            choices.append(LatentChoice(p, base_name, {**common, "base_only": True, "z": z_list(base)}, base))
+            choices.append(LatentChoice(p, name, {**common, "base_only": False, "z": z_list(steered)}, steered))
+            continue
+        assert traverse is not None
+        for offset in offsets:
+            z = steered.clone()
+            z[traverse] = steered[traverse] + offset
+            label = f"{name} dim{traverse}{offset:+.2f}"
+            description = {**common, "dim": traverse, "offset": offset, "value": float(z[traverse]), "z": z_list(z)}
+            choices.append(LatentChoice(p, label, description, z))
+    return choices
+
+
+@dataclass
+class _Steering:
+    """What the latent file gives a call of :func:`generate` (checked against the model)."""
+
+    file: Any = None  # encode.LatentRows
+    row_value: list | None = None  # the row's codes or mu
+    row_description: dict[str, Any] = field(default_factory=dict)
+    attributes: list[tuple[torch.Tensor, dict[str, Any], float]] = field(default_factory=list)
+
+
+def _check_steering(
+    model: CVAEBase,
+    discrete: bool,
+    mode: str,
+    latents: Any,
+    row: int | None,
+    attributes: list[str],
+    traverse: int | None,
+    codes: Any,
+    code_examples: int,
+) -> _Steering:
+    """Check the latent-file options against the mode and the model; read the row and the attributes."""
+    family = "discrete" if discrete else "continuous"
+    if mode in STEERING_MODES and discrete:
+        flag = {"row": "--mode row", "attribute": "--attribute", "traverse": "--traverse"}[mode]
+        raise ValueError(f"{flag} needs a continuous model; a discrete model is steered with --codes or --row")
+    if attributes and mode not in ("attribute", "traverse"):
+        raise ValueError(f"--attribute is used by modes attribute and traverse, not {mode!r}")
+    if traverse is not None and mode != "traverse":
+        raise ValueError(f"--traverse is used by mode traverse, not {mode!r}")
+    if mode == "attribute" and not attributes:
+        raise ValueError("mode 'attribute' needs --attribute LABEL:SCALE (and --latents FILE)")
+    if mode == "traverse":
+        if traverse is None:
+            raise ValueError("mode 'traverse' needs --traverse DIM")
+        D = model.latent_vector_dim
+        if isinstance(traverse, bool) or not isinstance(traverse, int) or not 0 <= traverse < D:
+            raise ValueError(f"--traverse {traverse!r} is outside [0, {D}) (this checkpoint's latent dimensions)")
+    if mode == "row" and row is None:
+        raise ValueError("mode 'row' needs --latents FILE --row I")
+    if row is not None and mode not in ("codes", *STEERING_MODES):
+        raise ValueError(f"--row is used by modes codes (discrete), row, attribute and traverse, not {mode!r}")
+    if discrete and row is not None and codes is not None:
+        raise ValueError("--row and --codes both fix the codes; give one of them")
+    if code_examples:
+        if not discrete:
+            raise ValueError("--code-examples needs a discrete model (a code's typical responses)")
+        if mode != "codes":
+            raise ValueError(f"--code-examples is used by mode codes, not {mode!r}")
+        if isinstance(code_examples, bool) or not isinstance(code_examples, int) or code_examples < 0:
+            raise ValueError(f"--code-examples must be an integer >= 0, got {code_examples!r}")
+    needs_file = [
+        flag
+        for flag, used in (("--row", row is not None), ("--attribute", attributes), ("--code-examples", code_examples))
+        if used
+    ]
+    steering = _Steering()
+    if latents is None:
+        if needs_file:
+            raise ValueError(f"{' and '.join(needs_file)} need --latents FILE (an output of disentangle encode)")
+        return steering
+    if not needs_file:
+        raise ValueError(
+            f"--latents is read by --row, --attribute or --code-examples; give one of them ({family} model)"
+        )
+    steering.file = encode_module._as_latent_rows(latents)
+    if row is not None:
+        steering.row_value = encode_module.row_latent(model, steering.file, row)
+        source = steering.file.rows[row].get("source")
+        steering.row_description = {"row": row, "row_source": source, "latents": steering.file.path}
+    for spec in attributes:
+        label, scale = encode_module.parse_attribute(spec)
+        vector, description = encode_module.attribute_vector(model, steering.file, label)
+        steering.attributes.append((vector, description, scale))
+    return steering
+
+
 def generate(
     model: CVAEBase,
     tokenizer: Any,
@@ -348,10 +518,22 @@ def generate(
     reference_response: str | None = None,
     reference_response_b: str | None = None,
     steps: int = 5,
+    latents: Any = None,
+    row: int | None = None,
+    attributes: Sequence[str] | None = None,
+    traverse: int | None = None,
+    traverse_range: str | Sequence[float] = (-3.0, 3.0),
+    code_examples: int = 0,
     sampling: SamplingOptions | None = None,
     batch_size: int = 16,
 ) -> dict[str, Any]:
     """Generate responses to ``prompts`` under chosen latents (see the module docstring).
+
+    ``latents`` is an encode file's path, its :class:`encode.LatentRows` or its rows; ``row``,
+    ``attributes`` and ``code_examples`` need it. Example (a notebook)::
+
+        generate(model, tokenizer, config, ["Hi"], latents="z.jsonl", attributes=["polite:2"])
+        generate(model, tokenizer, config, ["Hi"], traverse=0, traverse_range="-3:3", steps=7)
 
     ``num_samples`` is the number of responses per latent, except in ``prior`` mode where it is
     the number of latents drawn (one response each). Returns a JSON-able dict: ``latent``,
@@ -362,9 +544,21 @@ def generate(
     """
     sampling = sampling or SamplingOptions()
     discrete = isinstance(model, SharedDiscreteCVAE)
-    mode = mode or ("codes" if discrete else "prior")
+    attributes = list(attributes or [])
+    if mode is None:
+        if traverse is not None:
+            mode = "traverse"
+        elif attributes:
+            mode = "attribute"
+        elif row is not None and not discrete:
+            mode = "row"
+        else:
+            mode = "codes" if discrete else "prior"
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    steering = _check_steering(model, discrete, mode, latents, row, attributes, traverse, codes, code_examples)
+    if mode == "traverse":
+        offsets = traversal_offsets(*parse_range(traverse_range), steps)
     if mode == "codes" and not discrete:
         raise ValueError("mode 'codes' needs a discrete model; use prior, posterior or interpolate")
     if mode == "interpolate" and discrete:
@@ -396,6 +590,8 @@ def generate(
                     reference_posterior(model, tokenizer, config.data, p, reference_response_b) for p in prompts
                 ]
             if discrete:
+                if steering.row_value is not None:
+                    codes = ",".join(map(str, steering.row_value))
                 parsed = parse_codes(codes, model.num_slots, model.codebook_size)
                 choices = _discrete_plan(
                     model,
@@ -407,6 +603,20 @@ def generate(
                     max_combinations,
                     num_samples,
                     posteriors,
+                )
+                for choice in choices:
+                    choice.description.update(steering.row_description)
+            elif mode in STEERING_MODES:
+                row_mu = None if steering.row_value is None else torch.tensor(steering.row_value)
+                choices = _steering_plan(
+                    model,
+                    features,
+                    mode,
+                    row_mu,
+                    steering.row_description,
+                    steering.attributes,
+                    traverse,
+                    offsets if mode == "traverse" else [],
                 )
             else:
                 choices = _continuous_plan(model, features, mode, num_samples, steps, posteriors, posteriors_b)
@@ -455,6 +665,17 @@ def generate(
     if discrete and mode == "codes":
         result["slot"] = slot if slot is not None else (0 if codes is None and not all_combinations else None)
         result["all_combinations"] = all_combinations
+    if latents is not None:
+        result["latents"] = steering.file.path
+    if row is not None:
+        result["row"] = row
+    if mode == "traverse":
+        result["traverse"] = {"dim": traverse, "offsets": offsets}
+    if code_examples:
+        used = sorted({(m, k) for c in choices for m, k in enumerate(c.description["codes"])})
+        result["code_examples"] = [
+            encode_module.code_examples(model, steering.file, m, k, code_examples) for m, k in used
+        ]
     if reference_response is not None:
         result["reference_response"] = reference_response
     if reference_response_b is not None:
@@ -482,4 +703,16 @@ def format_generations(result: dict[str, Any]) -> str:
         lines.append("")
     d = result["diversity"]
     lines.append(f"mean over prompts: distinct-1 {d['distinct_1']:.3f}  distinct-2 {d['distinct_2']:.3f}")
+    for entry in result.get("code_examples", []):
+        lines.append("")
+        lines.append(
+            f"slot {entry['slot']} code {entry['code']}: {entry['rows_with_code']} rows of {result['latents']} "
+            f"({100 * entry['share']:.1f}%); most typical:"
+        )
+        for ex in entry["examples"]:
+            response = str(ex["response"]).replace("\n", "\\n")
+            label = f" [{json.dumps(ex['label'])}]" if ex["label"] is not None else ""
+            lines.append(f"  p={ex['probability']:.3f} row {ex['row']}{label}: {response}")
+        if not entry["examples"]:
+            lines.append("  (no row of the file is assigned to this code)")
     return "\n".join(lines)
