@@ -183,11 +183,18 @@ def run_eval(
     batch_size: int = 16,
     device: str = "auto",
     progress: bool = True,
+    generation: bool = False,
+    generation_prompts: int = 8,
+    generation_max_new_tokens: int = 32,
+    generation_latents: int = 8,
     model_and_tokenizer=None,
 ) -> tuple[dict, Path, Path]:
     """Evaluate a checkpoint (:func:`evaluation.evaluate`); write the JSON report and a Markdown summary.
 
     ``output`` defaults to ``RUN/eval/eval_<data>.json``; the summary is the same path with ``.md``.
+    With ``generation`` the report gets ``controllability`` (:func:`controllability.controllability` on
+    ``generation_prompts`` prompts of ``data``, ``generation_max_new_tokens`` greedy tokens, and
+    ``generation_latents`` prior draws per prompt for a continuous model).
     Returns ``(report, json_path, markdown_path)``.
     """
     from .evaluation import evaluate
@@ -199,6 +206,10 @@ def run_eval(
         _check_at_least(flag, value, 1)
     _check_at_least("--exact-limit", exact_limit, 0)
     _check_at_least("--max-examples", max_examples, 1, optional=True)
+    if generation:
+        _check_at_least("--generation-prompts", generation_prompts, 1)
+        _check_at_least("--generation-max-new-tokens", generation_max_new_tokens, 1)
+        _check_at_least("--generation-latents", generation_latents, 2)
     if output is not None and Path(output).is_dir():
         raise ValueError(f"--output {output} is a directory; expected the path of the JSON report")
     check_data_option(checkpoint, data)
@@ -230,6 +241,23 @@ def run_eval(
         "data": description,
         **body,
     }
+    if generation:
+        from .controllability import controllability
+        from .encode import raw_pairs
+
+        report["controllability"] = controllability(
+            model,
+            tokenizer,
+            config,
+            examples,
+            cache,
+            raw_pairs(data, config, examples),
+            num_prompts=generation_prompts,
+            max_new_tokens=generation_max_new_tokens,
+            prior_latents=generation_latents,
+            seed=seed,
+            batch_size=batch_size,
+        )
     _write_json(json_path, report)
     md_path = write_markdown_summary(report, json_path.with_suffix(".md"))
     return report, json_path, md_path
@@ -261,6 +289,10 @@ def eval_summary_lines(report: dict) -> list[str]:
             f"factor {name}: NMI {entry['latent']['nmi']:.2f} (encoder k-means {entry['encoder_kmeans']['nmi']:.2f}, "
             f"prior k-means {entry['prior_kmeans']['nmi']:.2f}, random {entry['random']['nmi']:.2f})"
         )
+    if "controllability" in report:
+        from .controllability import summary_lines
+
+        lines += summary_lines(report["controllability"])
     return lines
 
 
@@ -284,6 +316,17 @@ def _add_eval(subparsers) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=16, help="examples per forward pass")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
+    steering = parser.add_argument_group("controllability (generate under each code or latent, re-encode)")
+    steering.add_argument(
+        "--generation",
+        action="store_true",
+        help="also measure controllability: code/latent recovery, label accuracy, distinct-n, z-free NLL",
+    )
+    steering.add_argument("--generation-prompts", type=int, default=8, help="held-out prompts generated for")
+    steering.add_argument("--generation-max-new-tokens", type=int, default=32, help="greedy tokens per generation")
+    steering.add_argument(
+        "--generation-latents", type=int, default=8, help="continuous: prior draws per prompt (recovery targets)"
+    )
     parser.set_defaults(func=_eval_main)
 
 
@@ -300,6 +343,10 @@ def _eval_main(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         device=args.device,
         progress=args.progress,
+        generation=args.generation,
+        generation_prompts=args.generation_prompts,
+        generation_max_new_tokens=args.generation_max_new_tokens,
+        generation_latents=args.generation_latents,
     )
     print("\n".join(eval_summary_lines(report)))
     print(f"report:  {json_path}")

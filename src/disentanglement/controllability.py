@@ -1,0 +1,435 @@
+"""Does forcing a latent steer the response the way the latent means? (``disentangle eval --generation``)
+
+For ``P`` held-out prompts (a seeded choice of the distinct prompts of the evaluated data), generate one
+greedy response under each of a set of target latents, then re-encode every ``(prompt, generation)`` pair
+with the model's own encoder, tokenised as in training (an empty generation is its end-of-sequence token
+alone), and measure:
+
+- **code recovery** (discrete): the targets are, for each slot ``m`` and code ``k``, the prompt's prior-mode
+  codes with slot ``m`` set to ``k``; a generation is recovered when the argmax code of slot ``m`` of its
+  re-encoding is ``k``. ``code_recovery_accuracy`` is the mean over slots of each slot's accuracy; chance is
+  ``1/K`` (a collapsed encoder, which gives every response the same code, scores exactly that).
+- **latent recovery** (continuous): the targets are ``J`` seeded draws from the prompt's prior ``p(z | x)``
+  (``prior_latents``); a generation is recovered when the posterior mean of its re-encoding is nearer
+  (Euclidean) to its own target than to the prompt's other ``J - 1`` targets. Chance ``1/J``.
+- **attribute recovery** (continuous, labelled data): per factor and value ``v``, the target is the prompt's
+  prior mean plus the attribute vector ``a_v = mean(mu | v) - mean(mu)`` of the real responses' posterior
+  means; recovered when the re-encoding's ``mu - prior_mu`` is nearest to ``a_v`` among the factor's values.
+- **label accuracy** (labelled data): a scikit-learn ``LogisticRegression`` (on standardised features) is
+  trained per factor on the frozen features the encoder sees (``model.encoder_input``) of the real
+  responses of the evaluated data, and applied to the same features of the generations. The label a
+  target stands for is its attribute's value (continuous) or the most frequent value among the real
+  examples assigned to its code in that slot (discrete; codes no real example is assigned to are left
+  out). ``real_accuracy`` is the same classifier's accuracy on a seeded quarter of the real responses
+  held out from its training (how well the features can tell the labels at all).
+- **diversity**: distinct-1/2 over all generations, and the mean over prompts of distinct-1/2 across one
+  prompt's generations.
+- **fluency**: the z-free reference's NLL of the generations, nats per response token (the
+  end-of-sequence token included, as in training), beside the same for the real responses.
+
+Deterministic given ``seed`` (greedy decoding; the prior draws and the split are seeded); the caller's
+random state and the model's mode are kept.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import RunConfig
+from .cvae_base import CVAEBase, FrozenFeatures
+from .data import Example, PromptResponse, collate, tokenize_pairs
+from .evaluation import example_factor_values, posterior_latents, posterior_summary
+from .features import FeatureCache
+from .generation import SamplingOptions, encode_prompts, generate_texts, prompt_features
+from .metrics import distinct_n
+from .shared_discrete_cvae import SharedDiscreteCVAE
+
+#: Generations of the first prompts shown in the report.
+EXAMPLES_SHOWN = 2
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def recovery_accuracy(recovered: Sequence[Any], targets: Sequence[Any]) -> float:
+    """The share of positions where ``recovered[i] == targets[i]`` (0.0 for none)."""
+    if len(recovered) != len(targets):
+        raise ValueError(f"{len(recovered)} recovered values for {len(targets)} targets")
+    return float(np.mean([r == t for r, t in zip(recovered, targets, strict=True)])) if targets else 0.0
+
+
+def nearest_target(points: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest (Euclidean) candidate of each point: ``points [N, D]``, ``candidates [N, J, D]``
+    (each point its own candidates) -> ``[N]``; ties go to the lower index."""
+    distances = (candidates - points.unsqueeze(1)).pow(2).sum(-1)  # [N, J]
+    return distances.argmin(-1)
+
+
+def fit_label_classifier(features: np.ndarray, labels: Sequence[str], seed: int = 0):
+    """A scikit-learn pipeline (standardisation, then ``LogisticRegression``) fitted on ``features [E, F]``;
+    None when the labels have fewer than two values."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    if len(set(labels)) < 2:
+        return None
+    classifier = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000, random_state=seed))
+    return classifier.fit(features, list(labels))
+
+
+def held_out_accuracy(features: np.ndarray, labels: Sequence[str], seed: int = 0) -> float | None:
+    """Accuracy on a seeded quarter of ``features`` of the classifier fitted on the rest (None when too few)."""
+    order = list(range(len(labels)))
+    random.Random(seed).shuffle(order)
+    test, fit = order[: len(order) // 4], order[len(order) // 4 :]
+    if not test:
+        return None
+    classifier = fit_label_classifier(features[fit], [labels[i] for i in fit], seed)
+    if classifier is None:
+        return None
+    predicted = classifier.predict(features[test])
+    return recovery_accuracy(list(predicted), [labels[i] for i in test])
+
+
+def diversity(texts_per_prompt: Sequence[Sequence[str]]) -> dict[str, float]:
+    """distinct-1/2 over every text, and their means over prompts of each prompt's texts."""
+    every = [t for texts in texts_per_prompt for t in texts]
+    return {
+        "distinct_1": distinct_n(every, 1),
+        "distinct_2": distinct_n(every, 2),
+        "distinct_1_per_prompt": float(np.mean([distinct_n(t, 1) for t in texts_per_prompt])),
+        "distinct_2_per_prompt": float(np.mean([distinct_n(t, 2) for t in texts_per_prompt])),
+    }
+
+
+def choose_prompts(prompts: Sequence[str], count: int, seed: int = 0) -> list[str]:
+    """``count`` distinct prompts of ``prompts`` (all of them when fewer), a seeded choice in first-seen order."""
+    unique = list(dict.fromkeys(prompts))
+    chosen = set(random.Random(seed).sample(range(len(unique)), min(count, len(unique))))
+    return [p for i, p in enumerate(unique) if i in chosen]
+
+
+# --------------------------------------------------------------------------- re-encoding
+
+
+def generated_examples(
+    tokenizer: Any, config: RunConfig, prompts: Sequence[str], texts: Sequence[str]
+) -> list[Example]:
+    """``(prompt, generation)`` pairs tokenised as in training; a generation of zero tokens without a chat
+    template becomes the end-of-sequence token alone (what training makes of a response's end)."""
+    pairs = [PromptResponse(p, t, None, f"generation:{i}") for i, (p, t) in enumerate(zip(prompts, texts, strict=True))]
+    use_template = bool(config.data.chat_template and getattr(tokenizer, "chat_template", None))
+    empty: set[int] = set()
+    if not use_template:
+        empty = {i for i, ids in enumerate(tokenizer(list(texts), add_special_tokens=False)["input_ids"]) if not ids}
+    examples: list[Example | None] = [None] * len(pairs)
+    kept = [i for i in range(len(pairs)) if i not in empty]
+    if kept:
+        tokenised, _ = tokenize_pairs([pairs[i] for i in kept], tokenizer, config.data)
+        for i, example in zip(kept, tokenised, strict=True):
+            examples[i] = example
+    if empty:
+        order = sorted(empty)
+        for i, ids in zip(order, encode_prompts([prompts[i] for i in order], tokenizer, config.data), strict=True):
+            examples[i] = Example(ids, [int(tokenizer.eos_token_id)], None, pairs[i].source)
+    return examples  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def reencode(model: CVAEBase, examples: Sequence[Example], pad_token_id: int, batch_size: int = 16) -> dict[str, Any]:
+    """One frozen pass per batch over the generated pairs: the posterior (``codes [G, M]`` or ``mu [G, D]``),
+    the encoder's input features ``[G, F]`` and the z-free NLL sum and token count of each response ``[G]``."""
+    device = next(model.parameters()).device
+    parts: dict[str, list[torch.Tensor]] = {}
+    for start in range(0, len(examples), batch_size):
+        batch = collate(list(examples[start : start + batch_size]), pad_token_id).to(device)
+        features = model.frozen_pass(batch)
+        summary = posterior_summary(model, features)
+        values = {
+            "features": model.encoder_input(features).float(),
+            "nll": (features.zfree_token_nll.double() * batch.target_mask[:, 1:].double()).sum(-1),
+            "tokens": batch.response_lengths,
+        }
+        if summary.codes is not None:
+            values["codes"] = summary.codes
+        else:
+            values["mu"] = summary.mu.float()
+        for key, value in values.items():
+            parts.setdefault(key, []).append(value.cpu())
+    return {key: torch.cat(chunks) for key, chunks in parts.items()}
+
+
+@torch.no_grad()
+def real_encoder_inputs(
+    model: CVAEBase, examples: Sequence[Example], cache: FeatureCache, pad_token_id: int, batch_size: int = 32
+) -> np.ndarray:
+    """``model.encoder_input`` of the real examples, ``[E, F]``, in order (from their cached features)."""
+    device = next(model.parameters()).device
+    parts = []
+    for start in range(0, len(examples), batch_size):
+        indices = list(range(start, min(start + batch_size, len(examples))))
+        batch = collate([examples[i] for i in indices], pad_token_id, indices=indices).to(device)
+        parts.append(model.encoder_input(cache.features(batch)).float().cpu())
+    return torch.cat(parts).numpy()
+
+
+# --------------------------------------------------------------------------- the measure
+
+
+def _targets(
+    model: CVAEBase,
+    features: FrozenFeatures,
+    latents: dict[str, np.ndarray],
+    factors: dict[str, list[str]] | None,
+    prior_latents: int,
+) -> list[dict[str, Any]]:
+    """Every target latent: ``{prompt, group, target, vector, label?}``; ``group`` is what recovery is measured
+    within (``slot m``; ``prior``; ``factor NAME``) and ``target`` the index to recover within it."""
+    targets: list[dict[str, Any]] = []
+    P = features.prior_features.shape[0]
+    if isinstance(model, SharedDiscreteCVAE):
+        M, K = model.num_slots, model.codebook_size
+        mode = model.prior_log_probs(features).argmax(-1)  # [P, M]
+        # the label each code stands for: the most frequent value among the real examples assigned to it
+        code_labels: dict[tuple[int, int], dict[str, str]] = {}
+        for name, values in (factors or {}).items():
+            for m in range(M):
+                for k in range(K):
+                    assigned = [v for v, c in zip(values, latents["codes"][:, m], strict=True) if c == k]
+                    if assigned:
+                        top = Counter(assigned).most_common()
+                        best = min(v for v, n in top if n == top[0][1])  # ties: the smallest value
+                        code_labels.setdefault((m, k), {})[name] = best
+        for p in range(P):
+            for m in range(M):
+                for k in range(K):
+                    codes = mode[p].clone()
+                    codes[m] = k
+                    targets.append(
+                        {
+                            "prompt": p,
+                            "group": f"slot {m}",
+                            "target": k,
+                            "vector": model.codes_to_vector(codes.unsqueeze(0))[0],
+                            "codes": codes.tolist(),
+                            "labels": code_labels.get((m, k), {}),
+                        }
+                    )
+        return targets
+    prior_mu, _ = model.prior(features)  # [P, D]
+    draws = model.prior_vectors(features, prior_latents)  # [J, P, D]
+    for p in range(P):
+        for j in range(prior_latents):
+            targets.append({"prompt": p, "group": "prior", "target": j, "vector": draws[j, p], "labels": {}})
+    mu = torch.as_tensor(latents["mu"], dtype=torch.float64)  # [E, D]
+    for name, values in (factors or {}).items():
+        names = sorted(set(values))
+        if len(names) < 2:
+            continue
+        for index, value in enumerate(names):
+            chosen = torch.tensor([v == value for v in values])
+            attribute = (mu[chosen].mean(0) - mu.mean(0)).to(prior_mu)  # [D]
+            for p in range(P):
+                targets.append(
+                    {
+                        "prompt": p,
+                        "group": f"factor {name}",
+                        "target": index,
+                        "vector": prior_mu[p] + attribute,
+                        "attribute": attribute,
+                        "labels": {name: value},
+                    }
+                )
+    return targets
+
+
+def _recovered(model: CVAEBase, targets: list[dict[str, Any]], encoded: dict[str, Any], prior_mu) -> list[int]:
+    """The target index each generation's re-encoding recovers, within its group (see the module docstring)."""
+    out: list[int] = []
+    if isinstance(model, SharedDiscreteCVAE):
+        for t, codes in zip(targets, encoded["codes"].tolist(), strict=True):
+            out.append(codes[int(t["group"].split()[1])])
+        return out
+    by_group: dict[tuple[int, str], list[int]] = {}
+    for i, t in enumerate(targets):
+        by_group.setdefault((t["prompt"], t["group"]), []).append(i)
+    recovered = [0] * len(targets)
+    for (p, group), members in by_group.items():
+        mu = encoded["mu"][members].double()  # [n, D]
+        if group == "prior":
+            candidates = torch.stack([targets[i]["vector"].double().cpu() for i in members])  # [J, D]
+            points = mu
+        else:  # mu - prior_mu against the attribute vectors
+            candidates = torch.stack([targets[i]["attribute"].double().cpu() for i in members])
+            points = mu - prior_mu[p].double().cpu()
+        nearest = nearest_target(points, candidates.expand(len(members), -1, -1))
+        for i, n in zip(members, nearest.tolist(), strict=True):
+            recovered[i] = targets[members[n]]["target"]
+    return recovered
+
+
+def controllability(
+    model: CVAEBase,
+    tokenizer: Any,
+    config: RunConfig,
+    examples: Sequence[Example],
+    cache: FeatureCache,
+    pairs: Sequence[PromptResponse],
+    *,
+    num_prompts: int = 8,
+    max_new_tokens: int = 32,
+    prior_latents: int = 8,
+    seed: int = 0,
+    batch_size: int = 16,
+) -> dict[str, Any]:
+    """The controllability report of a model on held-out data (see the module docstring).
+
+    ``examples`` and ``cache`` are the evaluated data and its frozen-pass features (as for
+    ``evaluation.evaluate``), ``pairs`` their raw pairs (same order; the prompts' texts). Returns a JSON-able
+    dict: ``prompts``, ``generations``, ``decoding``, ``code_recovery_accuracy`` and ``per_slot`` (discrete) or
+    ``latent_recovery_accuracy`` and ``attributes`` (continuous), ``recovery_chance``, ``labels`` (per factor,
+    when every example is labelled), distinct-n, ``zfree_nll_per_token`` and ``real_zfree_nll_per_token``,
+    and ``examples`` (the first prompts' generations). Example::
+
+        report = controllability(model, tokenizer, config, examples, cache, pairs, num_prompts=4)
+        report["code_recovery_accuracy"], report["labels"]["label"]["accuracy"]
+    """
+    if len(pairs) != len(examples) or len(cache) != len(examples):
+        raise ValueError(f"{len(pairs)} pairs and {len(cache)} cached examples for {len(examples)} examples")
+    for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--generation-{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+    if isinstance(prior_latents, bool) or not isinstance(prior_latents, int) or prior_latents < 2:
+        raise ValueError(f"--generation-latents must be an integer >= 2, got {prior_latents!r}")
+    discrete = isinstance(model, SharedDiscreteCVAE)
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id
+    prompts = choose_prompts([p.prompt for p in pairs], num_prompts, seed)
+    factors = example_factor_values(examples)
+    sampling = SamplingOptions(greedy=True, max_new_tokens=max_new_tokens, seed=seed)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            torch.manual_seed(seed)
+            latents = posterior_latents(model, examples, cache, pad)
+            prompt_ids = encode_prompts(prompts, tokenizer, config.data)
+            features = prompt_features(model, prompt_ids, pad)
+            targets = _targets(model, features, latents, factors, prior_latents)
+            vectors = torch.stack([t["vector"] for t in targets])  # [G, L]
+            rows = [prompt_ids[t["prompt"]] for t in targets]
+            texts = generate_texts(model, tokenizer, rows, vectors, sampling, batch_size)
+            generated = generated_examples(tokenizer, config, [prompts[t["prompt"]] for t in targets], texts)
+            encoded = reencode(model, generated, pad, batch_size)
+            prior_mu = None if discrete else model.prior(features)[0].cpu()
+            recovered = _recovered(model, targets, encoded, prior_mu)
+            real_features = real_encoder_inputs(model, examples, cache, pad) if factors else None
+    finally:
+        model.train(was_training)
+
+    report: dict[str, Any] = {
+        "prompts": len(prompts),
+        "generations": len(targets),
+        "decoding": f"greedy, at most {max_new_tokens} new tokens",
+        "seed": seed,
+    }
+
+    def accuracy_of(group: str) -> float:
+        members = [i for i, t in enumerate(targets) if t["group"] == group]
+        return recovery_accuracy([recovered[i] for i in members], [targets[i]["target"] for i in members])
+
+    if discrete:
+        per_slot = [
+            {"slot": m, "accuracy": accuracy_of(f"slot {m}"), "chance": 1 / model.codebook_size}
+            for m in range(model.num_slots)
+        ]
+        report["recovery"] = "the re-encoded argmax code of the slot equals the code generated under"
+        report["code_recovery_accuracy"] = float(np.mean([s["accuracy"] for s in per_slot]))
+        report["recovery_chance"] = 1 / model.codebook_size
+        report["per_slot"] = per_slot
+    else:
+        report["recovery"] = (
+            f"the re-encoded posterior mean is nearest to its own target among the prompt's {prior_latents} prior draws"
+        )
+        report["latent_recovery_accuracy"] = accuracy_of("prior")
+        report["recovery_chance"] = 1 / prior_latents
+        attributes = {}
+        for name, values in (factors or {}).items():
+            count = len(set(values))
+            if count >= 2:
+                attributes[name] = {
+                    "recovery_accuracy": accuracy_of(f"factor {name}"),
+                    "chance": 1 / count,
+                    "values": count,
+                }
+        if attributes:
+            report["attributes"] = attributes
+
+    if factors and real_features is not None:
+        labels_report = {}
+        generation_features = encoded["features"].numpy()
+        for name, values in factors.items():
+            classifier = fit_label_classifier(real_features, values, seed)
+            scored = [i for i, t in enumerate(targets) if name in t["labels"]]
+            entry: dict[str, Any] = {"classes": len(set(values)), "generations_scored": len(scored)}
+            if classifier is not None and scored:
+                predicted = classifier.predict(generation_features[scored])
+                entry["accuracy"] = recovery_accuracy(list(predicted), [targets[i]["labels"][name] for i in scored])
+            else:
+                entry["accuracy"] = None
+            entry["chance"] = 1 / len(set(values))
+            entry["real_accuracy"] = held_out_accuracy(real_features, values, seed)
+            labels_report[name] = entry
+        report["labels"] = labels_report
+
+    per_prompt = [[texts[i] for i, t in enumerate(targets) if t["prompt"] == p] for p in range(len(prompts))]
+    report.update(diversity(per_prompt))
+    tokens = encoded["tokens"].double()
+    report["zfree_nll_per_token"] = float(encoded["nll"].sum() / tokens.sum())
+    real_tokens = sum(len(n) for n in cache.response_nll)
+    report["real_zfree_nll_per_token"] = float(sum(n.double().sum() for n in cache.response_nll) / real_tokens)
+    shown = []
+    for i, t in enumerate(targets):
+        if t["prompt"] < EXAMPLES_SHOWN:
+            latent = f"codes={','.join(map(str, t['codes']))}" if discrete else f"{t['group']} #{t['target']}"
+            shown.append(
+                {
+                    "prompt": prompts[t["prompt"]],
+                    "latent": latent,
+                    "text": texts[i],
+                    "recovered": bool(recovered[i] == t["target"]),
+                }
+            )
+    report["examples"] = shown
+    return report
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """The headline numbers of a controllability report, one per line."""
+    if "code_recovery_accuracy" in report:
+        recovery = f"code recovery {report['code_recovery_accuracy']:.3f}"
+    else:
+        recovery = f"latent recovery {report['latent_recovery_accuracy']:.3f}"
+    lines = [
+        f"controllability: {recovery} (chance {report['recovery_chance']:.3f}) over {report['generations']} "
+        f"generations for {report['prompts']} prompts; distinct-1 {report['distinct_1']:.3f}, distinct-2 "
+        f"{report['distinct_2']:.3f}; z-free NLL {report['zfree_nll_per_token']:.3f} nats/token (real "
+        f"responses {report['real_zfree_nll_per_token']:.3f})",
+    ]
+    for name, entry in report.get("attributes", {}).items():
+        lines.append(f"  attribute {name}: recovery {entry['recovery_accuracy']:.3f} (chance {entry['chance']:.3f})")
+    for name, entry in report.get("labels", {}).items():
+        accuracy = "n/a" if entry["accuracy"] is None else f"{entry['accuracy']:.3f}"
+        real = "n/a" if entry["real_accuracy"] is None else f"{entry['real_accuracy']:.3f}"
+        lines.append(
+            f"  label {name}: classifier accuracy on generations {accuracy} (real held-out {real}, chance "
+            f"{entry['chance']:.3f})"
+        )
+    return lines

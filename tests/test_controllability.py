@@ -1,0 +1,235 @@
+"""``eval --generation``: controllability of the tiny trained checkpoints (``conftest.py``), of collapsed copies
+of them (chance by construction), and of the pure parts by hand."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import NUM_FACTORS, model_and_tokenizer
+from disentanglement import cli, trainer
+from disentanglement.commands import load_examples, run_eval
+from disentanglement.controllability import (
+    choose_prompts,
+    controllability,
+    diversity,
+    fit_label_classifier,
+    generated_examples,
+    held_out_accuracy,
+    nearest_target,
+    recovery_accuracy,
+    reencode,
+)
+from disentanglement.data import collate
+from disentanglement.encode import raw_pairs
+from disentanglement.features import build_feature_cache
+
+OPTIONS = dict(num_prompts=4, max_new_tokens=40, prior_latents=4, seed=0)
+
+
+def setup(run):
+    model, tokenizer, config, _ = run.load()
+    model.eval()
+    examples, _ = load_examples(None, config, tokenizer)
+    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, 16, "cpu", False)
+    return model, tokenizer, config, examples, cache, raw_pairs(None, config, examples)
+
+
+@pytest.fixture(scope="module")
+def discrete(discrete_run):
+    return setup(discrete_run)
+
+
+@pytest.fixture(scope="module")
+def continuous(continuous_run):
+    return setup(continuous_run)
+
+
+def collapse_encoder(model, output: torch.Tensor):
+    """A copy of ``model`` whose encoder gives every input ``output`` (the last layer's weight zeroed)."""
+    collapsed = copy.deepcopy(model)
+    last = collapsed.encoder[-1]
+    with torch.no_grad():
+        last.weight.zero_()
+        last.bias.copy_(output)
+    return collapsed
+
+
+# --------------------------------------------------------------------------- by hand
+
+
+def test_recovery_accuracy_and_nearest_target():
+    assert recovery_accuracy([0, 1, 2, 2], [0, 1, 2, 3]) == 0.75
+    assert recovery_accuracy([], []) == 0.0
+    with pytest.raises(ValueError, match="targets"):
+        recovery_accuracy([0], [0, 1])
+    points = torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.5, 0.0]])
+    candidates = torch.tensor([[[0.1, 0.0], [1.0, 1.0]], [[0.0, 0.0], [0.9, 1.2]], [[0.0, 0.0], [1.0, 0.0]]])
+    assert nearest_target(points, candidates).tolist() == [0, 1, 0]  # the last is a tie: the lower index
+
+
+def test_distinct_n_by_hand():
+    got = diversity([["a b a", "a b"], ["c c"]])
+    # unigrams: a b a | a b | c c -> 7 tokens, 3 distinct; bigrams: (a b)(b a) | (a b) | (c c) -> 4, 3 distinct
+    assert got["distinct_1"] == pytest.approx(3 / 7) and got["distinct_2"] == pytest.approx(3 / 4)
+    # per prompt: [5 tokens, 2 distinct; 3 bigrams, 2 distinct] and [2 tokens, 1; 1 bigram, 1]
+    assert got["distinct_1_per_prompt"] == pytest.approx((2 / 5 + 1 / 2) / 2)
+    assert got["distinct_2_per_prompt"] == pytest.approx((2 / 3 + 1) / 2)
+
+
+def test_choose_prompts_is_seeded_distinct_and_in_order():
+    prompts = ["a", "b", "a", "c", "d", "b", "e"]
+    chosen = choose_prompts(prompts, 3, seed=1)
+    assert len(chosen) == 3 and len(set(chosen)) == 3
+    assert chosen == sorted(chosen, key=["a", "b", "c", "d", "e"].index) and chosen == choose_prompts(prompts, 3, 1)
+    assert choose_prompts(prompts, 10) == ["a", "b", "c", "d", "e"]
+
+
+def test_label_classifier_on_a_known_answer():
+    rng = np.random.default_rng(0)
+    centres = {"x": np.array([5.0, 0.0, 0.0]), "y": np.array([0.0, 5.0, 0.0]), "z": np.array([0.0, 0.0, 5.0])}
+    labels = [name for name in centres for _ in range(20)]
+    features = np.stack([centres[n] + rng.normal(scale=0.3, size=3) for n in labels])
+    classifier = fit_label_classifier(features, labels)
+    new = np.stack([centres[n] + rng.normal(scale=0.3, size=3) for n in ("z", "x", "y", "x")])
+    assert list(classifier.predict(new)) == ["z", "x", "y", "x"]
+    assert held_out_accuracy(features, labels) == 1.0
+    assert fit_label_classifier(features, ["x"] * len(labels)) is None  # one class: nothing to learn
+    assert held_out_accuracy(features[:3], labels[:3]) is None  # too few to hold any out
+
+
+# --------------------------------------------------------------------------- re-encoding
+
+
+def test_reencode_scores_the_zfree_nll_and_posterior_of_the_generations(discrete):
+    model, tokenizer, config, *_ = discrete
+    prompts, texts = ["sun pen 201", "moon tree 250", "x 1"], ["No.", "Ha ha, that is a funny question!", ""]
+    examples = generated_examples(tokenizer, config, prompts, texts)
+    assert examples[2].response_ids == [tokenizer.eos_token_id]  # an empty generation: its end alone
+    assert examples[0].response_ids == tokenizer("No.", add_special_tokens=False)["input_ids"] + [2]
+    encoded = reencode(model, examples, tokenizer.pad_token_id, batch_size=2)
+    with model.reference_context() as reference, torch.no_grad():
+        for i, example in enumerate(examples):
+            ids = torch.tensor([example.prompt_ids + example.response_ids])
+            logits = reference(input_ids=ids).logits[0, :-1].float()  # [T-1, V]
+            nll = F.cross_entropy(logits, ids[0, 1:], reduction="none")[len(example.prompt_ids) - 1 :]
+            assert float(encoded["nll"][i]) == pytest.approx(float(nll.sum()), rel=1e-4)
+            assert int(encoded["tokens"][i]) == len(example.response_ids)
+    batch = collate(examples, tokenizer.pad_token_id)
+    expected = model.posterior_logits(model.encoder_outputs(model.frozen_pass(batch))).argmax(-1)
+    assert encoded["codes"].tolist() == expected.tolist()
+
+
+# --------------------------------------------------------------------------- the measure
+
+
+def test_trained_discrete_codes_are_recovered_and_read_as_their_labels(discrete):
+    report = controllability(*discrete, **OPTIONS)
+    assert report["prompts"] == 4 and report["generations"] == 4 * NUM_FACTORS
+    assert report["code_recovery_accuracy"] == 1.0 and report["recovery_chance"] == 1 / NUM_FACTORS
+    assert report["per_slot"] == [{"slot": 0, "accuracy": 1.0, "chance": 1 / NUM_FACTORS}]
+    label = report["labels"]["label"]
+    assert label["accuracy"] == 1.0 and label["real_accuracy"] == 1.0 and label["generations_scored"] == 16
+    # four fixed phrases, one per code: every prompt's four generations differ
+    assert report["distinct_2_per_prompt"] == 1.0 and 0 < report["distinct_1"] < 1
+    assert report["zfree_nll_per_token"] > 0 and report["real_zfree_nll_per_token"] > 0
+    assert len(report["examples"]) == 2 * NUM_FACTORS and all(e["recovered"] for e in report["examples"])
+    assert controllability(*discrete, **OPTIONS) == report  # deterministic
+    json.dumps(report, allow_nan=False)
+
+
+def test_a_collapsed_discrete_encoder_recovers_at_chance(discrete):
+    model, *rest = discrete
+    collapsed = collapse_encoder(model, model.codebook[0].detach().repeat(model.num_slots))
+    report = controllability(collapsed, *rest, **OPTIONS)
+    # every generation is read back as code 0: one in K is right, exactly
+    assert report["code_recovery_accuracy"] == 1 / NUM_FACTORS
+    assert all(e["recovered"] == e["latent"].endswith("=0") for e in report["examples"])
+    # only code 0 has real examples, so only its generations stand for a label
+    assert report["labels"]["label"]["generations_scored"] == 4
+
+
+def test_continuous_recovery_and_its_collapsed_chance(continuous):
+    report = controllability(*continuous, **OPTIONS)
+    assert report["generations"] == 4 * 4 + 4 * NUM_FACTORS  # prior draws, then one attribute per label
+    assert 0 <= report["latent_recovery_accuracy"] <= 1 and report["recovery_chance"] == 1 / 4
+    assert report["attributes"]["label"]["chance"] == 1 / NUM_FACTORS
+    assert report["labels"]["label"]["generations_scored"] == 4 * NUM_FACTORS
+    assert controllability(*continuous, **OPTIONS) == report
+    model, *rest = continuous
+    D = model.latent_vector_dim
+    collapsed = collapse_encoder(model, torch.cat([torch.full((D,), 0.3), torch.zeros(D)]))  # mu = 0.3, logvar = 0
+    flat = controllability(collapsed, *rest, **OPTIONS)
+    # one re-encoded mu per prompt: it is nearest to one target of each group, so one in J is right, exactly
+    assert flat["latent_recovery_accuracy"] == 1 / 4
+    assert flat["attributes"]["label"]["recovery_accuracy"] == 1 / NUM_FACTORS
+
+
+def test_bad_options(discrete):
+    with pytest.raises(ValueError, match="--generation-num-prompts must be an integer >= 1"):
+        controllability(*discrete, num_prompts=0)
+    with pytest.raises(ValueError, match="--generation-latents must be an integer >= 2"):
+        controllability(*discrete, prior_latents=1)
+
+
+# --------------------------------------------------------------------------- eval --generation
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(trainer, "load_trained", refuse)
+
+
+def test_eval_generation_report_and_summary(discrete_run, tmp_path):
+    out = tmp_path / "eval.json"
+    report, json_path, md_path = run_eval(
+        discrete_run.checkpoint,
+        output=out,
+        progress=False,
+        generation=True,
+        generation_prompts=3,
+        generation_max_new_tokens=40,
+        model_and_tokenizer=model_and_tokenizer(),
+    )
+    saved = json.loads(json_path.read_text())["controllability"]
+    assert saved == report["controllability"] and saved["prompts"] == 3 and saved["code_recovery_accuracy"] == 1.0
+    summary = md_path.read_text()
+    assert "## controllability" in summary and "| code_recovery_accuracy | 1 |" in summary
+    plain, _, _ = run_eval(
+        discrete_run.checkpoint,
+        output=tmp_path / "plain.json",
+        progress=False,
+        model_and_tokenizer=model_and_tokenizer(),
+    )
+    assert "controllability" not in plain
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(generation_prompts=0), "--generation-prompts must be an integer >= 1"),
+        (dict(generation_max_new_tokens=0), "--generation-max-new-tokens must be an integer >= 1"),
+        (dict(generation_latents=1), "--generation-latents must be an integer >= 2"),
+    ],
+)
+def test_eval_generation_options_are_refused_before_the_model_loads(discrete_run, tmp_path, no_model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        run_eval(discrete_run.checkpoint, output=tmp_path / "e.json", progress=False, generation=True, **kwargs)
+
+
+def test_cli_eval_generation(discrete_run, tmp_path, monkeypatch, capsys):
+    original = trainer.load_trained
+    monkeypatch.setattr(trainer, "load_trained", lambda checkpoint, _=None: original(checkpoint, model_and_tokenizer()))
+    argv = ["eval", str(discrete_run.run_dir), "--output", str(tmp_path / "e.json"), "--no-progress", "--generation"]
+    assert cli.main([*argv, "--generation-prompts", "2", "--generation-max-new-tokens", "40", "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "controllability: code recovery 1.000 (chance 0.250) over 8 generations for 2 prompts" in printed
+    assert "label label: classifier accuracy on generations 1.000" in printed
