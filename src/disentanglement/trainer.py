@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -59,8 +59,8 @@ from .checkpoints import (
     save_checkpoint,
     set_rng_state,
 )
-from .config import ConfigError, RunConfig
-from .cvae_base import CVAEBase
+from .config import ConfigError, RunConfig, TrainConfig
+from .cvae_base import CVAEBase, FrozenFeatures
 from .data import Example, collate, limit_examples, load_pairs, split_train_validation, tokenize_pairs
 from .features import FeatureCache, batch_features, feature_fingerprint, load_or_build_feature_cache
 from .losses import estimate_zfree_reference_scale
@@ -110,6 +110,8 @@ RESUME_APPLIED_FIELDS = frozenset({"encoder_lr", "latent_lr", "decoder_lr", "wei
 RUN_ARTEFACTS = frozenset(
     {"config.yaml", "metrics.jsonl", "data_stats.json", "checkpoints", "tensorboard", "eval", "inspect"}
 )
+#: The per-step log of a run directory.
+METRICS_FILE = "metrics.jsonl"
 #: The advisory lock a training process holds in its run directory.
 LOCK_FILE = ".lock"
 #: The divergence check's window of recent losses, and the suspect steps in a row that stop training.
@@ -497,9 +499,7 @@ def _train(
     pairs: Sequence | None,
     callbacks: Sequence[Callable[[int, dict], None]],
 ) -> TrainResult:
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
+    """Checks, set-up, restore, then per step: optimizer step, validation, log, loss check, checkpoint."""
     tcfg = config.train
     output_dir = Path(tcfg.output_dir)
     # Everything that can be wrong with the run directory, the checkpoint or the data fails before the model loads.
@@ -508,217 +508,428 @@ def _train(
     applied = check_resume_config(resumed.config, config, resumed.path) if resumed is not None else {}
     pairs = load_pairs(config.data) if pairs is None else pairs
 
+    run = _set_up(config, output_dir, resumed, to_remove, model_and_tokenizer, pairs)
+    progress = _start_or_restore(run, resumed, applied)
+    truncate_metrics(output_dir / METRICS_FILE, progress.step)
+    run.prepared.train()
+    with _metrics_log(output_dir, tcfg, progress.step) as log:
+        while progress.step < tcfg.max_steps:
+            record = _optimizer_step(run, progress)
+            if record is None:  # a non-finite step, skipped
+                continue
+            if _due(tcfg.eval_every, progress.step, tcfg.max_steps):
+                record.update(_validate(run, progress.step))
+            log.write(record)
+            progress.last = record
+            _check_loss(progress, record)
+            if _due(tcfg.save_every, progress.step, tcfg.max_steps):
+                _save(run, progress, log)
+            for callback in callbacks:
+                callback(progress.step, record)
+    return TrainResult(
+        output_dir, progress.step, progress.checkpoint, run.c_base, progress.last, run.model, run.data, run.frozen.full
+    )
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+@dataclass
+class _FrozenPass:
+    """The frozen pass over the data, computed up front when something needs it."""
+
+    full: FeatureCache | None  # train + validation, in that order (None when nothing needed it)
+    train: FeatureCache | None  # its training part (c_base, the k-means start and refreshes)
+    steps: FeatureCache | None  # what the steps read: the training part with the cache option, else None
+    validation: FeatureCache | None  # likewise for validation
+
+
+@dataclass
+class _Training:
+    """What the loop works with, built once by :func:`_set_up`."""
+
+    config: RunConfig
+    output_dir: Path
+    accelerator: Any
+    model: CVAEBase  # the CVAE itself
+    prepared: Any  # the same model as accelerate prepared it: the training forward runs through it
+    optimizer: Any
+    scheduler: Any
+    data: PreparedData
+    pad_id: int
+    frozen: _FrozenPass
+    c_base: float
+    fingerprint: str
+    init_features: FrozenFeatures | None  # the k-means sample (discrete k-means codebook only)
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+
+@dataclass
+class _Progress:
+    """Where the loop is: what a checkpoint saves of the loop, and the last record and checkpoint."""
+
+    step: int
+    nonfinite: int  # consecutive non-finite steps
+    order: DataOrder
+    monitor: LossMonitor
+    checkpoint: Path | None
+    last: dict[str, float] = field(default_factory=dict)
+
+
+def _set_up(
+    config: RunConfig,
+    output_dir: Path,
+    resumed: CheckpointContents | None,
+    to_remove: Sequence[Path],
+    model_and_tokenizer: tuple[Any, Any] | None,
+    pairs: Sequence,
+) -> _Training:
+    """Seed, model, data, frozen pass, c_base, the run's files, the codebook's start and the optimizer.
+
+    In this order: everything that can fail does so before ``--overwrite`` removes the old run."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    tcfg = config.train
     device = choose_device(tcfg.device)
     accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision="bf16" if device.type == "cuda" else "no")
-    device = accelerator.device
     set_seed(tcfg.seed)
-    if model_and_tokenizer is None:
-        from .lm import load_model_and_tokenizer
-
-        decoder, tokenizer = load_model_and_tokenizer(config.model, device="cpu")
-    else:
-        decoder, tokenizer = model_and_tokenizer
-    pad_id = tokenizer.pad_token_id
+    decoder, tokenizer = _decoder_and_tokenizer(config, model_and_tokenizer)
     data = prepare_data(config, tokenizer, pairs)
     if not data.train:
         raise ValueError("no training examples after loading and splitting the data")
     logger.info("data: %s", data.stats)
 
-    model = build_cvae(config, decoder).to(device)
+    model = build_cvae(config, decoder).to(accelerator.device)
     fingerprint = feature_fingerprint(model, data.train + data.validation)  # the data, tokenizer and frozen model
+    _check_fingerprint(resumed, fingerprint)
+    frozen = _frozen_pass(config, model, data, resumed, tokenizer.pad_token_id, accelerator.device, output_dir)
+    c_base = _zfree_reference_scale(config, resumed, frozen.train, len(data.train))
+    model.zfree_reference_scale = c_base
+    _remove(to_remove, output_dir)  # --overwrite: only now that everything before the first write has worked
+    _write_run_files(output_dir, config, data, c_base)
+
+    init_features = _kmeans_sample(config, data, frozen.train, tokenizer.pad_token_id, accelerator.device)
+    if resumed is None and init_features is not None:
+        model.initialize_from_data(init_features, tcfg.seed)
+    optimizer = make_optimizer(model, config)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, tcfg.warmup_steps, tcfg.max_steps)
+    prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    return _Training(
+        config=config,
+        output_dir=output_dir,
+        accelerator=accelerator,
+        model=accelerator.unwrap_model(prepared),
+        prepared=prepared,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data=data,
+        pad_id=tokenizer.pad_token_id,
+        frozen=frozen,
+        c_base=c_base,
+        fingerprint=fingerprint,
+        init_features=init_features,
+    )
+
+
+def _decoder_and_tokenizer(config: RunConfig, model_and_tokenizer: tuple[Any, Any] | None) -> tuple[Any, Any]:
+    if model_and_tokenizer is not None:
+        return model_and_tokenizer
+    from .lm import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(config.model, device="cpu")
+
+
+def _check_fingerprint(resumed: CheckpointContents | None, fingerprint: str) -> None:
+    """A resumed run continues on the data, tokenizer and frozen model it was trained on."""
     if resumed is not None and resumed.trainer_state.get("frozen_pass_fingerprint", fingerprint) != fingerprint:
         raise ConfigError(
             f"cannot resume {resumed.path}: the data, the tokenizer or the frozen model differ from the run's "
             f"(fingerprint {fingerprint}, the run's {resumed.trainer_state['frozen_pass_fingerprint']}); "
             "resuming would continue on other data: start a new run"
         )
-    start_step = resumed.step if resumed is not None else 0
-    all_examples = data.train + data.validation
-    n_train = len(data.train)
-    refresh_every = config.latent.codebook_refresh_every if config.latent.codebook_init == "kmeans" else 0
-    kmeans = config.latent.latent == "discrete" and config.latent.codebook_init == "kmeans"
-    # The k-means start (fresh runs) and refreshes (first half of training) need the frozen features,
-    # with or without the cache option, so that a resumed run refreshes exactly as an uninterrupted one.
-    needs_kmeans_features = kmeans and (resumed is None or (refresh_every and start_step < tcfg.max_steps // 2))
-    needs_c_base = resumed is None and config.reconstruction.zfree_reference_scale is None
-    cache: FeatureCache | None = None
-    if tcfg.feature_cache or needs_c_base or needs_kmeans_features:
-        cache_dir = (tcfg.feature_cache_dir or output_dir / "feature_cache") if tcfg.feature_cache else None
-        cache = load_or_build_feature_cache(
-            model,
-            all_examples,
-            pad_id,
-            cache_dir,
-            batch_size=max(tcfg.batch_size, 16),
-            device=device,
-            progress=tcfg.progress,
-        )
-    train_cache = cache.subset(0, n_train) if cache is not None else None
-    # Without the cache option, steps and validation run the frozen pass themselves (cache is then
-    # only the one-off pass for c_base and k-means).
-    step_cache = train_cache if tcfg.feature_cache else None
-    val_cache = cache.subset(n_train, len(all_examples)) if cache is not None and tcfg.feature_cache else None
 
+
+def _uses_kmeans(config: RunConfig) -> bool:
+    return config.latent.latent == "discrete" and config.latent.codebook_init == "kmeans"
+
+
+def _refresh_every(config: RunConfig) -> int:
+    """Steps between k-means refreshes of the codebook (0: none)."""
+    return config.latent.codebook_refresh_every if config.latent.codebook_init == "kmeans" else 0
+
+
+def _frozen_pass(
+    config: RunConfig,
+    model: CVAEBase,
+    data: PreparedData,
+    resumed: CheckpointContents | None,
+    pad_id: int,
+    device: torch.device,
+    output_dir: Path,
+) -> _FrozenPass:
+    """The frozen pass over train + validation, when the cache option, c_base or k-means need it.
+
+    The k-means start (fresh runs) and refreshes (first half of training) need the frozen features,
+    with or without the cache option, so that a resumed run refreshes exactly as an uninterrupted one.
+    Without the cache option, steps and validation run the frozen pass themselves (the pass here is
+    then only the one-off pass for c_base and k-means).
+    """
+    tcfg = config.train
+    start_step = resumed.step if resumed is not None else 0
+    refreshes_left = _refresh_every(config) and start_step < tcfg.max_steps // 2
+    needs_kmeans_features = _uses_kmeans(config) and (resumed is None or refreshes_left)
+    needs_c_base = resumed is None and config.reconstruction.zfree_reference_scale is None
+    if not (tcfg.feature_cache or needs_c_base or needs_kmeans_features):
+        return _FrozenPass(None, None, None, None)
+    examples = data.train + data.validation
+    cache_dir = (tcfg.feature_cache_dir or output_dir / "feature_cache") if tcfg.feature_cache else None
+    cache = load_or_build_feature_cache(
+        model,
+        examples,
+        pad_id,
+        cache_dir,
+        batch_size=max(tcfg.batch_size, 16),
+        device=device,
+        progress=tcfg.progress,
+    )
+    n_train = len(data.train)
+    train_cache = cache.subset(0, n_train)
+    if not tcfg.feature_cache:
+        return _FrozenPass(cache, train_cache, None, None)
+    return _FrozenPass(cache, train_cache, train_cache, cache.subset(n_train, len(examples)))
+
+
+def _zfree_reference_scale(
+    config: RunConfig, resumed: CheckpointContents | None, train_cache: FeatureCache | None, n_train: int
+) -> float:
+    """c_base: the run's (resumed), the configured one, or the mean z-free NLL of the training data."""
     if resumed is not None:
-        c_base = float(resumed.trainer_state["zfree_reference_scale"])
-    elif config.reconstruction.zfree_reference_scale is not None:
-        c_base = config.reconstruction.zfree_reference_scale
-    else:
-        c_base = estimate_zfree_reference_scale(train_cache.example_base_losses())
-        logger.info(
-            "estimated zfree_reference_scale c_base = %.4f nats/token over %d examples", c_base, len(data.train)
-        )
-    model.zfree_reference_scale = c_base
-    _remove(to_remove, output_dir)  # --overwrite: only now that everything before the first write has worked
+        return float(resumed.trainer_state["zfree_reference_scale"])
+    if config.reconstruction.zfree_reference_scale is not None:
+        return config.reconstruction.zfree_reference_scale
+    c_base = estimate_zfree_reference_scale(train_cache.example_base_losses())
+    logger.info("estimated zfree_reference_scale c_base = %.4f nats/token over %d examples", c_base, n_train)
+    return c_base
+
+
+def _write_run_files(output_dir: Path, config: RunConfig, data: PreparedData, c_base: float) -> None:
     replace_file_durably(output_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False).encode())
     stats = json.dumps(dict(data.stats, zfree_reference_scale=c_base), indent=2)
     replace_file_durably(output_dir / "data_stats.json", stats.encode())
 
-    init_sample = list(range(min(n_train, 4096)))
-    init_features = (
-        train_cache.features(collate([data.train[i] for i in init_sample], pad_id, indices=init_sample).to(device))
-        if train_cache is not None and kmeans
-        else None
-    )
-    if resumed is None and init_features is not None:
-        model.initialize_from_data(init_features, tcfg.seed)
-    optimizer = make_optimizer(model, config)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, tcfg.warmup_steps, tcfg.max_steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    core: CVAEBase = accelerator.unwrap_model(model)
-    order = DataOrder(len(data.train), tcfg.seed)
-    step = 0
-    nonfinite = 0
-    monitor = LossMonitor(tcfg.max_loss_ratio, c_base)
-    if resumed is not None:
-        step, nonfinite, order = _restore(resumed, core, optimizer, scheduler, monitor, applied, config, n_train)
 
-    metrics_path = output_dir / "metrics.jsonl"
-    truncate_metrics(metrics_path, step)
+def _kmeans_sample(
+    config: RunConfig, data: PreparedData, train_cache: FeatureCache | None, pad_id: int, device: torch.device
+) -> FrozenFeatures | None:
+    """The frozen features of the first 4096 training examples, which k-means starts and refreshes
+    the codebook from (None unless the codebook starts from k-means and the pass was run)."""
+    if train_cache is None or not _uses_kmeans(config):
+        return None
+    sample = list(range(min(len(data.train), 4096)))
+    return train_cache.features(collate([data.train[i] for i in sample], pad_id, indices=sample).to(device))
+
+
+def _start_or_restore(
+    run: _Training, resumed: CheckpointContents | None, applied: dict[str, tuple[Any, Any]]
+) -> _Progress:
+    """Step 0 of a fresh run, or the checkpoint's step with everything it saved put back in place."""
+    tcfg = run.config.train
+    monitor = LossMonitor(tcfg.max_loss_ratio, run.c_base)
+    n_train = len(run.data.train)
+    if resumed is None:
+        return _Progress(0, 0, DataOrder(n_train, tcfg.seed), monitor, checkpoint=None)
+    step, nonfinite, order = _restore(
+        resumed, run.model, run.optimizer, run.scheduler, monitor, applied, run.config, n_train
+    )
+    return _Progress(step, nonfinite, order, monitor, checkpoint=resumed.path)
+
+
+# --------------------------------------------------------------------------- one step
+
+
+def _optimizer_step(run: _Training, progress: _Progress) -> dict[str, float] | None:
+    """One optimizer step over ``gradient_accumulation_steps`` batches; returns its record, or None
+    when the loss or gradient was non-finite and the step was skipped (:func:`_skip_nonfinite_step`)."""
+    tcfg = run.config.train
+    run.optimizer.zero_grad(set_to_none=True)
+    records, finite = _accumulate_gradients(run, progress)
+    grad_norm = float("nan")
+    if finite:
+        grad_norm = float(run.accelerator.clip_grad_norm_(run.model.parameters(), tcfg.max_grad_norm))
+        finite = math.isfinite(grad_norm)
+    if not finite:
+        _skip_nonfinite_step(run, progress, records)
+        return None
+    progress.nonfinite = 0
+    run.optimizer.step()
+    run.scheduler.step()
+    run.model.post_step(progress.step)  # with the index of the step just taken, as its forward saw it
+    progress.step += 1
+    _refresh_codebook(run, progress.step)
+    record = _mean_records(records)
+    record.update(step=progress.step, grad_norm=grad_norm)
+    for group in run.optimizer.param_groups:
+        record[f"lr_{group['name']}"] = group["lr"]
+    return record
+
+
+def _accumulate_gradients(run: _Training, progress: _Progress) -> tuple[list[dict[str, float]], bool]:
+    """Forward and backward of each accumulated batch: ``(their scalars, whether every loss was finite)``;
+    stops at the first non-finite loss, logging its terms and examples."""
+    tcfg = run.config.train
+    records = []
+    for _ in range(tcfg.gradient_accumulation_steps):
+        indices = progress.order.next_indices(tcfg.batch_size)
+        batch = collate([run.data.train[i] for i in indices], run.pad_id, indices=indices).to(run.device)
+        features = batch_features(run.model, batch, run.frozen.steps)  # float32 frozen pass, as in the cache
+        with run.accelerator.autocast():
+            out = run.prepared(batch, features=features, step=progress.step)
+        if not torch.isfinite(out.loss):
+            bad = {k: v for k, v in out.scalars().items() if not math.isfinite(v)}
+            logger.warning(
+                "step %d: non-finite loss; non-finite terms %s; examples %s",
+                progress.step + 1,
+                bad,
+                [run.data.train[i].source for i in indices],
+            )
+            return records, False
+        run.accelerator.backward(out.loss / tcfg.gradient_accumulation_steps)
+        records.append(out.scalars())
+    return records, True
+
+
+def _skip_nonfinite_step(run: _Training, progress: _Progress, records: Sequence[dict[str, float]]) -> None:
+    """Drop the step's gradients; stop when the weights are broken or too many steps in a row were skipped."""
+    progress.nonfinite += 1
+    run.optimizer.zero_grad(set_to_none=True)
+    step = progress.step + 1
+    broken = nonfinite_tensors(run.model.trainable_state_dict())
+    if broken:  # skipping steps cannot repair weights that are already NaN or infinite
+        raise _diverged(step, f"non-finite weights {broken[:8]}", progress.checkpoint)
+    if progress.nonfinite >= run.config.train.max_nonfinite_steps:
+        raise _diverged(
+            step,
+            f"{progress.nonfinite} consecutive non-finite losses or gradients (last record: "
+            f"{records[-1] if records else 'loss itself non-finite'})",
+            progress.checkpoint,
+        )
+
+
+def _refresh_codebook(run: _Training, step: int) -> None:
+    """k-means refresh of the codebook every ``codebook_refresh_every`` steps of the first half of training."""
+    every = _refresh_every(run.config)
+    if every and run.init_features is not None and step % every == 0 and step <= run.config.train.max_steps // 2:
+        run.model.initialize_from_data(run.init_features, run.config.train.seed + step, refresh=True)
+
+
+def _due(every: int, step: int, max_steps: int) -> bool:
+    """Every ``every`` steps (0: never) and at the last step."""
+    return bool(every) and step % every == 0 or step == max_steps
+
+
+def _validate(run: _Training, step: int) -> dict[str, float]:
+    return validate(run.model, run.data.validation, run.frozen.validation, run.pad_id, run.config, step, run.device)
+
+
+def _check_loss(progress: _Progress, record: dict[str, float]) -> None:
+    """Warn of a loss far above its scale; stop after LOSS_PATIENCE such steps in a row."""
+    problem = progress.monitor.check(record)
+    if problem is None:
+        return
+    if progress.monitor.strikes >= LOSS_PATIENCE:
+        raise _diverged(progress.step, problem, progress.checkpoint)
+    logger.warning(
+        "step %d: %s (%d of %d such steps in a row stop training)",
+        progress.step,
+        problem,
+        progress.monitor.strikes,
+        LOSS_PATIENCE,
+    )
+
+
+# --------------------------------------------------------------------------- logging and checkpointing
+
+
+@dataclass
+class _MetricsLog:
+    """``metrics.jsonl`` (one line per step, flushed), TensorBoard (optional) and the progress bar."""
+
+    path: Path
+    file: IO[str]
+    writer: Any  # a SummaryWriter, or None
+    bar: Any
+
+    def write(self, record: dict[str, float]) -> None:
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as exc:
+            raise OSError(exc.errno, f"could not write {self.path} ({exc.strerror or exc})") from exc
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step":
+                    self.writer.add_scalar(key, value, record["step"])
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}", rec=f"{record['reconstruction_loss']:.3f}")
+
+    def sync(self) -> None:
+        """Make the records written so far durable (before a checkpoint: the metrics up to it are as durable)."""
+        os.fsync(self.file.fileno())
+
+
+@contextmanager
+def _metrics_log(output_dir: Path, tcfg: TrainConfig, step: int):
+    """Open the run's logs, appending after ``step``; closes them however training ends."""
+    path = output_dir / METRICS_FILE
     writer = _tensorboard_writer(output_dir) if tcfg.tensorboard else None
-    checkpoint = resumed.path if resumed is not None else None
-    last: dict[str, float] = {}
-    model.train()
     bar = tqdm(total=tcfg.max_steps, initial=step, desc="train", disable=not tcfg.progress, unit="step")
-    with metrics_path.open("a") as metrics_file:
-        while step < tcfg.max_steps:
-            optimizer.zero_grad(set_to_none=True)
-            records = []
-            finite = True
-            for _ in range(tcfg.gradient_accumulation_steps):
-                indices = order.next_indices(tcfg.batch_size)
-                batch = collate([data.train[i] for i in indices], pad_id, indices=indices).to(device)
-                features = batch_features(core, batch, step_cache)  # float32 frozen pass, as in the cache
-                with accelerator.autocast():
-                    out = model(batch, features=features, step=step)
-                if not torch.isfinite(out.loss):
-                    finite = False
-                    bad = {k: v for k, v in out.scalars().items() if not math.isfinite(v)}
-                    logger.warning(
-                        "step %d: non-finite loss; non-finite terms %s; examples %s",
-                        step + 1,
-                        bad,
-                        [data.train[i].source for i in indices],
-                    )
-                    break
-                accelerator.backward(out.loss / tcfg.gradient_accumulation_steps)
-                records.append(out.scalars())
-            grad_norm = float("nan")
-            if finite:
-                grad_norm = float(accelerator.clip_grad_norm_(core.parameters(), tcfg.max_grad_norm))
-                finite = math.isfinite(grad_norm)
-            if not finite:
-                nonfinite += 1
-                optimizer.zero_grad(set_to_none=True)
-                broken = nonfinite_tensors(core.trainable_state_dict())
-                if broken:  # skipping steps cannot repair weights that are already NaN or infinite
-                    raise _diverged(step + 1, f"non-finite weights {broken[:8]}", checkpoint)
-                if nonfinite >= tcfg.max_nonfinite_steps:
-                    raise _diverged(
-                        step + 1,
-                        f"{nonfinite} consecutive non-finite losses or gradients (last record: "
-                        f"{records[-1] if records else 'loss itself non-finite'})",
-                        checkpoint,
-                    )
-                continue
-            nonfinite = 0
-            optimizer.step()
-            scheduler.step()
-            core.post_step(step)  # with the index of the step just taken, as its forward saw it
-            step += 1
-            if (
-                refresh_every
-                and init_features is not None
-                and step % refresh_every == 0
-                and step <= tcfg.max_steps // 2
-            ):
-                core.initialize_from_data(init_features, tcfg.seed + step, refresh=True)
-            record = _mean_records(records)
-            record.update(step=step, grad_norm=grad_norm)
-            for group in optimizer.param_groups:
-                record[f"lr_{group['name']}"] = group["lr"]
-            if tcfg.eval_every and step % tcfg.eval_every == 0 or step == tcfg.max_steps:
-                record.update(validate(core, data.validation, val_cache, pad_id, config, step, device))
-            try:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-            except OSError as exc:
-                raise OSError(exc.errno, f"could not write {metrics_path} ({exc.strerror or exc})") from exc
-            if writer is not None:
-                for key, value in record.items():
-                    if key != "step":
-                        writer.add_scalar(key, value, step)
-            last = record
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", rec=f"{record['reconstruction_loss']:.3f}")
-            problem = monitor.check(record)
-            if problem is not None:
-                if monitor.strikes >= LOSS_PATIENCE:
-                    raise _diverged(step, problem, checkpoint)
-                logger.warning(
-                    "step %d: %s (%d of %d such steps in a row stop training)",
-                    step,
-                    problem,
-                    monitor.strikes,
-                    LOSS_PATIENCE,
-                )
-            if (step % tcfg.save_every == 0 or step == tcfg.max_steps) and monitor.strikes:
-                logger.warning("step %d: not checkpointed while the loss is far above its scale", step)
-            elif step % tcfg.save_every == 0 or step == tcfg.max_steps:
-                trainer_state = {
-                    "step": step,
-                    "data_order": order.state(),
-                    "zfree_reference_scale": c_base,
-                    "nonfinite_steps": nonfinite,
-                    "latent": config.latent.latent,
-                    "loss_monitor": monitor.state(),
-                    "frozen_pass_fingerprint": fingerprint,
-                }
-                os.fsync(metrics_file.fileno())  # the metrics up to a checkpoint are as durable as it is
-                try:
-                    checkpoint = save_checkpoint(
-                        output_dir,
-                        step,
-                        core.trainable_state_dict(),
-                        optimizer.state_dict(),
-                        scheduler.state_dict(),
-                        trainer_state,
-                        config,
-                    )
-                except NonFiniteState as exc:
-                    raise _diverged(step, f"{exc}; not saved", checkpoint) from exc
-                prune_checkpoints(output_dir, tcfg.keep_checkpoints, protect=checkpoint)
-            for callback in callbacks:
-                callback(step, record)
-    bar.close()
-    if writer is not None:
-        writer.close()
-    return TrainResult(output_dir, step, checkpoint, c_base, last, core, data, cache)
+    try:
+        with path.open("a") as file:
+            yield _MetricsLog(path, file, writer, bar)
+    finally:
+        bar.close()
+        if writer is not None:
+            writer.close()
+
+
+def _save(run: _Training, progress: _Progress, log: _MetricsLog) -> None:
+    """Checkpoint the step (not while the loss is far above its scale) and prune the old checkpoints."""
+    if progress.monitor.strikes:
+        logger.warning("step %d: not checkpointed while the loss is far above its scale", progress.step)
+        return
+    trainer_state = {
+        "step": progress.step,
+        "data_order": progress.order.state(),
+        "zfree_reference_scale": run.c_base,
+        "nonfinite_steps": progress.nonfinite,
+        "latent": run.config.latent.latent,
+        "loss_monitor": progress.monitor.state(),
+        "frozen_pass_fingerprint": run.fingerprint,
+    }
+    log.sync()
+    try:
+        checkpoint = save_checkpoint(
+            run.output_dir,
+            progress.step,
+            run.model.trainable_state_dict(),
+            run.optimizer.state_dict(),
+            run.scheduler.state_dict(),
+            trainer_state,
+            run.config,
+        )
+    except NonFiniteState as exc:
+        raise _diverged(progress.step, f"{exc}; not saved", progress.checkpoint) from exc
+    progress.checkpoint = checkpoint
+    prune_checkpoints(run.output_dir, run.config.train.keep_checkpoints, protect=checkpoint)
 
 
 def _restore(
     resumed: CheckpointContents,
-    core: CVAEBase,
+    model: CVAEBase,
     optimizer,
     scheduler,
     monitor: LossMonitor,
@@ -728,7 +939,7 @@ def _restore(
 ) -> tuple[int, int, DataOrder]:
     """Put a checkpoint's weights, optimizer, scheduler, RNG and loss history in place; returns
     ``(step, consecutive non-finite steps, data order at the step)``."""
-    apply_trainable_weights(core, resumed.model_state, resumed.path)
+    apply_trainable_weights(model, resumed.model_state, resumed.path)
     check_optimizer_state(resumed.optimizer_state, optimizer, resumed.path / "optimizer.pt")
     check_scheduler_state(
         resumed.scheduler_state, getattr(scheduler, "scheduler", scheduler), resumed.path / "scheduler.json"
