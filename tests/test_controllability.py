@@ -233,3 +233,26 @@ def test_cli_eval_generation(discrete_run, tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "controllability: code recovery 1.000 (chance 0.250) over 8 generations for 2 prompts" in printed
     assert "label label: classifier accuracy on generations 1.000" in printed
+
+
+def test_every_slot_is_swept_on_an_untrained_two_slot_model():
+    from disentanglement.config import build_config
+    from disentanglement.data import PromptResponse, tokenize_pairs
+    from disentanglement.models import build_cvae
+
+    config = build_config(
+        dict(chat_template=False, num_slots=2, codebook_size=3, latent_tokens=2, code_dim=8, encoder_hidden=16)
+    )
+    decoder, tokenizer = model_and_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build_cvae(config, decoder).eval()
+    pairs = [PromptResponse(f"q {i}", ("yes", "no", "maybe")[i % 3], str(i % 3), f"t:{i}") for i in range(9)]
+    examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
+    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, 4, "cpu", False)
+    report = controllability(model, tokenizer, config, examples, cache, pairs, num_prompts=2, max_new_tokens=4)
+    assert report["generations"] == 2 * 2 * 3  # prompts x slots x codes
+    assert [s["slot"] for s in report["per_slot"]] == [0, 1] and all(s["chance"] == 1 / 3 for s in report["per_slot"])
+    mean = (report["per_slot"][0]["accuracy"] + report["per_slot"][1]["accuracy"]) / 2
+    assert report["code_recovery_accuracy"] == pytest.approx(mean)
+    assert [e["latent"].count(",") for e in report["examples"]] == [1] * 12  # two codes per latent

@@ -17,6 +17,7 @@ from disentanglement.encode import (
     code_examples,
     decode_from_latent,
     encode_pairs,
+    parse_attribute,
     read_latents,
     write_rows,
 )
@@ -385,6 +386,20 @@ def test_attributes_add_their_scaled_vectors(continuous, continuous_latents):
     base, steered = around_row["generations"]
     np.testing.assert_allclose(base["latent_description"]["z"], rows[3]["mu"], atol=1e-4)
     np.testing.assert_allclose(steered["latent_description"]["z"], np.array(rows[3]["mu"]) + 0.5 * a1, atol=1e-4)
+
+
+def test_parse_attribute():
+    assert parse_attribute("polite:2") == ("polite", 2.0)
+    assert parse_attribute("style=polite:-1.5") == ("style=polite", -1.5)
+    assert parse_attribute("a:b:0.5") == ("a:b", 0.5)  # the last colon splits
+    for bad, message in (
+        ("polite", "LABEL:SCALE"),
+        (":2", "LABEL:SCALE"),
+        ("a:x", "not a number"),
+        ("a:inf", "finite"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_attribute(bad)
 
 
 def test_traversal_offsets_are_the_grid():
