@@ -3,7 +3,8 @@
 Usage::
 
     python benchmarks/step_cost.py --model tiny|embedded [--batch-size 8] [--repeats R] [--warmup W]
-        [--threads N] [--device auto|cpu|cuda] [--skip-memory] [--skip-scaling] [--breakdown]
+        [--threads N] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|both] [--skip-memory]
+        [--skip-scaling] [--breakdown]
 
 ``--repeats``/``--warmup`` default to 20/3 for ``tiny`` and 10/2 for ``embedded`` (whose step takes
 seconds on 2 CPU cores; a full embedded run then stays near 5 minutes). On a machine shared with other
@@ -68,15 +69,28 @@ step (added: the weights aligned to the conditioned positions, the six-term stac
 (c) as in the main table (the feature and weight lookup inside the step). Operators: the fewest over
 5 steps (a dead-code restart or the optimizer's first step dispatches more).
 
-The last line printed is one JSON object: ``model``, ``c_over_a``, ``c_over_b``, ``d_over_a``,
-``e_over_a`` (ratios of medians), ``peak_mib`` (``a``-``d``, MiB; null with ``--skip-memory``) and
-``ms`` (median ms per step of ``a``-``e``).
+Decoder dtype (``--dtype``): the decoder's weights in float32 or bfloat16, the CVAE's heads, latent
+parameters, optimizer state and losses float32 in both, as in training; ``auto`` is what training
+chooses here (``lm.resolve_dtype``: bfloat16 on CUDA and on a CPU with AMX-BF16 or AVX512-BF16).
+``both`` builds both decoders from the same float32 weights and times every case in both dtypes in
+one round-robin (each repetition runs all ten steps on the same batch), then prints, besides each
+dtype's table, the float32 / bfloat16 time of each case as a ratio of medians and as the median of
+the per-repetition (paired) ratios; breakdown and scaling, when asked for, run once per dtype.
+The frozen pass's throughput is (e)'s: the batch's real (unpadded) tokens per second, median over
+repetitions.
+
+The last line printed is one JSON object: ``model``, ``dtype``, ``c_over_a``, ``c_over_b``, ``d_over_a``,
+``e_over_a`` (ratios of medians), ``peak_mib`` (``a``-``d``, MiB; null with ``--skip-memory``), ``ms``
+(median ms per step of ``a``-``e``) and ``frozen_pass_tokens_per_s``; with ``--dtype both``,
+``{"model", "dtypes": {"float32": {...}, "bfloat16": {...}}, "float32_over_bfloat16": {"a".."e"}}``
+(paired ratios).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import ctypes
 import gc
 import json
@@ -94,10 +108,11 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from disentanglement.config import RunConfig, build_config
+from disentanglement.config import ModelConfig, RunConfig, build_config
 from disentanglement.cvae_base import CVAEBase, FrozenFeatures
 from disentanglement.data import Batch, Example, collate
 from disentanglement.features import FeatureCache, build_feature_cache
+from disentanglement.lm import resolve_dtype
 from disentanglement.losses import estimate_zfree_reference_scale, reconstruction_loss
 from disentanglement.models import build_cvae
 from disentanglement.regularizers import beta_at, kl_objective
@@ -120,6 +135,7 @@ DEFAULT_REPEATS = {"tiny": 20, "embedded": 10}
 DEFAULT_WARMUP = {"tiny": 3, "embedded": 2}
 
 # The tiny model of the tests (tests/helpers.tiny_llama), built here so the script needs no tests/.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TINY_VOCAB = 1024
 TINY_PROMPT_RANGE = (8, 24)  # synthetic prompt lengths, inclusive
 TINY_RESPONSE_RANGE = (8, 40)  # synthetic response lengths, inclusive
@@ -169,12 +185,12 @@ def synthetic_examples(
 
 
 def embedded_examples(count: int) -> tuple[nn.Module, list[Example], int]:
-    """The embedded SmolLM2-135M and ``count`` chatterbot pairs (seeded shuffle), chat template, default caps."""
-    from disentanglement.config import ModelConfig
+    """The embedded SmolLM2-135M (float32 weights) and ``count`` chatterbot pairs (seeded shuffle), chat
+    template, default caps."""
     from disentanglement.data import load_chatterbot, tokenize_pairs
     from disentanglement.lm import load_model_and_tokenizer
 
-    decoder, tokenizer = load_model_and_tokenizer(ModelConfig())
+    decoder, tokenizer = load_model_and_tokenizer(ModelConfig(dtype="float32"))
     pairs = load_chatterbot()
     random.Random(0).shuffle(pairs)
     examples, _ = tokenize_pairs(pairs[:count], tokenizer, build_config().data)
@@ -314,9 +330,9 @@ def operators_per_step(step: Step, batches: Sequence[Batch], count: int = 5) -> 
     return min(counts)
 
 
-def breakdown(args: argparse.Namespace) -> None:
+def breakdown(args: argparse.Namespace, dtype: torch.dtype) -> None:
     """(a) -> (h) -> (p) -> (c): what each part of the CVAE step adds over prefix tuning."""
-    setup = build_setup(args, n_batches=max(1, min(args.repeats, 20)), cases=("a", "c"))
+    setup = build_setup(args, n_batches=max(1, min(args.repeats, 20)), cases=("a", "c"), dtype=dtype)
     model_c = seeded_cvae(setup.config_c, setup.decoder, setup.device)
     features = {id(b): setup.cache.features(b, model_c.weighting_params) for b in setup.batches}
     steps = {
@@ -340,7 +356,7 @@ def breakdown(args: argparse.Namespace) -> None:
     )
     ms = {name: 1000 * median(values) for name, values in times.items()}
     ops = {name: operators_per_step(step, batches) for name, step in steps.items()}
-    print(f"\nBreakdown, model {args.model}: each row adds one part to the one above")
+    print(f"\nBreakdown, model {args.model}, decoder {dtype_name(dtype)}: each row adds one part to the one above")
     print(
         f"  {'step':<42}{'median ms':>10}{'q1-q3 ms':>18}{'/ (a)':>8}{'paired':>8}{'+ ms':>8}"
         f"{'ATen ops':>10}{'+ ops':>7}"
@@ -382,19 +398,36 @@ class Setup:
     decoder: nn.Module
     cache: FeatureCache
     config_c: RunConfig
+    dtype: torch.dtype
 
 
-def build_setup(args: argparse.Namespace, n_batches: int, cases: Sequence[str] = CASES) -> Setup:
-    """The decoder, ``n_batches`` batches, the feature cache over them, and one step function per case."""
-    device = choose_device(args.device)
+Loaded = tuple[nn.Module, list[Example], int]  # float32 decoder, examples, pad id
+
+
+def load_decoder(args: argparse.Namespace, n_batches: int) -> Loaded:
+    """The float32 decoder of ``args.model`` and ``batch_size * n_batches`` examples."""
     count = args.batch_size * n_batches
     if args.model == "tiny":
-        decoder = tiny_llama(TINY_VOCAB)
         examples = synthetic_examples(count, TINY_VOCAB, TINY_PROMPT_RANGE, TINY_RESPONSE_RANGE)
-        pad_id = 2
-    else:
-        decoder, examples, pad_id = embedded_examples(count)
-    decoder = decoder.to(device=device, dtype=torch.float32)  # as the trainer: float32 weights (bf16 autocast on CUDA)
+        return tiny_llama(TINY_VOCAB), examples, 2
+    return embedded_examples(count)
+
+
+def build_setup(
+    args: argparse.Namespace,
+    n_batches: int,
+    cases: Sequence[str] = CASES,
+    dtype: torch.dtype = torch.float32,
+    loaded: Loaded | None = None,
+) -> Setup:
+    """The decoder in ``dtype`` (from float32 weights, ``loaded`` or loaded here), ``n_batches`` batches,
+    the feature cache over them, and one step function per case."""
+    device = choose_device(args.device)
+    decoder, examples, pad_id = loaded if loaded is not None else load_decoder(args, n_batches)
+    if loaded is not None and dtype != torch.float32:
+        decoder = copy.deepcopy(decoder)  # the caller's float32 decoder stays as it is
+    # As the trainer: decoder weights in the configured dtype (plus bf16 autocast on CUDA); heads float32.
+    decoder = decoder.to(device=device, dtype=dtype)
     batches = batches_of(examples, args.batch_size, pad_id, device)
 
     model_b = seeded_cvae(cvae_config("b"), decoder, device)
@@ -426,6 +459,7 @@ def build_setup(args: argparse.Namespace, n_batches: int, cases: Sequence[str] =
         decoder=decoder,
         cache=cache,
         config_c=config_c,
+        dtype=dtype,
     )
 
 
@@ -550,7 +584,7 @@ class RssSampler:
 
 def measure_memory_here(args: argparse.Namespace, case: str) -> dict:
     """In a fresh process: the same decoder and first batches, then the peak RSS growth over a few steps."""
-    setup = build_setup(args, MEMORY_STEPS, cases=(case,))
+    setup = build_setup(args, MEMORY_STEPS, cases=(case,), dtype=DTYPES[args.dtype])
     step = setup.steps[case]
     _release_freed_memory()
     baseline = _status_kib("VmRSS")
@@ -568,7 +602,7 @@ def measure_memory_here(args: argparse.Namespace, case: str) -> dict:
     return {"case": case, "peak_mib": (peak - baseline) / 1024, "baseline_mib": baseline / 1024, "method": method}
 
 
-def measure_memory_subprocesses(args: argparse.Namespace) -> tuple[dict[str, float | None], str]:
+def measure_memory_subprocesses(args: argparse.Namespace, dtype: torch.dtype) -> tuple[dict[str, float | None], str]:
     """Peak MiB of each case, each in a fresh subprocess of this script."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
     peaks: dict[str, float | None] = {}
@@ -583,6 +617,8 @@ def measure_memory_subprocesses(args: argparse.Namespace) -> tuple[dict[str, flo
             str(args.batch_size),
             "--device",
             "cpu",
+            "--dtype",
+            dtype_name(dtype),
             "--measure-memory",
             case,
         ]
@@ -617,7 +653,7 @@ def measure_memory_cuda(setup: Setup) -> tuple[dict[str, float | None], str]:
 
 
 # -- scaling -------------------------------------------------------------------------------------------
-def scaling(args: argparse.Namespace) -> None:
+def scaling(args: argparse.Namespace, dtype: torch.dtype) -> None:
     """(c) and (a) against response length and vocabulary size on the tiny model (no padding)."""
     device = choose_device(args.device)
     n_batches = max(1, min(args.repeats, 4))
@@ -628,7 +664,7 @@ def scaling(args: argparse.Namespace) -> None:
     decoders: dict[int, nn.Module] = {}
     for kind, length, vocab in points:
         if vocab not in decoders:
-            decoders[vocab] = tiny_llama(vocab).to(device)
+            decoders[vocab] = tiny_llama(vocab).to(device=device, dtype=dtype)
         decoder = decoders[vocab]
         span = (SCALING_PROMPT, SCALING_PROMPT)
         examples = synthetic_examples(args.batch_size * n_batches, vocab, span, (length, length), seed=length)
@@ -648,7 +684,10 @@ def scaling(args: argparse.Namespace) -> None:
     ms = {name: 1000 * median(values) for name, values in times.items()}
 
     B = args.batch_size
-    print(f"\nScaling, tiny Llama (hidden 32, 2 layers), case (c) and (a), B={B}, prompt {SCALING_PROMPT} tokens")
+    print(
+        f"\nScaling, tiny Llama (hidden 32, 2 layers, {dtype_name(dtype)}), case (c) and (a), B={B}, "
+        f"prompt {SCALING_PROMPT} tokens"
+    )
     print(f"response length at V={SCALING_LENGTH_VOCAB} (B*T = tokens per batch, z-free):")
     print(f"  {'resp':>5} {'B*T':>6} {'(c) ms':>9} {'us/token':>9} {'marginal us/token':>18} {'(a) ms':>9} {'c/a':>6}")
     xs, ys = [], []
@@ -691,6 +730,60 @@ def check(label: str, value: float, bound: float) -> str:
     return f"  {label} = {value:.3f}  (target <= {bound:.3f})  {verdict}"
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+
+
+def report(args: argparse.Namespace, setup: Setup, times: dict[str, list[float]]) -> dict:
+    """One dtype's table (times per case from the shared round-robin), its targets and peak memory; its summary."""
+    ms = {case: 1000 * median(values) for case, values in times.items()}
+    ratio = {case: ms[case] / ms["a"] for case in CASES}
+    paired = {case: paired_ratio(times[case], times["a"]) for case in CASES}
+    # (e)'s throughput: repetition i ran on batch (warmup + i) mod len(batches); real (unpadded) tokens.
+    tokens = [int(b.attention_mask.sum()) for b in setup.batches]
+    throughput = median([tokens[(args.warmup + i) % len(tokens)] / seconds for i, seconds in enumerate(times["e"])])
+
+    peaks: dict[str, float | None] = dict.fromkeys(CASES)
+    memory_method = "skipped"
+    if not args.skip_memory:
+        if setup.device.type == "cuda":
+            peaks, memory_method = measure_memory_cuda(setup)
+        else:
+            peaks, memory_method = measure_memory_subprocesses(args, setup.dtype)
+
+    print(f"\ndecoder {dtype_name(setup.dtype)}:")
+    print(f"{'case':<5}{'':<42}{'median ms':>10}{'q1-q3 ms':>18}{'/ (a)':>8}{'paired':>8}{'peak MiB':>10}")
+    for case in CASES:
+        q1, q3 = quartiles(times[case])
+        peak = peaks.get(case)
+        peak_text = "-" if peak is None else f"{peak:.1f}"
+        print(
+            f"({case})  {DESCRIPTIONS[case]:<42}{ms[case]:>10.2f}{f'{1000 * q1:.2f}-{1000 * q3:.2f}':>18}"
+            f"{ratio[case]:>8.3f}{paired[case]:>8.3f}{peak_text:>10}"
+        )
+    print(f"peak memory: {memory_method}")
+    print(f"frozen pass (e): {throughput:.0f} tokens/s (real tokens of the batch, median over repetitions)")
+
+    c_over_b = ms["c"] / ms["b"]
+    print("targets (ratios of medians; paired medians in brackets):")
+    print(check("(c)/(a)", ratio["c"], TARGET_C_OVER_A) + f"  [{paired['c']:.3f}]")
+    print(check("(c)/(b)", c_over_b, TARGET_C_OVER_B) + f"  [{paired_ratio(times['c'], times['b']):.3f}]")
+    print(check("(d)/(a)", ratio["d"], 1 + ratio["e"]) + f"  [{paired['d']:.3f}]  (bound = 1 + (e)/(a))")
+    extra = (ms["d"] - ms["c"]) / ms["e"]
+    print(f"  (d) - (c) = {ms['d'] - ms['c']:.2f} ms = {extra:.2f} x (e) ({ms['e']:.2f} ms, one no-grad frozen pass)")
+    return {
+        "model": args.model,
+        "dtype": dtype_name(setup.dtype),
+        "c_over_a": round(ratio["c"], 4),
+        "c_over_b": round(c_over_b, 4),
+        "d_over_a": round(ratio["d"], 4),
+        "e_over_a": round(ratio["e"], 4),
+        "peak_mib": {case: None if peaks.get(case) is None else round(peaks[case], 1) for case in STEP_CASES},
+        "ms": {case: round(ms[case], 3) for case in CASES},
+        "frozen_pass_tokens_per_s": round(throughput, 1),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["tiny", "embedded"], default="tiny")
@@ -704,6 +797,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed repetitions first (3 tiny, 2 embedded)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "both"],
+        default="auto",
+        help="decoder weights (auto: as training chooses here; both: both dtypes interleaved, with paired ratios)",
+    )
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-scaling", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="also the (a) -> (h) -> (p) -> (c) ladder")
@@ -713,20 +812,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.warmup = DEFAULT_WARMUP[args.model] if args.warmup is None else args.warmup
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    device = choose_device(args.device)
+    if args.dtype == "both":
+        dtypes = [torch.float32, torch.bfloat16]
+    elif args.dtype == "auto":
+        dtypes = [resolve_dtype(ModelConfig(dtype="auto"), device)]
+    else:
+        dtypes = [DTYPES[args.dtype]]
 
     if args.measure_memory:
+        args.dtype = dtype_name(dtypes[0])
         print(json.dumps(measure_memory_here(args, args.measure_memory)))
         return
 
     started = time.perf_counter()
-    setup = build_setup(args, n_batches=max(1, args.repeats))
-    device = setup.device
+    n_batches = max(1, args.repeats)
+    loaded = load_decoder(args, n_batches)
+    setups = {dtype_name(d): build_setup(args, n_batches, dtype=d, loaded=loaded) for d in dtypes}
+    first = next(iter(setups.values()))
     print(
-        f"model {args.model} (V={setup.vocab_size}, H={setup.hidden_size}) on {device}, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch {args.batch_size}, "
-        f"{len(setup.batches)} batches (mean prompt {setup.mean_prompt:.1f}, response {setup.mean_response:.1f}, "
-        f"padded width {setup.mean_width:.1f} tokens); warm-up {args.warmup}, repeats {args.repeats}; "
-        f"c_base {setup.c_base:.3f}; load average {load_text()}"
+        f"model {args.model} (V={first.vocab_size}, H={first.hidden_size}) on {device}, decoder "
+        f"{' and '.join(setups)}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"batch {args.batch_size}, {len(first.batches)} batches (mean prompt {first.mean_prompt:.1f}, response "
+        f"{first.mean_response:.1f}, padded width {first.mean_width:.1f} tokens); warm-up {args.warmup}, "
+        f"repeats {args.repeats}; c_base {', '.join(f'{n} {s.c_base:.3f}' for n, s in setups.items())}; "
+        f"load average {load_text()}"
     )
     busy = os.getloadavg()[0]
     if device.type == "cpu" and torch.get_num_threads() > 1 and busy > (os.cpu_count() or 1) - 0.5:
@@ -735,54 +845,38 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{torch.get_num_threads()} threads: OpenMP threads waiting for a taken core can make steps many "
             "times slower and scatter them; compare with --threads 1"
         )
-    times = time_round_robin(
-        setup.steps, lambda name, rep: setup.batches[rep % len(setup.batches)], args.repeats, args.warmup, device
-    )
-    ms = {case: 1000 * median(values) for case, values in times.items()}
-    ratio = {case: ms[case] / ms["a"] for case in CASES}
-    paired = {case: paired_ratio(times[case], times["a"]) for case in CASES}
-
-    peaks: dict[str, float | None] = dict.fromkeys(CASES)
-    memory_method = "skipped"
-    if not args.skip_memory:
-        if device.type == "cuda":
-            peaks, memory_method = measure_memory_cuda(setup)
-        else:
-            peaks, memory_method = measure_memory_subprocesses(args)
-
-    print(f"\n{'case':<5}{'':<42}{'median ms':>10}{'q1-q3 ms':>18}{'/ (a)':>8}{'paired':>8}{'peak MiB':>10}")
-    for case in CASES:
-        q1, q3 = quartiles(times[case])
-        peak = peaks.get(case)
-        peak_text = "-" if peak is None else f"{peak:.1f}"
-        print(
-            f"({case})  {DESCRIPTIONS[case]:<42}{ms[case]:>10.2f}{f'{1000 * q1:.2f}-{1000 * q3:.2f}':>18}"
-            f"{ratio[case]:>8.3f}{paired[case]:>8.3f}{peak_text:>10}"
-        )
-    print(f"peak memory: {memory_method}")
-
-    c_over_b = ms["c"] / ms["b"]
-    print("\ntargets (ratios of medians; paired medians in brackets):")
-    print(check("(c)/(a)", ratio["c"], TARGET_C_OVER_A) + f"  [{paired['c']:.3f}]")
-    print(check("(c)/(b)", c_over_b, TARGET_C_OVER_B) + f"  [{paired_ratio(times['c'], times['b']):.3f}]")
-    print(check("(d)/(a)", ratio["d"], 1 + ratio["e"]) + f"  [{paired['d']:.3f}]  (bound = 1 + (e)/(a))")
-    extra = (ms["d"] - ms["c"]) / ms["e"]
-    print(f"  (d) - (c) = {ms['d'] - ms['c']:.2f} ms = {extra:.2f} x (e) ({ms['e']:.2f} ms, one no-grad frozen pass)")
-
-    if args.breakdown:
-        breakdown(args)
-    if not args.skip_scaling:
-        scaling(args)
-    print(f"\n(total {time.perf_counter() - started:.0f} s; load average {load_text()})")
-    summary = {
-        "model": args.model,
-        "c_over_a": round(ratio["c"], 4),
-        "c_over_b": round(c_over_b, 4),
-        "d_over_a": round(ratio["d"], 4),
-        "e_over_a": round(ratio["e"], 4),
-        "peak_mib": {case: None if peaks.get(case) is None else round(peaks[case], 1) for case in STEP_CASES},
-        "ms": {case: round(ms[case], 3) for case in CASES},
+    # One round-robin over every case of every dtype, all on the same batch in a repetition.
+    steps = {f"{case}:{name}": step for name, setup in setups.items() for case, step in setup.steps.items()}
+    batches = first.batches
+    times = time_round_robin(steps, lambda name, rep: batches[rep % len(batches)], args.repeats, args.warmup, device)
+    summaries = {
+        name: report(args, setup, {case: times[f"{case}:{name}"] for case in CASES}) for name, setup in setups.items()
     }
+
+    summary: dict = summaries[next(iter(setups))]
+    if len(setups) == 2:
+        print("\nfloat32 / bfloat16 decoder, same batches, interleaved (> 1: bf16 is faster):")
+        print(f"{'case':<5}{'':<42}{'float32 ms':>11}{'bf16 ms':>10}{'ratio':>8}{'paired':>8}")
+        speedup = {}
+        for case in CASES:
+            f32, bf16 = times[f"{case}:float32"], times[f"{case}:bfloat16"]
+            speedup[case] = paired_ratio(f32, bf16)
+            print(
+                f"({case})  {DESCRIPTIONS[case]:<42}{1000 * median(f32):>11.2f}{1000 * median(bf16):>10.2f}"
+                f"{median(f32) / median(bf16):>8.3f}{speedup[case]:>8.3f}"
+            )
+        summary = {
+            "model": args.model,
+            "dtypes": summaries,
+            "float32_over_bfloat16": {case: round(value, 4) for case, value in speedup.items()},
+        }
+
+    for dtype in dtypes:
+        if args.breakdown:
+            breakdown(args, dtype)
+        if not args.skip_scaling:
+            scaling(args, dtype)
+    print(f"\n(total {time.perf_counter() - started:.0f} s; load average {load_text()})")
     print(json.dumps(summary))
 
 

@@ -251,7 +251,11 @@ def feature_fingerprint(model: CVAEBase, examples: Sequence[Example]) -> str:
 
     The encoder's view enters only when it is not the default (``CVAEBase.encoder_view_params``: the
     view, the ``token_weighted`` view's weighting settings, an ``encoder_layer`` other than the last),
-    so that caches of the default pass stay valid."""
+    so that caches of the default pass stay valid.
+
+    The weights enter with their dtype as well as their bytes: a bf16 reference (``ModelConfig.dtype``) and
+    a float32 one have different fingerprints, so their caches never mix (the cache itself holds float32
+    values in both cases)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(FEATURE_PASS_VERSION.encode())
     view = model.encoder_view_params
