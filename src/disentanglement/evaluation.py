@@ -416,6 +416,124 @@ def _both_units(report: dict, name: str, nats: float) -> None:
     report[f"{name}_bits_per_token"] = float(nats_to_bits(nats))
 
 
+@dataclass
+class BatchRecords:
+    """One batch's per-example records (``columns``, one row per example) and its batch-level numbers.
+
+    Columns (``[B]`` float64 unless stated): ``index`` (the example's position in the evaluated set,
+    int), ``tokens`` (response tokens), ``zfree`` / ``posterior`` / ``prior`` (``sum_t b_t``,
+    ``sum_t l_t``, ``sum_t r_t``), ``tw_zfree`` / ``tw_posterior`` / ``tw_prior`` (the same weighted
+    by ``pi_t``), ``iw_nll`` (the importance-weighted bound), ``reconstruction`` (``sum_t l_t``
+    averaged over the importance samples), ``kl`` ``[B, U]``, and the posterior:
+    discrete ``codes`` ``[B, M]`` (int) and ``probs`` ``[B, M, K]``, continuous ``mu`` and ``logvar``
+    ``[B, D]``.
+    """
+
+    columns: dict[str, np.ndarray]
+    reconstruction_terms: dict[str, float]  # the batch means of the six terms
+    mixture_method: str
+    mixture_size: int
+    iw_exact: bool
+
+    @property
+    def size(self) -> int:
+        return len(self.columns["index"])
+
+
+def batch_records(scores: BatchScores, indices: Sequence[int]) -> BatchRecords:
+    """The per-example records of a scored batch whose rows are the examples ``indices``."""
+
+    def column(values: torch.Tensor) -> np.ndarray:
+        return values.cpu().numpy().astype(np.float64)
+
+    pi = scores.weighting.token_weights.double()
+    nll = {
+        "zfree": scores.zfree_nll.double(),
+        "posterior": scores.posterior_nll.double(),
+        "prior": scores.prior_nll.double(),
+    }
+    columns = {"index": np.asarray(indices, dtype=np.int64), "tokens": column(scores.target.sum(-1))}
+    columns.update({name: column(values.sum(-1)) for name, values in nll.items()})
+    columns.update({f"tw_{name}": column((pi * values).sum(-1)) for name, values in nll.items()})
+    columns["iw_nll"] = column(importance_weighted_nll(scores.iw_log_weights))
+    columns["reconstruction"] = column(scores.iw_sequence_nll.mean(0))
+    summary = scores.summary
+    columns["kl"] = column(summary.kl_per_unit.double())
+    if summary.codes is not None:
+        columns["codes"] = summary.codes.cpu().numpy().astype(np.int64)
+        columns["probs"] = column(summary.log_q.exp().double())
+    else:
+        columns["mu"] = column(summary.mu.double())
+        columns["logvar"] = column(summary.logvar.double())
+    return BatchRecords(
+        columns,
+        scores.reconstruction_terms,
+        scores.mixture.method,
+        scores.mixture.size,
+        scores.iw_exact,
+    )
+
+
+def concatenate_records(batches: Sequence[BatchRecords]) -> dict[str, np.ndarray]:
+    """The batches' columns concatenated once, rows in the order of the evaluated set (by ``index``)."""
+    columns = {name: np.concatenate([b.columns[name] for b in batches]) for name in batches[0].columns}
+    order = np.argsort(columns["index"], kind="stable")
+    return {name: values[order] for name, values in columns.items()}
+
+
+def nll_and_gain_report(columns: dict[str, np.ndarray]) -> dict:
+    """Mean per-token NLLs of the z-free reference, posterior and prior latents, and the gains between them."""
+    total_tokens = float(columns["tokens"].sum())
+    report: dict = {}
+    for name in ("zfree", "posterior", "prior"):
+        _both_units(report, f"{name}_nll", float(columns[name].sum() / total_tokens))
+    for prefix, worse, better in (
+        ("zfree_", "zfree", "posterior"),
+        ("prior_zfree_", "zfree", "prior"),
+        ("latent_", "prior", "posterior"),
+    ):
+        _both_units(report, f"{prefix}gain", float((columns[worse] - columns[better]).sum() / total_tokens))
+        weighted = float((columns[f"tw_{worse}"] - columns[f"tw_{better}"]).mean())
+        _both_units(report, f"token_weighted_{prefix}gain", weighted)
+    report["latent_gain_nats_per_example"] = float((columns["prior"] - columns["posterior"]).mean())
+    return report
+
+
+def mean_reconstruction_terms(batches: Sequence[BatchRecords]) -> dict[str, float]:
+    """Each term's batch means averaged over the examples (weighted by batch size)."""
+    sums: dict[str, float] = {}
+    for b in batches:
+        for key, value in b.reconstruction_terms.items():
+            sums[key] = sums.get(key, 0.0) + value * b.size
+    examples = sum(b.size for b in batches)
+    return {key: value / examples for key, value in sums.items()}
+
+
+def bound_report(columns: dict[str, np.ndarray], iw_samples: int, iw_exact: bool) -> dict:
+    """``elbo``, ``negative_elbo_nats_per_token`` and ``iw_nll`` (see :func:`evaluate`)."""
+    total_tokens = float(columns["tokens"].sum())
+    kl_total = columns["kl"].sum(1)  # [E]
+    reconstruction, iw_nll = columns["reconstruction"], columns["iw_nll"]
+    iw_per_token = float(iw_nll.sum() / total_tokens)
+    return {
+        "elbo": float((-reconstruction - kl_total).mean()),
+        "negative_elbo_nats_per_token": float((reconstruction + kl_total).sum() / total_tokens),
+        "iw_nll": {
+            "samples": 1 if iw_exact else iw_samples,
+            "exact": iw_exact,
+            "nats_per_example": float(iw_nll.mean()),
+            "nats_per_token": iw_per_token,
+            "bits_per_token": float(nats_to_bits(iw_per_token)),
+            "perplexity": math.exp(iw_per_token),
+        },
+    }
+
+
+def kl_report(kl: np.ndarray, unit: str) -> dict:
+    """``{total, <unit>}`` of the per-example KL ``[E, U]``: the mean total and the mean per unit."""
+    return {"total": float(kl.sum(1).mean()), unit: [float(v) for v in kl.mean(0)]}
+
+
 @torch.no_grad()
 def evaluate(
     model: CVAEBase,
@@ -477,138 +595,116 @@ def evaluate(
     if len(cache) != len(examples):
         raise ValueError(f"the feature cache holds {len(cache)} examples, but {len(examples)} were given")
     factor_values = example_factor_values(examples) if len(examples) >= 2 else None  # checks the factor names
+    batches = score_examples(
+        model, examples, cache, pad_token_id, iw_samples, prior_samples, exact_limit, batch_size, seed, progress
+    )
+    columns = concatenate_records(batches)
+    last = batches[-1]
+    discrete = isinstance(model, SharedDiscreteCVAE)
+    cfg = model.reconstruction_cfg
+    report: dict = {
+        "latent": "discrete" if discrete else "continuous",
+        "examples": len(examples),
+        "response_tokens": int(columns["tokens"].sum()),
+        "seed": seed,
+        "token_weight_alpha": float(cfg.token_weight_alpha),
+        "token_weight_source": cfg.token_weight_source,
+        "token_weight_interpolation": float(cfg.token_weight_interpolation),
+        "zfree_reference_scale": model.zfree_reference_scale,
+    }
+    report.update(nll_and_gain_report(columns))
+    report["prior_mixture"] = {"method": last.mixture_method, "latents": last.mixture_size}
+    report["reconstruction_terms"] = mean_reconstruction_terms(batches)
+    report.update(bound_report(columns, iw_samples, last.iw_exact))
+    report["kl"] = kl_report(columns["kl"], "per_slot" if discrete else "per_dimension")
+    if discrete:
+        report.update(discrete_latent_report(columns["codes"], columns["probs"]))
+    else:
+        report.update(continuous_latent_report(columns["mu"], columns["logvar"], seed))
+    latents = {name: columns[name] for name in ("codes", "mu") if name in columns}
+    report.update(label_report(model, latents, examples, factor_values, cache, seed))
+    return report
+
+
+def score_examples(
+    model: CVAEBase,
+    examples: Sequence[Example],
+    cache: FeatureCache,
+    pad_token_id: int,
+    iw_samples: int,
+    prior_samples: int,
+    exact_limit: int,
+    batch_size: int,
+    seed: int,
+    progress: bool,
+) -> list[BatchRecords]:
+    """:func:`score_batch` over ``examples`` in batches of similar length, in eval mode and under
+    ``seed`` (the caller's random state and the model's mode are left as they were)."""
     device = next(model.parameters()).device
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
+    batches: list[BatchRecords] = []
     was_training = model.training
     model.eval()
-    E = len(examples)
-    order = sorted(range(E), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
-    n_tokens = np.zeros(E)
-    sums = {key: np.zeros(E) for key in ("zfree", "posterior", "prior", "tw_zfree", "tw_posterior", "tw_prior")}
-    iw_nll = np.zeros(E)
-    recon_mean = np.zeros(E)
-    kl_units: list[np.ndarray | None] = [None] * E
-    term_sums: dict[str, float] = {}
-    codes: list[np.ndarray | None] = [None] * E
-    q_probs: list[np.ndarray | None] = [None] * E
-    mus: list[np.ndarray | None] = [None] * E
-    logvars: list[np.ndarray | None] = [None] * E
-    mixture_method, mixture_size, iw_exact = "", 0, False
-    devices = [device] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
-            starts = range(0, E, batch_size)
+            starts = range(0, len(examples), batch_size)
             for start in tqdm(starts, desc="eval", disable=not progress, unit="batch"):
                 chunk = order[start : start + batch_size]
                 batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
-                s = score_batch(model, batch, cache.features(batch), iw_samples, prior_samples, exact_limit)
-                pi = s.weighting.token_weights.double()
-                values = {
-                    "zfree": s.zfree_nll.double(),
-                    "posterior": s.posterior_nll.double(),
-                    "prior": s.prior_nll.double(),
-                }
-                per_example = {k: v.sum(-1).cpu().numpy() for k, v in values.items()}
-                per_example.update({f"tw_{k}": (pi * v).sum(-1).cpu().numpy() for k, v in values.items()})
-                iw = importance_weighted_nll(s.iw_log_weights).cpu().numpy()
-                recon = s.iw_sequence_nll.mean(0).cpu().numpy()
-                counts = s.target.sum(-1).cpu().numpy()
-                for key, value in s.reconstruction_terms.items():
-                    term_sums[key] = term_sums.get(key, 0.0) + value * len(chunk)
-                summary = s.summary
-                for row, index in enumerate(chunk):
-                    n_tokens[index] = counts[row]
-                    for key, value in per_example.items():
-                        sums[key][index] = value[row]
-                    iw_nll[index] = iw[row]
-                    recon_mean[index] = recon[row]
-                    kl_units[index] = summary.kl_per_unit[row].double().cpu().numpy()
-                    if summary.codes is not None:
-                        codes[index] = summary.codes[row].cpu().numpy()
-                        q_probs[index] = summary.log_q[row].exp().double().cpu().numpy()
-                    else:
-                        mus[index] = summary.mu[row].double().cpu().numpy()
-                        logvars[index] = summary.logvar[row].double().cpu().numpy()
-                mixture_method, mixture_size, iw_exact = s.mixture.method, s.mixture.size, s.iw_exact
+                scores = score_batch(model, batch, cache.features(batch), iw_samples, prior_samples, exact_limit)
+                batches.append(batch_records(scores, chunk))
     finally:
         model.train(was_training)
+    return batches
 
-    total_tokens = float(n_tokens.sum())
-    kl = np.stack(kl_units)  # [E, U]
-    kl_total = kl.sum(1)  # [E]
-    discrete = isinstance(model, SharedDiscreteCVAE)
-    report: dict = {
-        "latent": "discrete" if discrete else "continuous",
-        "examples": E,
-        "response_tokens": int(total_tokens),
-        "seed": seed,
-        "token_weight_alpha": float(model.reconstruction_cfg.token_weight_alpha),
-        "token_weight_source": model.reconstruction_cfg.token_weight_source,
-        "token_weight_interpolation": float(model.reconstruction_cfg.token_weight_interpolation),
-        "zfree_reference_scale": model.zfree_reference_scale,
+
+def discrete_latent_report(codes: np.ndarray, probs: np.ndarray) -> dict:
+    """Mutual information (total and per slot) and code usage of the codes ``[E, M]`` and posteriors ``[E, M, K]``."""
+    mi = categorical_mutual_information_per_slot(probs)
+    usage = code_usage_per_slot(codes, probs.shape[-1])
+    return {
+        "mutual_information": float(sum(mi)),
+        "mutual_information_per_slot": mi,
+        "code_usage": usage,
+        "code_perplexity": [u["perplexity"] for u in usage],
+        "dead_codes": [u["dead_codes"] for u in usage],
     }
-    for name in ("zfree", "posterior", "prior"):
-        _both_units(report, f"{name}_nll", float(sums[name].sum() / total_tokens))
 
-    def gains(prefix: str, worse: str, better: str) -> None:
-        _both_units(report, f"{prefix}gain", float((sums[worse] - sums[better]).sum() / total_tokens))
-        _both_units(report, f"token_weighted_{prefix}gain", float((sums[f"tw_{worse}"] - sums[f"tw_{better}"]).mean()))
 
-    gains("zfree_", "zfree", "posterior")
-    gains("prior_zfree_", "zfree", "prior")
-    gains("latent_", "prior", "posterior")
-    report["latent_gain_nats_per_example"] = float((sums["prior"] - sums["posterior"]).mean())
-    report["prior_mixture"] = {"method": mixture_method, "latents": mixture_size}
-    report["reconstruction_terms"] = {k: v / E for k, v in term_sums.items()}
-    report["elbo"] = float((-recon_mean - kl_total).mean())
-    report["negative_elbo_nats_per_token"] = float((recon_mean + kl_total).sum() / total_tokens)
-    iw_per_token = float(iw_nll.sum() / total_tokens)
-    report["iw_nll"] = {
-        "samples": 1 if iw_exact else iw_samples,
-        "exact": iw_exact,
-        "nats_per_example": float(iw_nll.mean()),
-        "nats_per_token": iw_per_token,
-        "bits_per_token": float(nats_to_bits(iw_per_token)),
-        "perplexity": math.exp(iw_per_token),
+def continuous_latent_report(mu: np.ndarray, logvar: np.ndarray, seed: int) -> dict:
+    """Mutual information, active units and the variance of the posterior means ``[E, D]``."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "mutual_information": gaussian_mutual_information(mu, logvar, generator=generator),
+        "active_units": active_units(mu),
+        "posterior_mean_variance": [float(v) for v in posterior_mean_variance(mu)],
     }
-    unit = "per_slot" if discrete else "per_dimension"
-    report["kl"] = {"total": float(kl_total.mean()), unit: [float(v) for v in kl.mean(0)]}
 
+
+def label_report(
+    model: CVAEBase,
+    latents: dict[str, np.ndarray],
+    examples: Sequence[Example],
+    factor_values: dict[str, list[str]] | None,
+    cache: FeatureCache,
+    seed: int,
+) -> dict:
+    """The label and factor keys of :func:`evaluate`'s report (none without a label on every example)."""
+    report: dict = {}
+    if factor_values is None:
+        return report
     labels = [e.label for e in examples]
-    has_labels = factor_values is not None and all(isinstance(label, str) for label in labels)
-    if discrete:
-        code_array = np.stack(codes).astype(np.int64)  # [E, M]
-        probs = np.stack(q_probs)  # [E, M, K]
-        mi = categorical_mutual_information_per_slot(probs)
-        report["mutual_information"] = float(sum(mi))
-        report["mutual_information_per_slot"] = mi
-        usage = code_usage_per_slot(code_array, model.codebook_size)
-        report["code_usage"] = usage
-        report["code_perplexity"] = [u["perplexity"] for u in usage]
-        report["dead_codes"] = [u["dead_codes"] for u in usage]
-        if has_labels:
-            assignments = latent_assignments(model, {"codes": code_array}, len(set(labels)), seed=seed)
-            if code_array.shape[1] > 1:
-                report["label_agreement_per_slot"] = [
-                    label_agreement(code_array[:, m], labels) for m in range(code_array.shape[1])
-                ]
-    else:
-        mu = np.stack(mus)
-        logvar = np.stack(logvars)
-        generator = torch.Generator().manual_seed(seed)
-        report["mutual_information"] = gaussian_mutual_information(mu, logvar, generator=generator)
-        report["active_units"] = active_units(mu)
-        report["posterior_mean_variance"] = [float(v) for v in posterior_mean_variance(mu)]
-        if has_labels:
-            assignments = latent_assignments(model, {"mu": mu}, min(len(set(labels)), E), seed=seed)
-    if factor_values is not None:
-        report["label_assignment"] = "argmax code" if discrete else "k-means of posterior means"
+    has_labels = all(isinstance(label, str) for label in labels)
+    codes = latents.get("codes")
+    if has_labels and codes is not None and codes.shape[1] > 1:
+        report["label_agreement_per_slot"] = [label_agreement(codes[:, m], labels) for m in range(codes.shape[1])]
+    report["label_assignment"] = "argmax code" if codes is not None else "k-means of posterior means"
     if has_labels:
+        assignments = latent_assignments(model, latents, min(len(set(labels)), len(examples)), seed=seed)
         agreement = label_agreement(assignments, labels)
         for key in ("nmi", "ari", "homogeneity", "completeness", "contingency"):
             report[f"label_{key}"] = agreement[key]
-    if factor_values is not None:
-        latents = {"codes": code_array} if discrete else {"mu": mu}
-        report["factors"] = factor_agreements(model, latents, factor_values, cache, seed=seed)
-        report["factor_random_permutations"] = RANDOM_PERMUTATIONS
+    report["factors"] = factor_agreements(model, latents, factor_values, cache, seed=seed)
+    report["factor_random_permutations"] = RANDOM_PERMUTATIONS
     return report
