@@ -45,7 +45,7 @@ Python API (a notebook)::
     decode_from_latent(model, tokenizer, config, "Hi there", rows[0])     # generate under that latent
     decode_from_latent(model, tokenizer, config, "Hi there", [2])         # or under forced codes
     file = read_latents("latents.jsonl")  # the rows of ``disentangle encode``, checked when used
-    polite = attribute_vector(model, file, "style=polite")  # mean(mu | label) - mean(mu), continuous
+    polite, _ = attribute_vector(model, file, "style=polite")  # mean(mu | label) - mean(mu), continuous
 
 :func:`encode_pairs` encodes raw pairs (tokenised as in training) into rows of this schema;
 :func:`decode_from_latent` generates a response to a prompt under a given latent: a row of this file
