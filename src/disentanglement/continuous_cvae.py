@@ -4,10 +4,14 @@ The posterior mean is used at evaluation."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .cvae_base import CVAEBase, FrozenFeatures, LatentSample, mlp
-from .regularizers import gaussian_kl
+from .data import Batch
+from .evaluation import PosteriorSummary, PriorMixture
+from .regularizers import diag_gaussian_log_density, gaussian_kl
 
 LOGVAR_RANGE = (-12.0, 8.0)  # keeps exp(logvar) finite in float32 and bfloat16
 
@@ -54,3 +58,48 @@ class ContinuousCVAE(CVAEBase):
         mu, logvar = self.prior(features)
         noise = torch.randn((num_samples, *mu.shape), device=mu.device, dtype=mu.dtype)
         return mu + (0.5 * logvar).exp() * noise
+
+    # -- evaluation: the posterior, the prior as a mixture, importance samples ------------------
+    def posterior_latents(self, features: FrozenFeatures) -> dict[str, torch.Tensor]:
+        """``mu`` and ``logvar`` of the posterior, each ``[B, D]``."""
+        mu, logvar = self.posterior(features)
+        return {"mu": mu, "logvar": logvar}
+
+    def posterior_summary(self, features: FrozenFeatures) -> PosteriorSummary:
+        """The posterior mean as the latent, the posterior and prior Gaussians and their KL per dimension."""
+        mu, logvar = self.posterior(features)
+        mu_p, logvar_p = self.prior(features)
+        kl = gaussian_kl(mu, logvar, mu_p, logvar_p)  # [B, D]
+        return PosteriorSummary(mu, kl, mu=mu, logvar=logvar, prior_mu=mu_p, prior_logvar=logvar_p)
+
+    def prior_mixture(
+        self,
+        features: FrozenFeatures,
+        num_samples: int = 16,
+        exact_limit: int = 64,
+        summary: PosteriorSummary | None = None,
+    ) -> PriorMixture:
+        """``num_samples`` draws from ``p(z | x)``, equally weighted (a Gaussian prior has no finite
+        exact mixture: ``exact_limit`` does not apply; ``summary`` is not needed). The global torch generator."""
+        vectors = self.prior_vectors(features, num_samples)  # [S, B, D]
+        B = features.prior_features.shape[0]
+        log_weights = vectors.new_full((num_samples, B), -math.log(num_samples)).float()
+        return PriorMixture(vectors, log_weights, "samples")
+
+    def importance_samples(
+        self, batch: Batch, summary: PosteriorSummary, num_samples: int
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``log p(y | x, z_k) + log p(z_k | x) - log q(z_k | x, y)`` ``[k, B]`` for reparameterised
+        draws ``z_k ~ q`` (the global torch generator), the sequence NLL ``[k, B]``, and ``False`` (not exact)."""
+        mu, logvar = summary.mu.float(), summary.logvar.float()
+        prior_mu, prior_logvar = summary.prior_mu.float(), summary.prior_logvar.float()
+        log_weights, sequence_nlls = [], []
+        for _ in range(num_samples):
+            z = mu + (0.5 * logvar).exp() * torch.randn_like(mu)
+            token_nll, _ = self.conditioned_token_nll(batch, z)
+            sequence_nll = token_nll.double().sum(-1)
+            log_p = diag_gaussian_log_density(z, prior_mu, prior_logvar).double()
+            log_q = diag_gaussian_log_density(z, mu, logvar).double()
+            log_weights.append(-sequence_nll + log_p - log_q)
+            sequence_nlls.append(sequence_nll)
+        return torch.stack(log_weights), torch.stack(sequence_nlls), False

@@ -21,17 +21,14 @@ of this ``l_t``, so token-weighted figures of different checkpoints weight diffe
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .continuous_cvae import ContinuousCVAE
 from .cvae_base import CVAEBase, FrozenFeatures
 from .data import Batch, Example, collate, label_factor_names, label_factors
 from .features import FeatureCache
@@ -49,11 +46,7 @@ from .metrics import (
     nats_to_bits,
     posterior_mean_variance,
 )
-from .regularizers import categorical_kl, gaussian_kl
-from .shared_discrete_cvae import SharedDiscreteCVAE
 from .token_weighting import TokenWeighting
-
-_LOG_2PI = math.log(2.0 * math.pi)
 
 
 @torch.no_grad()
@@ -70,15 +63,7 @@ def posterior_latents(
     for start in range(0, len(examples), batch_size):
         indices = list(range(start, min(start + batch_size, len(examples))))
         batch = collate([examples[i] for i in indices], pad_token_id, indices=indices).to(device)
-        features = cache.features(batch)
-        if isinstance(model, SharedDiscreteCVAE):
-            logits = model.posterior_logits(model.encoder_outputs(features))  # [B, M, K]
-            values = {"codes": logits.argmax(-1), "probs": logits.softmax(-1)}
-        elif isinstance(model, ContinuousCVAE):
-            mu, logvar = model.posterior(features)
-            values = {"mu": mu, "logvar": logvar}
-        else:
-            raise TypeError(f"unknown CVAE type {type(model).__name__}")
+        values = model.posterior_latents(cache.features(batch))
         for key, value in values.items():
             parts.setdefault(key, []).append(value.float().cpu() if value.is_floating_point() else value.cpu())
     return {key: torch.cat(chunks).numpy() for key, chunks in parts.items()}
@@ -195,30 +180,9 @@ class PosteriorSummary:
 
 
 def posterior_summary(model: CVAEBase, features: FrozenFeatures) -> PosteriorSummary:
-    """The posterior and prior of a batch (per-example KL, never the batch-averaged variant)."""
-    if isinstance(model, SharedDiscreteCVAE):
-        logits = model.posterior_logits(model.encoder_outputs(features)).float()  # [B, M, K]
-        codes = logits.argmax(-1)  # [B, M]
-        log_p = model.prior_log_probs(features).float()  # [B, M, K]
-        if model.latent_cfg.assignment == "nearest":
-            one_hot = F.one_hot(codes, model.codebook_size).bool()
-            log_q = torch.zeros_like(logits).masked_fill(~one_hot, float("-inf"))
-            kl = -log_p.gather(-1, codes.unsqueeze(-1)).squeeze(-1)  # KL(one-hot || p) = -log p(k* | x)
-        else:
-            log_q = F.log_softmax(logits, dim=-1)
-            kl = categorical_kl(log_q, log_p)
-        return PosteriorSummary(model.codes_to_vector(codes), kl, codes=codes, log_q=log_q, log_p=log_p)
-    if isinstance(model, ContinuousCVAE):
-        mu, logvar = model.posterior(features)
-        mu_p, logvar_p = model.prior(features)
-        kl = gaussian_kl(mu, logvar, mu_p, logvar_p)  # [B, D]
-        return PosteriorSummary(mu, kl, mu=mu, logvar=logvar, prior_mu=mu_p, prior_logvar=logvar_p)
-    raise TypeError(f"unknown CVAE type {type(model).__name__}")
-
-
-def _diag_gaussian_log_density(z: torch.Tensor, mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
-    """``log N(z; mu, diag(e^logvar))`` summed over the last dimension: ``[..., D] -> [...]``."""
-    return -0.5 * (_LOG_2PI + logvar + (z - mu).pow(2) * torch.exp(-logvar)).sum(-1)
+    """The posterior and prior of a batch (per-example KL, never the batch-averaged variant): the
+    family's ``model.posterior_summary``."""
+    return model.posterior_summary(features)
 
 
 # --------------------------------------------------------------------------- decoding under latents
@@ -258,40 +222,6 @@ class PriorMixture:
         return self.vectors.shape[0]
 
 
-def prior_mixture(
-    model: CVAEBase,
-    features: FrozenFeatures,
-    prior_samples: int = 16,
-    exact_limit: int = 64,
-    log_p: torch.Tensor | None = None,
-) -> PriorMixture:
-    """The prior ``p(z | x)`` as a finite mixture.
-
-    Discrete: every combination of codes over the ``M`` slots (``K^M`` of them, exactly weighted
-    by ``prod_m p(k_m | x)``) when ``K^M <= exact_limit``; otherwise ``prior_samples`` code
-    tuples drawn from the prior, equally weighted. Continuous: ``prior_samples`` draws from
-    ``p(z | x)``, equally weighted. Sampling uses the global torch generator (seed it).
-    """
-    B = features.prior_features.shape[0]
-    if isinstance(model, SharedDiscreteCVAE):
-        M, K = model.num_slots, model.codebook_size
-        if log_p is None:
-            log_p = model.prior_log_probs(features).float()  # [B, M, K]
-        slots = torch.arange(M, device=log_p.device)
-        combinations = K**M
-        if combinations <= exact_limit:
-            combos = torch.tensor(list(itertools.product(range(K), repeat=M)), device=log_p.device)  # [S, M]
-            vectors = model.codes_to_vector(combos).unsqueeze(1).expand(-1, B, -1)  # [S, B, L]
-            log_w = torch.stack([log_p[:, slots, c].sum(-1) for c in combos])  # [S, B]
-            return PriorMixture(vectors, log_w, "exact")
-        probs = log_p.exp().reshape(B * M, K)
-        codes = torch.multinomial(probs, prior_samples, replacement=True).view(B, M, prior_samples).permute(2, 0, 1)
-        vectors = torch.stack([model.codes_to_vector(c) for c in codes])  # [S, B, L]
-        return PriorMixture(vectors, log_p.new_full((prior_samples, B), -math.log(prior_samples)), "samples")
-    vectors = model.prior_vectors(features, prior_samples)  # [S, B, D]
-    return PriorMixture(vectors, vectors.new_full((prior_samples, B), -math.log(prior_samples)).float(), "samples")
-
-
 def mixture_token_nll(token_nll: torch.Tensor, log_weights: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
     """Per-token NLL of the mixture ``sum_s w_s p(y | x, z_s)``, ``[B, N]``.
 
@@ -307,49 +237,6 @@ def mixture_token_nll(token_nll: torch.Tensor, log_weights: torch.Tensor, target
     log_w = log_weights.double().unsqueeze(-1)  # [S, B, 1]
     per_token = torch.logsumexp(log_w - before, 0) - torch.logsumexp(log_w - after, 0)  # [B, N]
     return (per_token * target_mask.double()).to(token_nll.dtype)
-
-
-def importance_samples(
-    model: CVAEBase, batch: Batch, summary: PosteriorSummary, num_samples: int
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """``log p(y | x, z_k) + log p(z_k | x) - log q(z_k | x, y)`` for ``z_k ~ q``, ``[k, B]``,
-    the sequence NLL ``-log p(y | x, z_k)`` ``[k, B]``, and whether the bound is exact.
-
-    With the default discrete "nearest" assignment the posterior is one-hot at ``k*``, so every
-    sample is ``k*`` and the bound is exact at ``-log p(y | x, k*) - log p(k* | x)`` (one decoder
-    pass). "gumbel": codes drawn from the softmax posterior of each slot. Continuous:
-    reparameterised draws from the diagonal Gaussian posterior. Uses the global torch generator.
-    """
-    if summary.codes is not None:
-        assert summary.log_q is not None and summary.log_p is not None
-        M = summary.codes.shape[1]
-        slots = torch.arange(M, device=summary.codes.device)
-        if isinstance(model, SharedDiscreteCVAE) and model.latent_cfg.assignment == "nearest":
-            seq = conditioned_nll(model, batch, summary.vector).double().sum(-1)  # [B]
-            log_prior = summary.log_p.gather(-1, summary.codes.unsqueeze(-1)).squeeze(-1).sum(-1).double()
-            return (-seq + log_prior).unsqueeze(0), seq.unsqueeze(0), True
-        B, _, K = summary.log_q.shape
-        rows = torch.arange(B, device=summary.codes.device).unsqueeze(1)  # [B, 1]
-        log_w, seqs = [], []
-        for _ in range(num_samples):
-            codes = torch.multinomial(summary.log_q.exp().reshape(B * M, K), 1).view(B, M)
-            seq = conditioned_nll(model, batch, model.codes_to_vector(codes)).double().sum(-1)
-            log_p = summary.log_p[rows, slots, codes].sum(-1).double()
-            log_q = summary.log_q[rows, slots, codes].sum(-1).double()
-            log_w.append(-seq + log_p - log_q)
-            seqs.append(seq)
-        return torch.stack(log_w), torch.stack(seqs), False
-    assert summary.mu is not None and summary.logvar is not None
-    mu, logvar = summary.mu.float(), summary.logvar.float()
-    log_w, seqs = [], []
-    for _ in range(num_samples):
-        z = mu + (0.5 * logvar).exp() * torch.randn_like(mu)
-        seq = conditioned_nll(model, batch, z).double().sum(-1)
-        log_p = _diag_gaussian_log_density(z, summary.prior_mu.float(), summary.prior_logvar.float()).double()
-        log_q = _diag_gaussian_log_density(z, mu, logvar).double()
-        log_w.append(-seq + log_p - log_q)
-        seqs.append(seq)
-    return torch.stack(log_w), torch.stack(seqs), False
 
 
 # --------------------------------------------------------------------------- scoring a batch
@@ -382,17 +269,17 @@ def score_batch(
     exact_limit: int = 64,
 ) -> BatchScores:
     """Everything :func:`evaluate` and the token report need of one batch, in one place."""
-    summary = posterior_summary(model, features)
+    summary = model.posterior_summary(features)
     posterior, target = model.conditioned_token_nll(batch, summary.vector)  # [B, N] each
     posterior, target = posterior.float(), target.float()
     weighting = batch_weighting(model, batch, features, posterior)
     stack = reconstruction_loss_stack(
         posterior, target, weighting, model.reconstruction_cfg, model.zfree_reference_scale
     )
-    mixture = prior_mixture(model, features, prior_samples, exact_limit, log_p=summary.log_p)
+    mixture = model.prior_mixture(features, prior_samples, exact_limit, summary)
     per_latent = torch.stack([conditioned_nll(model, batch, mixture.vectors[s]) for s in range(mixture.size)])
     prior = mixture_token_nll(per_latent, mixture.log_weights, target)
-    iw_log_w, iw_seq, exact = importance_samples(model, batch, summary, iw_samples)
+    iw_log_w, iw_seq, exact = model.importance_samples(batch, summary, iw_samples)
     return BatchScores(
         target=target,
         zfree_nll=weighting.aligned_base_token_nll.float() * target,
@@ -600,7 +487,7 @@ def evaluate(
     )
     columns = concatenate_records(batches)
     last = batches[-1]
-    discrete = isinstance(model, SharedDiscreteCVAE)
+    discrete = "codes" in columns  # the discrete family's posterior is codes, the continuous one's a mean
     cfg = model.reconstruction_cfg
     report: dict = {
         "latent": "discrete" if discrete else "continuous",

@@ -36,7 +36,6 @@ from .report import (
     read_metrics_jsonl,
     write_token_report,
 )
-from .shared_discrete_cvae import SharedDiscreteCVAE
 
 QUANTITIES = (
     "zfree_surprisal",
@@ -171,8 +170,8 @@ def write_run_plots(
     if not examples:
         return written
     latents = posterior_latents(model, examples, cache, pad_token_id)
-    if isinstance(model, SharedDiscreteCVAE):
-        usage = code_usage_per_slot(latents["codes"], model.codebook_size)
+    if "codes" in latents:  # discrete: codes [E, M] and their posteriors [E, M, K]
+        usage = code_usage_per_slot(latents["codes"], latents["probs"].shape[-1])
         written.append(plot_code_usage(usage, out_dir / "code_usage.png"))
     factors = example_factor_values(examples) if len(examples) >= 2 else None
     for name, values in (factors or {}).items():  # one heat map per factor; a plain label is the factor "label"

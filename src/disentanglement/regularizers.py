@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from .config import KLConfig
 
+LOG_2PI = math.log(2.0 * math.pi)
+
 
 def _as_tensor(x: Any) -> torch.Tensor:
     """A float tensor of ``x`` (numpy or torch); integer input becomes float32."""
@@ -40,6 +42,11 @@ def gaussian_kl(
     mu_p = torch.zeros_like(mu_q) if mu_p is None else _as_tensor(mu_p).to(mu_q)
     logvar_p = torch.zeros_like(logvar_q) if logvar_p is None else _as_tensor(logvar_p).to(logvar_q)
     return 0.5 * (logvar_p - logvar_q + (logvar_q.exp() + (mu_q - mu_p).pow(2)) * torch.exp(-logvar_p) - 1.0)
+
+
+def diag_gaussian_log_density(z: torch.Tensor, mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
+    """``log N(z; mu, diag(e^logvar))`` summed over the last dimension: ``[..., D] -> [...]``."""
+    return -0.5 * (LOG_2PI + logvar + (z - mu).pow(2) * torch.exp(-logvar)).sum(-1)
 
 
 def categorical_kl(log_q: Any, log_p: Any) -> torch.Tensor:

@@ -17,13 +17,21 @@ batch-averaged posterior and prior (``batch_prior_kl``). Argmax at evaluation in
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from .cvae_base import CVAEBase, FrozenFeatures, LatentSample, mlp
+from .data import Batch
+from .evaluation import PosteriorSummary, PriorMixture
 from .regularizers import annealed_temperature, categorical_kl
+
+
+def one_hot_kl(log_p: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """``KL(one-hot at k* || p) = -log p(k* | x)`` per slot, ``[B, M]``, of ``log_p [B, M, K]`` and ``codes [B, M]``."""
+    return -log_p.gather(-1, codes.unsqueeze(-1)).squeeze(-1)
 
 
 class SharedDiscreteCVAE(CVAEBase):
@@ -111,8 +119,7 @@ class SharedDiscreteCVAE(CVAEBase):
             kl = categorical_kl(q_bar.clamp_min(1e-12).log(), p_bar.clamp_min(1e-12).log())  # [1, M]
             kl = kl.expand(e.shape[0], -1)  # the batch's KL, carried by every example
         elif nearest:
-            # KL(one-hot || p) = -log p(k | x), [B, M]
-            kl = F.nll_loss(log_p.flatten(0, 1), codes.flatten(), reduction="none").view_as(codes)
+            kl = one_hot_kl(log_p, codes)  # [B, M]
         else:
             kl = categorical_kl(log_q, log_p)  # [B, M]
         return LatentSample(vectors.flatten(1), codes, kl, aux, stats, lambda: self.code_usage_stats(codes))
@@ -130,13 +137,90 @@ class SharedDiscreteCVAE(CVAEBase):
         stats.update({f"code_perplexity_slot_{m}": perplexity[m] for m in range(M)})
         return stats
 
-    def prior_vectors(self, features: FrozenFeatures, num_samples: int) -> torch.Tensor:
-        """Codes drawn from the prior per slot, as latent vectors ``[S, B, M * C]``."""
-        log_p = self.prior_log_probs(features)  # [B, M, K]
+    def prior_vectors(
+        self, features: FrozenFeatures, num_samples: int, log_p: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Codes drawn from the prior per slot, as latent vectors ``[S, B, M * C]`` (``log_p``: the
+        prior's ``[B, M, K]`` log-probabilities, when already computed)."""
+        log_p = self.prior_log_probs(features) if log_p is None else log_p  # [B, M, K]
         B, M, K = log_p.shape
         codes = torch.multinomial(log_p.exp().reshape(B * M, K), num_samples, replacement=True)  # [B*M, S]
         codes = codes.view(B, M, num_samples).permute(2, 0, 1)  # [S, B, M]
         return torch.stack([self.codes_to_vector(c) for c in codes])
+
+    # -- evaluation: the posterior, the prior as a mixture, importance samples ------------------
+    def posterior_latents(self, features: FrozenFeatures) -> dict[str, torch.Tensor]:
+        """``codes [B, M]`` (argmax) and ``probs [B, M, K]`` (the softmax of the posterior logits)."""
+        logits = self.posterior_logits(self.encoder_outputs(features))  # [B, M, K]
+        return {"codes": logits.argmax(-1), "probs": logits.softmax(-1)}
+
+    def posterior_summary(self, features: FrozenFeatures) -> PosteriorSummary:
+        """Argmax codes, the effective posterior and the prior (per-example KL, never the batch-averaged one).
+
+        ``log_q`` is one-hot at the nearest code for "nearest" (``0`` / ``-inf``, KL ``-log p(k* | x)``),
+        the softmax of the posterior logits for "gumbel"."""
+        logits = self.posterior_logits(self.encoder_outputs(features)).float()  # [B, M, K]
+        codes = logits.argmax(-1)  # [B, M]
+        log_p = self.prior_log_probs(features).float()  # [B, M, K]
+        if self.latent_cfg.assignment == "nearest":
+            one_hot = F.one_hot(codes, self.codebook_size).bool()
+            log_q = torch.zeros_like(logits).masked_fill(~one_hot, float("-inf"))
+            kl = one_hot_kl(log_p, codes)
+        else:
+            log_q = F.log_softmax(logits, dim=-1)
+            kl = categorical_kl(log_q, log_p)
+        return PosteriorSummary(self.codes_to_vector(codes), kl, codes=codes, log_q=log_q, log_p=log_p)
+
+    def prior_mixture(
+        self,
+        features: FrozenFeatures,
+        num_samples: int = 16,
+        exact_limit: int = 64,
+        summary: PosteriorSummary | None = None,
+    ) -> PriorMixture:
+        """Every combination of codes over the ``M`` slots (``K^M``, weighted by ``prod_m p(k_m | x)``)
+        when ``K^M <= exact_limit``; otherwise ``num_samples`` code tuples drawn from the prior, equally
+        weighted (:meth:`prior_vectors`, the global torch generator). ``summary``: its prior is reused."""
+        log_p = self.prior_log_probs(features).float() if summary is None else summary.log_p  # [B, M, K]
+        B, M, K = log_p.shape
+        combinations = K**M
+        if combinations > exact_limit:
+            vectors = self.prior_vectors(features, num_samples, log_p=log_p)  # [S, B, L]
+            return PriorMixture(vectors, log_p.new_full((num_samples, B), -math.log(num_samples)), "samples")
+        every_code = torch.tensor(list(itertools.product(range(K), repeat=M)), device=log_p.device)  # [S, M]
+        vectors = self.codes_to_vector(every_code).unsqueeze(1).expand(-1, B, -1)  # [S, B, L]
+        slots = torch.arange(M, device=log_p.device)
+        log_weights = torch.stack([log_p[:, slots, codes].sum(-1) for codes in every_code])  # [S, B]
+        return PriorMixture(vectors, log_weights, "exact")
+
+    def importance_samples(
+        self, batch: Batch, summary: PosteriorSummary, num_samples: int
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``log p(y | x, z_k) + log p(z_k | x) - log q(z_k | x, y)`` ``[k, B]``, the sequence NLL
+        ``[k, B]`` and whether the bound is exact.
+
+        "nearest": the posterior is one-hot at ``k*``, so the bound is exact at
+        ``-log p(y | x, k*) - log p(k* | x)`` (one decoder pass; ``log p(k* | x)`` is the summary's
+        KL). "gumbel": codes drawn from the softmax posterior of each slot (the global torch generator).
+        """
+        if self.latent_cfg.assignment == "nearest":
+            token_nll, _ = self.conditioned_token_nll(batch, summary.vector)
+            sequence_nll = token_nll.double().sum(-1)  # [B]
+            log_prior = -summary.kl_per_unit.sum(-1).double()  # KL(one-hot || p) = -log p(k* | x)
+            return (-sequence_nll + log_prior).unsqueeze(0), sequence_nll.unsqueeze(0), True
+        B, M, K = summary.log_q.shape
+        rows = torch.arange(B, device=summary.codes.device).unsqueeze(1)  # [B, 1]
+        slots = torch.arange(M, device=summary.codes.device)
+        log_weights, sequence_nlls = [], []
+        for _ in range(num_samples):
+            codes = torch.multinomial(summary.log_q.exp().reshape(B * M, K), 1).view(B, M)
+            token_nll, _ = self.conditioned_token_nll(batch, self.codes_to_vector(codes))
+            sequence_nll = token_nll.double().sum(-1)
+            log_p = summary.log_p[rows, slots, codes].sum(-1).double()
+            log_q = summary.log_q[rows, slots, codes].sum(-1).double()
+            log_weights.append(-sequence_nll + log_p - log_q)
+            sequence_nlls.append(sequence_nll)
+        return torch.stack(log_weights), torch.stack(sequence_nlls), False
 
     def alternative_vector(self, sample: LatentSample) -> torch.Tensor:
         """Every slot moved to a different code, chosen uniformly among the other ``K - 1``."""
