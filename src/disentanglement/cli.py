@@ -4,6 +4,7 @@
     disentangle eval CHECKPOINT [--data ...] [--output report.json]
     disentangle generate CHECKPOINT --prompt "..." [...]
     disentangle inspect CHECKPOINT --data ... --index I
+    disentangle inspect CHECKPOINT --explore [--output PAGE.html]
     disentangle encode CHECKPOINT --data ... --output latents.jsonl
     disentangle data synth NAME --output FILE.jsonl [--rows N] [--seed S]
     disentangle sweep --config base.yaml --output-dir OUT --set FIELD=V1,V2 --seeds 0,1,2 [...]

@@ -3,6 +3,7 @@
     disentangle eval CHECKPOINT [--data validation|train|chatterbot|FILE.jsonl] [--output report.json]
     disentangle generate CHECKPOINT --prompt "..." [--slot S | --codes 0,2 | --all-combinations] [...]
     disentangle inspect CHECKPOINT [--data ...] --index I [--output-dir DIR]
+    disentangle inspect CHECKPOINT --explore [--data ...] [--output PAGE.html]   # explorer.py
 
 ``CHECKPOINT`` is a checkpoint directory (``RUN/checkpoints/step-NNNNNN``) or a run directory
 (its latest complete checkpoint is used). Each subcommand has a ``run_*`` function that the parser
@@ -593,10 +594,63 @@ def _add_inspect(subparsers) -> None:
     parser.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True, help="write the PNG plots")
     parser.add_argument("--batch-size", type=int, default=16, help="examples per forward pass")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
+    explore = parser.add_argument_group(
+        "corpus explorer (--explore)",
+        "one self-contained HTML page: per code (per slot) or per k-means cluster of posterior means, its share, "
+        "label distribution, most confident examples with token heat maps, and greedy generations under it",
+    )
+    explore.add_argument("--explore", action="store_true", help="write the corpus explorer page instead (see below)")
+    explore.add_argument("--output", help="the explorer page (default OUTPUT_DIR/explorer.html, RUN/inspect/...)")
+    explore.add_argument("--explore-examples", type=int, default=3, help="most confident examples shown per group")
+    explore.add_argument(
+        "--explore-prompts", type=int, default=3, help="generate for the first N distinct prompts of --data"
+    )
+    explore.add_argument(
+        "--explore-prompt",
+        action="append",
+        dest="explore_prompt_texts",
+        metavar="TEXT",
+        help="generate for this prompt instead (repeatable)",
+    )
+    explore.add_argument("--explore-tokens", type=int, default=16, help="new tokens per generation (greedy)")
+    explore.add_argument(
+        "--clusters", type=int, help="continuous: k-means clusters (default: the first factor's values, else 8)"
+    )
     parser.set_defaults(func=_inspect_main)
 
 
+def _explore_main(args: argparse.Namespace) -> int:
+    from .explorer import run_explore
+
+    output = args.output
+    if output is None and args.output_dir is not None:
+        output = Path(args.output_dir) / "explorer.html"
+    path = run_explore(
+        args.checkpoint,
+        data=args.data,
+        output=output,
+        examples_per_group=args.explore_examples,
+        prompts=args.explore_prompt_texts,
+        num_prompts=args.explore_prompts,
+        max_new_tokens=args.explore_tokens,
+        clusters=args.clusters,
+        max_examples=args.max_examples,
+        prior_samples=args.prior_samples,
+        exact_limit=args.exact_limit,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        device=args.device,
+        progress=args.progress,
+    )
+    print(f"explorer: {path}")
+    return 0
+
+
 def _inspect_main(args: argparse.Namespace) -> int:
+    if args.explore:
+        return _explore_main(args)
+    if args.output is not None:
+        raise ValueError("--output is the explorer page's path; use it with --explore (or --output-dir)")
     paths = run_inspect(
         args.checkpoint,
         data=args.data,

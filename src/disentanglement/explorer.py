@@ -1,0 +1,643 @@
+"""The corpus explorer (``disentangle inspect RUN --explore``): one self-contained HTML page per run.
+
+    disentangle inspect RUN --explore [--output PAGE.html] [--data validation|train|chatterbot|FILE.jsonl]
+        [--explore-examples 3] [--explore-prompts 3 | --explore-prompt TEXT ...] [--explore-tokens 16]
+        [--clusters N] [--max-examples N]
+
+The page has one section per **group** of the data:
+
+- discrete latents: per slot, every code of the codebook (a code no example takes is shown too, empty);
+  an example belongs to code ``k`` of slot ``m`` when its argmax code there is ``k``
+  (``encode.encode_examples``' ``codes``);
+- continuous latents: every cluster of a seeded k-means of the posterior means ``mu``
+  (``metrics.kmeans_assignments``) with ``--clusters`` clusters (default: as many as the first label
+  factor has values, else 8; at most the number of examples).
+
+Per group: its share of the data (per slot, the shares sum to 1), the mean KL and latent gain of its
+examples, its label distribution per factor (a string label is the factor ``label``; unlabelled examples
+are counted apart), its most confident examples (discrete: the highest posterior probability of the code,
+as ``encode.code_examples``; continuous: the nearest posterior means to the cluster's centroid), each with
+its response tokens coloured as ``inspect`` colours one example (:func:`inspection.token_values`; a
+selector switches the quantity: z-free surprisal ``b_t``, token weight ``pi_t``, gain ``b_t - l_t``, latent
+gain ``prior_nll - l_t``, ...), and greedy generations under the group's latent for a few prompts (discrete:
+the code in its slot, the other slots at the group's most common codes; continuous: the centroid).
+
+Nothing on the page comes from the network; every text (prompts, responses, labels, token strings) is
+HTML-escaped and the embedded data is JSON with ``<``, ``>`` and ``&`` escaped (``report._json_for_script``).
+
+The page is built in two steps: :func:`explore` computes a plain, JSON-able dict (no model in it), and
+:func:`render_explorer_html` turns such a dict into the page, so the page's content is testable by hand.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import commands
+from .data import label_factors
+from .report import _colour, _format_value, _json_for_script, _scale, _token_text_html
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+    from .cvae_base import CVAEBase
+    from .data import Example
+
+#: The quantities the selector offers, in order (those of ``inspection.QUANTITIES``), with their legend text.
+QUANTITY_LABELS = {
+    "zfree_surprisal": "z-free surprisal b_t (nats)",
+    "token_weight": "token weight pi_t",
+    "gain": "gain b_t - l_t (z-free NLL minus posterior NLL)",
+    "latent_gain": "latent gain prior NLL - l_t",
+    "conditioned_nll": "posterior NLL l_t (nats)",
+    "prior_nll": "prior-mixture NLL (nats)",
+    "inverse_token_weight": "inverse token weight pi_inv_t",
+}
+DEFAULT_QUANTITY = "zfree_surprisal"
+#: Quantities drawn blue-white-red around 0.
+SIGNED_QUANTITIES = ("gain", "latent_gain")
+#: Clusters of a continuous latent when the data has no labels and ``--clusters`` is not given.
+DEFAULT_CLUSTERS = 8
+
+
+# --------------------------------------------------------------------------- groups (pure)
+
+
+def label_distribution(labels: Sequence[Any]) -> dict[str, Any]:
+    """``{"examples", "labelled", "factors": {name: [{"value", "count", "share"}, ...]}}`` of ``labels``
+    (as loaded: strings, objects of factors, or None). Shares are over the labelled examples; values
+    sorted by count (descending), then by value."""
+    counts: dict[str, Counter] = {}
+    labelled = 0
+    for label in labels:
+        factors = label_factors(label)
+        if factors is None:
+            continue
+        labelled += 1
+        for name, value in factors.items():
+            counts.setdefault(str(name), Counter())[str(value)] += 1
+    return {
+        "examples": len(labels),
+        "labelled": labelled,
+        "factors": {
+            name: [
+                {"value": value, "count": n, "share": n / labelled}
+                for value, n in sorted(counter.items(), key=lambda t: (-t[1], t[0]))
+            ]
+            for name, counter in counts.items()
+        },
+    }
+
+
+def discrete_groups(rows: Sequence[Mapping[str, Any]], codebook_size: int, count: int) -> list[dict[str, Any]]:
+    """One group per (slot, code), slot-major, every code of ``[0, codebook_size)`` included.
+
+    ``rows`` are rows of ``encode.encode_examples`` (``codes`` ``[M]``, ``posterior`` ``[M][K]``). Each group:
+    ``{"slot", "code", "members"`` (row indices, in order), ``"share"`` (members / rows), ``"top"`` (the
+    ``count`` members with the highest ``posterior[slot][code]``, ties in row order), ``"confidence"`` (their
+    probabilities), ``"codes"`` (the latent generated under: ``code`` in ``slot``, the members' most common
+    code in each other slot, or the data's when the group is empty)}``.
+    """
+    if not rows:
+        raise ValueError("the explorer needs at least one example")
+    M = len(rows[0]["codes"])
+    overall = [_most_common([int(r["codes"][m]) for r in rows]) for m in range(M)]
+    groups = []
+    for slot in range(M):
+        for code in range(codebook_size):
+            members = [i for i, r in enumerate(rows) if int(r["codes"][slot]) == code]
+            ranked = sorted(members, key=lambda i: (-float(rows[i]["posterior"][slot][code]), i))[:count]
+            codes = [
+                code if m == slot else (_most_common([int(rows[i]["codes"][m]) for i in members]) or overall[m])
+                for m in range(M)
+            ]
+            groups.append(
+                {
+                    "slot": slot,
+                    "code": code,
+                    "members": members,
+                    "share": len(members) / len(rows),
+                    "top": ranked,
+                    "confidence": [float(rows[i]["posterior"][slot][code]) for i in ranked],
+                    "codes": codes,
+                }
+            )
+    return groups
+
+
+def _most_common(values: Sequence[int]) -> int | None:
+    """The most common value (the smallest on ties), None for no values."""
+    if not values:
+        return None
+    counts = Counter(values)
+    return min(counts, key=lambda v: (-counts[v], v))
+
+
+def cluster_groups(mu: Sequence[Sequence[float]], num_clusters: int, count: int, seed: int = 0) -> list[dict[str, Any]]:
+    """One group per k-means cluster of the posterior means ``mu`` ``[E, D]`` (seeded, as eval's).
+
+    Each group: ``{"cluster", "members", "share", "top"`` (the ``count`` members nearest the centroid),
+    ``"confidence"`` (their negated Euclidean distance to it, so higher is more typical),
+    ``"centroid"`` (the members' mean ``mu``, the latent generated under)}``.
+    """
+    import numpy as np
+
+    from .metrics import kmeans_assignments
+
+    x = np.asarray(mu, dtype=np.float64)
+    if x.ndim != 2 or x.shape[0] == 0:
+        raise ValueError(f"mu must be [E, D] with E >= 1, got shape {x.shape}")
+    ids = kmeans_assignments(x, num_clusters, seed=seed)
+    groups = []
+    for cluster in range(num_clusters):
+        members = [int(i) for i in np.flatnonzero(ids == cluster)]
+        centroid = x[members].mean(0) if members else x.mean(0)
+        distance = np.linalg.norm(x[members] - centroid, axis=1) if members else np.zeros(0)
+        ranked = sorted(range(len(members)), key=lambda j: (float(distance[j]), members[j]))[:count]
+        groups.append(
+            {
+                "cluster": cluster,
+                "members": members,
+                "share": len(members) / x.shape[0],
+                "top": [members[j] for j in ranked],
+                "confidence": [-float(distance[j]) for j in ranked],
+                "centroid": [float(v) for v in centroid],
+            }
+        )
+    return groups
+
+
+def default_clusters(labels: Sequence[Any], examples: int) -> int:
+    """``--clusters`` when not given: as many as the first label factor has values (labelled data), else
+    :data:`DEFAULT_CLUSTERS`; at most ``examples``."""
+    first = next((label_factors(label) for label in labels if label is not None), None)
+    if first:
+        name = next(iter(first))
+        values = {str((label_factors(label) or {}).get(name)) for label in labels if label is not None}
+        wanted = len(values)
+    else:
+        wanted = DEFAULT_CLUSTERS
+    return max(1, min(wanted, examples))
+
+
+# --------------------------------------------------------------------------- computing the page's data
+
+
+def _check_options(examples: int, prompts: int, tokens: int, clusters: int | None) -> None:
+    commands._check_at_least("--explore-examples", examples, 1)
+    commands._check_at_least("--explore-prompts", prompts, 0)
+    commands._check_at_least("--explore-tokens", tokens, 1)
+    commands._check_at_least("--clusters", clusters, 1, optional=True)
+
+
+def explore(
+    model: CVAEBase,
+    tokenizer: Any,
+    config: RunConfig,
+    examples: Sequence[Example],
+    pairs: Sequence[Any],
+    *,
+    examples_per_group: int = 3,
+    prompts: Sequence[str] | None = None,
+    num_prompts: int = 3,
+    max_new_tokens: int = 16,
+    clusters: int | None = None,
+    prior_samples: int = 16,
+    exact_limit: int = 64,
+    batch_size: int = 16,
+    seed: int = 0,
+    progress: bool = False,
+    meta: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The explorer's data (a JSON-able dict, the input of :func:`render_explorer_html`).
+
+    ``examples`` and ``pairs`` (their raw texts, ``encode.raw_pairs``) are in the same order. ``prompts``
+    are the prompts generated for; when None, the first ``num_prompts`` distinct prompts of ``pairs``.
+    Generation is greedy, ``max_new_tokens`` tokens at most. Deterministic given ``seed``.
+    """
+    import torch
+
+    from .encode import encode_examples, latent_vector
+    from .features import build_feature_cache
+    from .generation import SamplingOptions, encode_prompts, generate_texts
+    from .inspection import QUANTITIES, token_values
+    from .shared_discrete_cvae import SharedDiscreteCVAE
+
+    _check_options(examples_per_group, num_prompts, max_new_tokens, clusters)
+    if not examples or len(pairs) != len(examples):
+        raise ValueError(f"{len(pairs)} pairs for {len(examples)} examples; the explorer needs one pair per example")
+    device = next(model.parameters()).device
+    cache = build_feature_cache(
+        model, examples, tokenizer.pad_token_id, batch_size, device, progress, description="frozen pass"
+    )
+    rows = encode_examples(
+        model,
+        examples,
+        cache,
+        tokenizer.pad_token_id,
+        pairs=pairs,
+        iw_samples=1,
+        prior_samples=prior_samples,
+        exact_limit=exact_limit,
+        batch_size=batch_size,
+        seed=seed,
+        progress=progress,
+    )
+    discrete = isinstance(model, SharedDiscreteCVAE)
+    labels = [r["label"] for r in rows]
+    if discrete:
+        groups = discrete_groups(rows, model.codebook_size, examples_per_group)
+        latents = [g["codes"] for g in groups]
+        for g in groups:
+            g["id"] = f"s{g['slot']}-c{g['code']}"
+            g["title"] = f"slot {g['slot']} · code {g['code']}"
+            g["latent"] = {"codes": g["codes"]}
+    else:
+        n = clusters if clusters is not None else default_clusters(labels, len(rows))
+        if n > len(rows):
+            raise ValueError(f"--clusters {n} is more than the {len(rows)} examples of the data")
+        groups = cluster_groups([r["mu"] for r in rows], n, examples_per_group, seed=seed)
+        latents = [g["centroid"] for g in groups]
+        for g in groups:
+            g["id"] = f"k{g['cluster']}"
+            g["title"] = f"cluster {g['cluster']}"
+            g["latent"] = {"centroid": [round(v, 5) for v in g["centroid"]]}
+
+    if prompts is None:
+        prompts = list(dict.fromkeys(p.prompt for p in pairs))[:num_prompts]
+    prompts = [str(p) for p in prompts]
+    generations: list[str] = []
+    if prompts:
+        sampling = SamplingOptions(greedy=True, max_new_tokens=max_new_tokens, seed=seed)
+        prompt_ids = encode_prompts(prompts, tokenizer, config.data)
+        vectors = torch.stack([latent_vector(model, latent) for latent in latents])  # [G, L]
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            torch.manual_seed(seed)
+            generations = generate_texts(
+                model,
+                tokenizer,
+                [ids for _ in latents for ids in prompt_ids],
+                vectors.repeat_interleave(len(prompts), dim=0),
+                sampling,
+                batch_size=batch_size,
+            )
+
+    shown: dict[int, int] = {}  # row index -> position in the page's examples
+    page_examples: list[dict[str, Any]] = []
+    for g in groups:
+        for i in g["top"]:
+            if i in shown:
+                continue
+            tokens, values, _ = token_values(
+                model, tokenizer, examples[i], prior_samples=prior_samples, exact_limit=exact_limit, seed=seed
+            )
+            shown[i] = len(page_examples)
+            page_examples.append(
+                {
+                    "row": i,
+                    "source": rows[i]["source"],
+                    "prompt": rows[i]["prompt"],
+                    "response": rows[i]["response"],
+                    "label": rows[i]["label"],
+                    "tokens": tokens,
+                    "values": {q: values[q] for q in QUANTITIES},
+                }
+            )
+    out_groups = []
+    for index, g in enumerate(groups):
+        members = g["members"]
+        out_groups.append(
+            {
+                "id": g["id"],
+                "title": g["title"],
+                "slot": g.get("slot"),
+                "code": g.get("code"),
+                "cluster": g.get("cluster"),
+                "count": len(members),
+                "share": g["share"],
+                "mean_kl": _mean([rows[i]["kl"] for i in members]),
+                "mean_latent_gain": _mean([rows[i]["latent_gain_nats_per_token"] for i in members]),
+                "labels": label_distribution([labels[i] for i in members]),
+                "latent": g["latent"],
+                "examples": [
+                    {"example": shown[i], "confidence": c} for i, c in zip(g["top"], g["confidence"], strict=True)
+                ],
+                "generations": [
+                    {"prompt": p, "text": generations[index * len(prompts) + j]} for j, p in enumerate(prompts)
+                ],
+            }
+        )
+    return {
+        "title": "Corpus explorer",
+        "meta": dict(meta or {}),
+        "latent": "discrete" if discrete else "continuous",
+        "examples_total": len(rows),
+        "quantities": [q for q in QUANTITY_LABELS if q in QUANTITIES],
+        "default": DEFAULT_QUANTITY,
+        "groups": out_groups,
+        "examples": page_examples,
+        "generation": {"greedy": True, "max_new_tokens": max_new_tokens, "prompts": prompts},
+    }
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return sum(finite) / len(finite) if finite else None
+
+
+# --------------------------------------------------------------------------- rendering (pure)
+
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.5em; color: #222; max-width: 80em; }
+h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin: 0 0 0.4em 0; } h3 { font-size: 1em; margin: 0.8em 0 0.3em 0; }
+table { border-collapse: collapse; font-size: 0.88em; margin: 0.3em 0; }
+td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; vertical-align: top; }
+.controls { position: sticky; top: 0; background: #fff; padding: 0.5em 0; border-bottom: 1px solid #ddd; z-index: 1; }
+.legend { display: inline-flex; align-items: center; gap: 0.4em; margin-left: 1.5em; font-size: 0.9em; }
+.legend .bar { display: inline-block; width: 12em; height: 0.9em; border: 1px solid #999; }
+section.group { border: 1px solid #bbb; border-radius: 4px; padding: 0.8em; margin: 1em 0; }
+section.group.empty { opacity: 0.75; }
+.sharebar { display: inline-block; height: 0.8em; background: #4a7bd0; vertical-align: middle; }
+.stats { font-size: 0.9em; color: #444; }
+.example { margin: 0.5em 0; }
+.example .head { font-size: 0.85em; color: #555; }
+.tokens { font-family: ui-monospace, Menlo, Consolas, monospace; white-space: pre-wrap; line-height: 1.7;
+  border: 1px solid #ddd; padding: 0.4em; word-break: break-word; }
+span.tok { border-radius: 2px; padding: 0 0.5px; }
+span.tok:hover { outline: 1px solid #333; }
+.gen { font-family: ui-monospace, Menlo, Consolas, monospace; white-space: pre-wrap; }
+"""
+
+_JS = """
+(function () {
+  var data = JSON.parse(document.getElementById("explorer-data").textContent);
+  var select = document.getElementById("quantity");
+  var spans = document.querySelectorAll("span.tok");
+  function colour(v, sc) {
+    if (v === null || v === undefined) { return "#e6e6e6"; }
+    var s = sc.ref <= 0 ? 0 : Math.max(-1, Math.min(1, v / sc.ref));
+    if (!sc.signed) { s = Math.max(s, 0); }
+    var f = Math.round(255 * (1 - Math.abs(s)));
+    return s >= 0 ? "rgb(255," + f + "," + f + ")" : "rgb(" + f + "," + f + ",255)";
+  }
+  function fmt(v) { return v === null ? "n/a" : Number(v.toPrecision(4)).toString(); }
+  function update() {
+    var key = select.value, sc = data.scales[key];
+    for (var i = 0; i < spans.length; i++) {
+      var e = Number(spans[i].getAttribute("data-e")), t = Number(spans[i].getAttribute("data-i"));
+      spans[i].style.backgroundColor = colour(data.values[e][key][t], sc);
+    }
+    document.getElementById("legend-min").textContent = fmt(sc.min);
+    document.getElementById("legend-max").textContent = fmt(sc.max);
+    document.getElementById("legend-bar").style.background = sc.signed
+      ? "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
+      : "linear-gradient(to right, #fff, rgb(255,0,0))";
+    document.body.setAttribute("data-quantity", key);
+  }
+  select.addEventListener("change", update);
+  update();
+})();
+"""
+
+
+def _esc(value: Any) -> str:
+    """Any value as escaped text (strings as they are, the rest as JSON)."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return html.escape(text, quote=True)
+
+
+def _number(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _scales(page: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """One colour scale per quantity over every token on the page, so that colours compare across examples."""
+    scales = {}
+    for q in page["quantities"]:
+        values = [v for e in page["examples"] for v in e["values"][q]]
+        values = [float(v) if v is not None and math.isfinite(float(v)) else None for v in values]
+        scales[q] = _scale(values, q in SIGNED_QUANTITIES)
+    return scales
+
+
+def _clean(values: Sequence[Any]) -> list[float | None]:
+    return [float(v) if v is not None and math.isfinite(float(v)) else None for v in values]
+
+
+def _label_html(labels: Mapping[str, Any]) -> str:
+    if not labels["factors"]:
+        return '<p class="stats">no labels</p>'
+    parts = []
+    unlabelled = labels["examples"] - labels["labelled"]
+    for name, values in labels["factors"].items():
+        rows = "".join(
+            f"<tr><td>{_esc(v['value'])}</td><td>{v['count']}</td><td>{v['share']:.3f} "
+            f'<span class="sharebar" style="width:{6 * v["share"]:.2f}em"></span></td></tr>'
+            for v in values
+        )
+        parts.append(
+            f'<table class="labels" data-factor="{_esc(name)}"><tr><th colspan="3">factor {_esc(name)}</th></tr>'
+            f"<tr><th>value</th><th>examples</th><th>share</th></tr>{rows}</table>"
+        )
+    note = f'<p class="stats">{unlabelled} unlabelled</p>' if unlabelled else ""
+    return '<div class="label-tables">' + "".join(parts) + "</div>" + note
+
+
+def _example_html(index: int, example: Mapping[str, Any], confidence: float, page: Mapping[str, Any], scales) -> str:
+    default = page["default"]
+    values = _clean(example["values"][default])
+    spans = []
+    for t, token in enumerate(example["tokens"]):
+        tip = "\n".join(
+            [f"#{t} {token!r}"]
+            + [f"{q}: {_format_value(_clean([example['values'][q][t]])[0])}" for q in page["quantities"]]
+        )
+        style = f"background-color:{_colour(values[t], scales[default])}"
+        spans.append(
+            f'<span class="tok" data-e="{index}" data-i="{t}" title="{_esc(tip)}" style="{style}">'
+            f"{_token_text_html(str(token))}</span>"
+        )
+    what = "posterior probability" if page["latent"] == "discrete" else "minus distance to the centroid"
+    label = "" if example["label"] is None else f" · label {_esc(example['label'])}"
+    return (
+        f'<div class="example" data-example="{index}"><div class="head">{_esc(example["source"])}{label} · '
+        f"{what} {confidence:.3f}</div>"
+        f'<div class="head">prompt: <span class="prompt">{_esc(example["prompt"] or "")}</span></div>'
+        f'<div class="tokens">{"".join(spans)}</div></div>'
+    )
+
+
+def _group_html(group: Mapping[str, Any], page: Mapping[str, Any], scales) -> str:
+    examples = "".join(
+        _example_html(e["example"], page["examples"][e["example"]], e["confidence"], page, scales)
+        for e in group["examples"]
+    )
+    if not examples:
+        examples = '<p class="stats">no example of the data is in this group</p>'
+    generations = "".join(
+        f'<tr><td class="gen">{_esc(g["prompt"])}</td><td class="gen generation">{_esc(g["text"])}</td></tr>'
+        for g in group["generations"]
+    )
+    generated = (
+        f"<table><tr><th>prompt</th><th>generated under this latent</th></tr>{generations}</table>"
+        if generations
+        else '<p class="stats">no prompts</p>'
+    )
+    empty = " empty" if group["count"] == 0 else ""
+    return (
+        f'<section class="group{empty}" id="group-{_esc(group["id"])}" data-group="{_esc(group["id"])}" '
+        f'data-share="{group["share"]:.6f}">'
+        f"<h2>{_esc(group['title'])}</h2>"
+        f'<p class="stats">share {group["share"]:.3f} ({group["count"]} of {page["examples_total"]} examples) '
+        f'<span class="sharebar" style="width:{10 * group["share"]:.2f}em"></span> · mean KL '
+        f"{_number(group['mean_kl'])} nats · mean latent gain {_number(group['mean_latent_gain'], 4)} nats/token · "
+        f"latent {_esc(group['latent'])}</p>"
+        f"<h3>Labels</h3>{_label_html(group['labels'])}"
+        f"<h3>Most confident examples</h3>{examples}"
+        f"<h3>Generations (greedy, at most {page['generation']['max_new_tokens']} tokens)</h3>{generated}"
+        "</section>"
+    )
+
+
+def _overview_html(page: Mapping[str, Any]) -> str:
+    rows = []
+    for g in page["groups"]:
+        top = []
+        for name, values in g["labels"]["factors"].items():
+            if values:
+                top.append(f"{name}={values[0]['value']} ({values[0]['share']:.2f})")
+        rows.append(
+            f'<tr><td><a href="#group-{_esc(g["id"])}">{_esc(g["title"])}</a></td><td>{g["count"]}</td>'
+            f'<td>{g["share"]:.3f} <span class="sharebar" style="width:{10 * g["share"]:.2f}em"></span></td>'
+            f"<td>{_esc(', '.join(top))}</td></tr>"
+        )
+    return (
+        '<table class="overview"><tr><th>group</th><th>examples</th><th>share</th><th>most common label</th></tr>'
+        + "".join(rows)
+        + "</table>"
+    )
+
+
+def render_explorer_html(page: Mapping[str, Any]) -> str:
+    """The explorer page of :func:`explore`'s dict: self-contained HTML5 (inline CSS and JS, no network).
+
+    Every token is a ``<span class="tok" data-e=E data-i=T>`` (example ``E`` of ``page["examples"]``, token
+    ``T``) coloured by the selected quantity (``<select id="quantity">``; one scale per quantity over the
+    whole page); every group a ``<section class="group" data-group=ID data-share=S>``.
+    """
+    scales = _scales(page)
+    default = page["default"]
+    if default not in page["quantities"]:
+        raise ValueError(f"default {default!r} is not one of the quantities {page['quantities']}")
+    options = "".join(
+        f'<option value="{_esc(q)}"{" selected" if q == default else ""}>{_esc(QUANTITY_LABELS.get(q, q))}</option>'
+        for q in page["quantities"]
+    )
+    meta = dict(page["meta"], latent=page["latent"], examples=page["examples_total"])
+    meta_rows = "".join(f"<tr><th>{_esc(str(k))}</th><td>{_esc(v)}</td></tr>" for k, v in meta.items())
+    sc = scales[default]
+    gradient = (
+        "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
+        if sc["signed"]
+        else "linear-gradient(to right, #fff, rgb(255,0,0))"
+    )
+    payload = {
+        "scales": scales,
+        "values": [{q: _clean(e["values"][q]) for q in page["quantities"]} for e in page["examples"]],
+    }
+    sections = "".join(_group_html(g, page, scales) for g in page["groups"])
+    title = _esc(page["title"])
+    return (
+        "<!DOCTYPE html>\n"
+        '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f"<title>{title}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
+        f'<h1>{title}</h1>\n<table class="meta">{meta_rows}</table>\n'
+        '<div class="controls"><label for="quantity">Colour tokens by: </label>'
+        f'<select id="quantity">{options}</select>'
+        f'<span class="legend"><span id="legend-min">{_format_value(sc["min"])}</span>'
+        f'<span class="bar" id="legend-bar" style="background:{gradient}"></span>'
+        f'<span id="legend-max">{_format_value(sc["max"])}</span></span></div>\n'
+        f"{_overview_html(page)}\n{sections}\n"
+        f'<script type="application/json" id="explorer-data">{_json_for_script(payload)}</script>\n'
+        f"<script>{_JS}</script>\n</body>\n</html>\n"
+    )
+
+
+def write_explorer(path: str | Path, page: Mapping[str, Any]) -> Path:
+    """Write :func:`render_explorer_html` of ``page`` to ``path`` (its folder made), durably replaced."""
+    from .checkpoints import replace_file_durably
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_file_durably(path, render_explorer_html(page).encode("utf-8"))
+    return path
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def run_explore(
+    checkpoint: str | Path,
+    *,
+    data: str | None = None,
+    output: str | Path | None = None,
+    examples_per_group: int = 3,
+    prompts: Sequence[str] | None = None,
+    num_prompts: int = 3,
+    max_new_tokens: int = 16,
+    clusters: int | None = None,
+    max_examples: int | None = None,
+    prior_samples: int = 16,
+    exact_limit: int = 64,
+    seed: int = 0,
+    batch_size: int = 16,
+    device: str = "auto",
+    progress: bool = True,
+    model_and_tokenizer=None,
+) -> Path:
+    """Write the explorer page of ``data`` (as ``eval``'s ``--data``; default the run's validation split)
+    to ``output`` (default ``RUN/inspect/explorer.html``). Options, ``data`` and ``output`` are checked
+    before the model loads. Returns the path written."""
+    from .encode import raw_pairs
+
+    _check_options(examples_per_group, num_prompts, max_new_tokens, clusters)
+    commands._check_at_least("--max-examples", max_examples, 1, optional=True)
+    commands._check_at_least("--prior-samples", prior_samples, 1)
+    commands._check_at_least("--exact-limit", exact_limit, 0)
+    commands._check_at_least("--batch-size", batch_size, 1)
+    if prompts is not None and any(not str(p).strip() for p in prompts):
+        raise ValueError("--explore-prompt must not be empty")
+    commands.check_data_option(checkpoint, data)
+    target = Path(output) if output is not None else commands.resolve_run(checkpoint)[1] / "inspect" / "explorer.html"
+    commands.check_writable_target(target, "--output")
+    model, tokenizer, config, state, checkpoint_dir, _ = commands.load_checkpoint(
+        checkpoint, model_and_tokenizer, device
+    )
+    examples, description = commands.load_examples(data, config, tokenizer, max_examples, seed)
+    pairs = raw_pairs(data, config, examples)
+    meta = {"checkpoint": str(checkpoint_dir), "step": state.get("step"), "data": description}
+    page = explore(
+        model,
+        tokenizer,
+        config,
+        examples,
+        pairs,
+        examples_per_group=examples_per_group,
+        prompts=prompts,
+        num_prompts=num_prompts,
+        max_new_tokens=max_new_tokens,
+        clusters=clusters,
+        prior_samples=prior_samples,
+        exact_limit=exact_limit,
+        batch_size=batch_size,
+        seed=seed,
+        progress=progress,
+        meta=meta,
+    )
+    return write_explorer(target, page)
