@@ -243,6 +243,40 @@ def test_continuous_page(continuous_run, tmp_path):
     assert text.count('class="gen generation"') == 3 and "red cat 1" in text
 
 
+def test_factor_labels_are_distributed_per_factor(discrete_run, tmp_path):
+    rows = [json.loads(line) for line in discrete_run.data_path.read_text().splitlines()][:12]
+    data = tmp_path / "factors.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps(
+                {"prompt": r["prompt"], "response": r["response"], "label": {"factor": r["label"], "half": i % 2}}
+            )
+            + "\n"
+            for i, r in enumerate(rows)
+        )
+    )
+    path = run_explore(
+        discrete_run.checkpoint,
+        data=str(data),
+        examples_per_group=1,
+        num_prompts=0,
+        progress=False,
+        model_and_tokenizer=model_and_tokenizer(),
+    )
+    assert path == discrete_run.run_dir / "inspect" / "explorer.html"  # the default place
+    text = path.read_text()
+    assert text.count('data-factor="factor"') == text.count('data-factor="half"') > 0
+    assert "generated under this latent" not in text and "no prompts" in text
+    # each group's label counts add up to its examples, per factor
+    for section in text.split('<section class="group')[1:]:
+        count = int(section.split("share ")[1].split("(")[1].split(" of")[0])
+        for factor in ("factor", "half"):
+            if count:
+                table = section.split(f'data-factor="{factor}"')[1].split("</table>")[0]
+                cells = [c.split("</td>")[0] for c in table.split("<td>")[1:]]
+                assert sum(int(n) for n in cells[1::3]) == count
+
+
 @pytest.fixture
 def injected_loader(monkeypatch):
     original = trainer.load_trained
