@@ -599,8 +599,12 @@ def _add_inspect(subparsers) -> None:
         "one self-contained HTML page: per code (per slot) or per k-means cluster of posterior means, its share, "
         "label distribution, most confident examples with token heat maps, and greedy generations under it",
     )
-    explore.add_argument("--explore", action="store_true", help="write the corpus explorer page instead (see below)")
-    explore.add_argument("--output", help="the explorer page (default OUTPUT_DIR/explorer.html, RUN/inspect/...)")
+    explore.add_argument(
+        "--explore", action="store_true", help="write the corpus explorer page instead of one example's report"
+    )
+    explore.add_argument(
+        "--output", help="the explorer page (default: OUTPUT_DIR/explorer.html, else RUN/inspect/explorer.html)"
+    )
     explore.add_argument("--explore-examples", type=int, default=3, help="most confident examples shown per group")
     explore.add_argument(
         "--explore-prompts", type=int, default=3, help="generate for the first N distinct prompts of --data"
