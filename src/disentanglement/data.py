@@ -415,10 +415,12 @@ def detect_style(text: str, kind: Literal["clean", "marked"] = "clean", num_fact
     if kind == "clean":
         words = _words(text)
         best: tuple[int, int] | None = None
-        for f, phrase in enumerate(clean_phrases(num_factors)):
-            p = _words(phrase)
-            if p and words[: len(p)] == p and (best is None or len(p) > best[1]):
-                best = (f, len(p))
+        for factor, phrase in enumerate(clean_phrases(num_factors)):
+            phrase_words = _words(phrase)
+            length = len(phrase_words)
+            starts_with_phrase = length > 0 and words[:length] == phrase_words
+            if starts_with_phrase and (best is None or length > best[1]):
+                best = (factor, length)
         return None if best is None else best[0]
     if kind == "marked":
         styles = _marked_styles(num_factors)
@@ -477,16 +479,15 @@ def make_hidden_factor_pairs(
     pairs: list[PromptResponse] = []
     if kind == "clean":
         phrases = clean_phrases(num_factors)
-        for i, (prompt, f) in enumerate(zip(prompts, factors, strict=True)):
-            pairs.append(PromptResponse(prompt, phrases[f], str(f), f"hidden-factor/clean:#{i}"))
+        for i, (prompt, factor) in enumerate(zip(prompts, factors, strict=True)):
+            pairs.append(PromptResponse(prompt, phrases[factor], str(factor), f"hidden-factor/clean:#{i}"))
     elif kind == "marked":
         _marked_styles(num_factors)
         if responses is None or len(responses) != len(prompts):
             raise ValueError("'marked' hidden-factor data needs one response per prompt (responses=...)")
-        for i, (prompt, response, f) in enumerate(zip(prompts, responses, factors, strict=True)):
-            pairs.append(
-                PromptResponse(prompt, apply_style(response, f, num_factors), str(f), f"hidden-factor/marked:#{i}")
-            )
+        for i, (prompt, response, factor) in enumerate(zip(prompts, responses, factors, strict=True)):
+            styled = apply_style(response, factor, num_factors)
+            pairs.append(PromptResponse(prompt, styled, str(factor), f"hidden-factor/marked:#{i}"))
     else:
         raise ValueError(f"kind must be 'clean' or 'marked', got {kind!r}")
     return pairs
@@ -610,9 +611,9 @@ def tokenize_pairs(pairs: Sequence[PromptResponse], tokenizer: Any, cfg: DataCon
     prompt_texts: list[str] = []
     response_texts: list[str] = []
     for pair in pairs:
-        p, r = format_pair(pair, tokenizer, cfg)
-        prompt_texts.append(p)
-        response_texts.append(r)
+        prompt_text, response_text = format_pair(pair, tokenizer, cfg)
+        prompt_texts.append(prompt_text)
+        response_texts.append(response_text)
     if not pairs:
         return [], {
             "examples": 0,
@@ -634,12 +635,10 @@ def tokenize_pairs(pairs: Sequence[PromptResponse], tokenizer: Any, cfg: DataCon
     for pair, prompt_ids, response_ids in zip(pairs, prompt_ids_all, response_ids_all, strict=True):
         prompt_ids = list(prompt_ids)
         response_ids = list(response_ids)
-        if eos is not None:
-            if not response_ids:
-                raise DataError(f"{pair.source}: the response {pair.response!r} tokenises to zero tokens")
-            response_ids.append(eos)
         if not response_ids:
             raise DataError(f"{pair.source}: the response {pair.response!r} tokenises to zero tokens")
+        if eos is not None:
+            response_ids.append(eos)
         if not prompt_ids:
             raise DataError(f"{pair.source}: the prompt {pair.prompt!r} tokenises to zero tokens")
         max_prompt_seen = max(max_prompt_seen, len(prompt_ids))

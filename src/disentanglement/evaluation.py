@@ -277,7 +277,7 @@ def score_batch(
         posterior, target, weighting, model.reconstruction_cfg, model.zfree_reference_scale
     )
     mixture = model.prior_mixture(features, prior_samples, exact_limit, summary)
-    per_latent = torch.stack([conditioned_nll(model, batch, mixture.vectors[s]) for s in range(mixture.size)])
+    per_latent = torch.stack([conditioned_nll(model, batch, vector) for vector in mixture.vectors])  # [S, B, N]
     prior = mixture_token_nll(per_latent, mixture.log_weights, target)
     iw_log_w, iw_seq, exact = model.importance_samples(batch, summary, iw_samples)
     return BatchScores(
@@ -363,7 +363,7 @@ def batch_records(scores: BatchScores, indices: Sequence[int]) -> BatchRecords:
 
 def concatenate_records(batches: Sequence[BatchRecords]) -> dict[str, np.ndarray]:
     """The batches' columns concatenated once, rows in the order of the evaluated set (by ``index``)."""
-    columns = {name: np.concatenate([b.columns[name] for b in batches]) for name in batches[0].columns}
+    columns = {name: np.concatenate([batch.columns[name] for batch in batches]) for name in batches[0].columns}
     order = np.argsort(columns["index"], kind="stable")
     return {name: values[order] for name, values in columns.items()}
 
@@ -389,10 +389,10 @@ def nll_and_gain_report(columns: dict[str, np.ndarray]) -> dict:
 def mean_reconstruction_terms(batches: Sequence[BatchRecords]) -> dict[str, float]:
     """Each term's batch means averaged over the examples (weighted by batch size)."""
     sums: dict[str, float] = {}
-    for b in batches:
-        for key, value in b.reconstruction_terms.items():
-            sums[key] = sums.get(key, 0.0) + value * b.size
-    examples = sum(b.size for b in batches)
+    for batch in batches:
+        for key, value in batch.reconstruction_terms.items():
+            sums[key] = sums.get(key, 0.0) + value * batch.size
+    examples = sum(batch.size for batch in batches)
     return {key: value / examples for key, value in sums.items()}
 
 

@@ -89,17 +89,17 @@ def token_values(
     mask = scores.target[0].bool()
     if int(mask.sum()) != len(example.response_ids):
         raise RuntimeError(f"{int(mask.sum())} supervised positions for {len(example.response_ids)} response tokens")
-    b = scores.zfree_nll[0][mask].double()
-    l = scores.posterior_nll[0][mask].double()
-    r = scores.prior_nll[0][mask].double()
+    zfree = scores.zfree_nll[0][mask].double()  # b_t
+    conditioned = scores.posterior_nll[0][mask].double()  # l_t
+    prior = scores.prior_nll[0][mask].double()  # r_t
     values = {
-        "zfree_surprisal": b,
+        "zfree_surprisal": zfree,
         "token_weight": weighting.token_weights[0][mask].double(),
         "inverse_token_weight": weighting.inverse_token_weights[0][mask].double(),
-        "conditioned_nll": l,
-        "gain": b - l,
-        "prior_nll": r,
-        "latent_gain": r - l,
+        "conditioned_nll": conditioned,
+        "gain": zfree - conditioned,
+        "prior_nll": prior,
+        "latent_gain": prior - conditioned,
     }
     summary = scores.summary
     if summary.codes is not None:
@@ -107,25 +107,24 @@ def token_values(
     else:
         latent = {"posterior_mean": [round(float(v), 5) for v in summary.mu[0]]}
     pi = values["token_weight"]
-    n = len(example.response_ids)
     meta = {
         "source": example.source,
         "label": example.label,
         "prompt": tokenizer.decode(example.prompt_ids, skip_special_tokens=False),
         "response": tokenizer.decode(example.response_ids, skip_special_tokens=False),
-        "response_tokens": n,
+        "response_tokens": len(example.response_ids),
         "token_weight_alpha": alpha,
         "token_weight_source": cfg.token_weight_source,
         "token_weight_interpolation": float(cfg.token_weight_interpolation),
         "latent": latent,
         "prior_mixture": {"method": scores.mixture.method, "latents": scores.mixture.size},
-        "zfree_nll_per_token": float(b.mean()),
-        "conditioned_nll_per_token": float(l.mean()),
-        "prior_nll_per_token": float(r.mean()),
-        "gain_per_token": float((b - l).mean()),
-        "token_weighted_gain": float((pi * (b - l)).sum()),
-        "latent_gain_per_token": float((r - l).mean()),
-        "token_weighted_latent_gain": float((pi * (r - l)).sum()),
+        "zfree_nll_per_token": float(zfree.mean()),
+        "conditioned_nll_per_token": float(conditioned.mean()),
+        "prior_nll_per_token": float(prior.mean()),
+        "gain_per_token": float((zfree - conditioned).mean()),
+        "token_weighted_gain": float((pi * (zfree - conditioned)).sum()),
+        "latent_gain_per_token": float((prior - conditioned).mean()),
+        "token_weighted_latent_gain": float((pi * (prior - conditioned)).sum()),
     }
     return token_texts(tokenizer, example.response_ids), {k: v.tolist() for k, v in values.items()}, meta
 

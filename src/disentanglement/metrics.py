@@ -2,10 +2,10 @@
 
 Notation for shapes: ``N`` examples (``B`` for a batch), ``D`` continuous latent dimensions,
 ``M`` discrete latent slots, ``K`` codes per slot (or importance samples, where stated).
-Inputs may be numpy arrays or torch tensors; functions that return a tensor (the KLs and the
-importance-weighted bound, which a training loop may differentiate) keep torch, the others
-return Python floats, numpy arrays or JSON-able dicts. All information quantities are in nats
-(use :func:`nats_to_bits` to convert).
+Inputs may be numpy arrays or torch tensors; the importance-weighted bound returns a tensor (a
+training loop may differentiate it), the others Python floats, numpy arrays or JSON-able dicts.
+All information quantities are in nats (use :func:`nats_to_bits` to convert). The KL divergences
+are latent regularisers (``regularizers.py``).
 """
 
 from __future__ import annotations
@@ -25,16 +25,7 @@ from sklearn.metrics import (
 )
 from sklearn.metrics.cluster import contingency_matrix
 
-# The KL divergences live with the other latent regularisers; re-exported for evaluation code.
-from .regularizers import categorical_kl, gaussian_kl  # noqa: F401
-
-_LOG_2PI = math.log(2.0 * math.pi)
-
-
-def _as_tensor(x: Any) -> torch.Tensor:
-    """A float tensor view of ``x`` (numpy or torch); integer input becomes float32."""
-    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
-    return t if t.is_floating_point() else t.to(torch.float32)
+from .regularizers import LOG_2PI, as_tensor
 
 
 def _as_numpy(x: Any) -> np.ndarray:
@@ -74,8 +65,8 @@ def gaussian_mutual_information(
     as in ``calc_mi``. The estimate is at most ``log N``. Draws are scored against the N
     posteriors ``chunk_size`` draws at a time (memory ``chunk_size * N * D``).
     """
-    mu = _as_tensor(mu).detach().to(torch.float64)
-    logvar = _as_tensor(logvar).detach().to(torch.float64)
+    mu = as_tensor(mu).detach().to(torch.float64)
+    logvar = as_tensor(logvar).detach().to(torch.float64)
     if mu.dim() != 2 or mu.shape != logvar.shape:
         raise ValueError(f"mu and logvar must both be [N, D], got {tuple(mu.shape)} and {tuple(logvar.shape)}")
     if num_samples < 1:
@@ -87,7 +78,7 @@ def gaussian_mutual_information(
     noise = torch.randn((num_samples, n, d), generator=generator, dtype=torch.float64)  # [S, N, D]
     z = (mu + std * noise).reshape(num_samples * n, d)  # [S*N, D], row s*N + n drawn from q(z|x_n)
     inv_var = torch.exp(-logvar)  # [N, D]
-    log_norm = -0.5 * (d * _LOG_2PI + logvar.sum(dim=-1))  # [N]
+    log_norm = -0.5 * (d * LOG_2PI + logvar.sum(dim=-1))  # [N]
 
     log_q_agg = []
     for start in range(0, z.shape[0], chunk_size):
@@ -97,7 +88,7 @@ def gaussian_mutual_information(
     mean_log_q_agg = torch.cat(log_q_agg).mean()
 
     if analytic_entropy:
-        mean_log_q = (-0.5 * (d * _LOG_2PI + (1.0 + logvar).sum(dim=-1))).mean()
+        mean_log_q = (-0.5 * (d * LOG_2PI + (1.0 + logvar).sum(dim=-1))).mean()
     else:
         mean_log_q = (log_norm - 0.5 * noise.pow(2).sum(dim=-1)).mean()  # log q(z_sn | x_n), [S, N]
     return float(mean_log_q - mean_log_q_agg)
@@ -349,7 +340,7 @@ def importance_weighted_nll(log_joint_minus_log_q: Any) -> torch.Tensor:
     ``log_joint_minus_log_q`` is ``[K, B]``: ``log p(y, z_k | x) - log q(z_k | x, y)`` for K
     posterior samples. Returns ``-(logsumexp_k(.) - log K)``; K = 1 is the (negated) ELBO.
     """
-    w = _as_tensor(log_joint_minus_log_q)
-    if w.dim() != 2 or w.shape[0] < 1:
-        raise ValueError(f"log_joint_minus_log_q must be [K, B] with K >= 1, got shape {tuple(w.shape)}")
-    return -(torch.logsumexp(w, dim=0) - math.log(w.shape[0]))
+    log_weights = as_tensor(log_joint_minus_log_q)
+    if log_weights.dim() != 2 or log_weights.shape[0] < 1:
+        raise ValueError(f"log_joint_minus_log_q must be [K, B] with K >= 1, got shape {tuple(log_weights.shape)}")
+    return -(torch.logsumexp(log_weights, dim=0) - math.log(log_weights.shape[0]))

@@ -19,10 +19,10 @@ from .config import KLConfig
 LOG_2PI = math.log(2.0 * math.pi)
 
 
-def _as_tensor(x: Any) -> torch.Tensor:
-    """A float tensor of ``x`` (numpy or torch); integer input becomes float32."""
-    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
-    return t if t.is_floating_point() else t.to(torch.float32)
+def as_tensor(x: Any) -> torch.Tensor:
+    """A float tensor of ``x`` (numpy or torch; a tensor is returned as it is); integer input becomes float32."""
+    tensor = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    return tensor if tensor.is_floating_point() else tensor.to(torch.float32)
 
 
 def gaussian_kl(
@@ -38,9 +38,9 @@ def gaussian_kl(
 
         KL_d = 0.5 * (logvar_p - logvar_q + (e^logvar_q + (mu_q - mu_p)^2) / e^logvar_p - 1)
     """
-    mu_q, logvar_q = _as_tensor(mu_q), _as_tensor(logvar_q)
-    mu_p = torch.zeros_like(mu_q) if mu_p is None else _as_tensor(mu_p).to(mu_q)
-    logvar_p = torch.zeros_like(logvar_q) if logvar_p is None else _as_tensor(logvar_p).to(logvar_q)
+    mu_q, logvar_q = as_tensor(mu_q), as_tensor(logvar_q)
+    mu_p = torch.zeros_like(mu_q) if mu_p is None else as_tensor(mu_p).to(mu_q)
+    logvar_p = torch.zeros_like(logvar_q) if logvar_p is None else as_tensor(logvar_p).to(logvar_q)
     return 0.5 * (logvar_p - logvar_q + (logvar_q.exp() + (mu_q - mu_p).pow(2)) * torch.exp(-logvar_p) - 1.0)
 
 
@@ -56,8 +56,8 @@ def categorical_kl(log_q: Any, log_p: Any) -> torch.Tensor:
     ``[B, M, K]`` (a learned prior). Codes with ``q_k = 0`` contribute 0 (also where
     ``log p_k = -inf``); a code with ``q_k > 0`` and ``p_k = 0`` gives ``inf``.
     """
-    log_q = _as_tensor(log_q)
-    log_p = _as_tensor(log_p).to(log_q)
+    log_q = as_tensor(log_q)
+    log_p = as_tensor(log_p).to(log_q)
     if log_q.dim() != 3:
         raise ValueError(f"log_q must be [B, M, K], got shape {tuple(log_q.shape)}")
     if log_p.dim() == 2:

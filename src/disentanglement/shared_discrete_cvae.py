@@ -230,31 +230,45 @@ class SharedDiscreteCVAE(CVAEBase):
 
     @torch.no_grad()
     def initialize_from_data(self, features: FrozenFeatures, seed: int, refresh: bool = False) -> None:
-        """k-means of the encoder's outputs (all slots pooled) as the codebook.
-
-        At the start every code then lies where some examples are. Refreshed during training, it
-        separates two groups of examples that share one code while another group occupies two (the
-        failure that dead-code restart cannot repair: no code is dead).
-        """
-        if self.latent_cfg.codebook_init != "kmeans":
+        """The codebook's start: k-means of the encoder's outputs (all slots pooled), so that every code
+        lies where some examples are. (``refresh=True`` is :meth:`refresh_from_data`, kept for callers
+        of the old single method.)"""
+        if refresh:
+            self.refresh_from_data(features, seed)
             return
+        centroids = self._kmeans_centroids(features, seed)
+        if centroids is not None:
+            self.codebook.copy_(centroids)
+
+    @torch.no_grad()
+    def refresh_from_data(self, features: FrozenFeatures, seed: int) -> None:
+        """k-means again during training, keeping code identities: each new centroid replaces the old
+        code it is matched to (minimum total distance), so codes that already mean something move little
+        and the decoder keeps their meaning. It separates two groups of examples that share one code
+        while another group occupies two (the failure that dead-code restart cannot repair: no code is dead).
+        """
+        centroids = self._kmeans_centroids(features, seed)
+        if centroids is None:
+            return
+        from scipy.optimize import linear_sum_assignment
+
+        old_codes, new_codes = linear_sum_assignment(torch.cdist(self.codebook, centroids).cpu().numpy())
+        reordered = centroids.clone()
+        reordered[torch.as_tensor(old_codes)] = centroids[torch.as_tensor(new_codes)]
+        self.codebook.copy_(reordered)
+
+    def _kmeans_centroids(self, features: FrozenFeatures, seed: int) -> torch.Tensor | None:
+        """``K`` k-means centroids ``[K, C]`` of the encoder's outputs of all slots; None unless the codebook
+        starts from k-means (``codebook_init``) and there are at least ``K`` outputs."""
+        if self.latent_cfg.codebook_init != "kmeans":
+            return None
         from sklearn.cluster import KMeans
 
-        e = self.encoder_outputs(features).reshape(-1, self.latent_cfg.code_dim).float().cpu().numpy()
-        if e.shape[0] < self.codebook_size:
-            return
-        centroids = KMeans(n_clusters=self.codebook_size, n_init=10, random_state=seed).fit(e).cluster_centers_
-        centroids = torch.as_tensor(centroids, dtype=self.codebook.dtype, device=self.codebook.device)
-        if refresh:
-            # Keep code identities: each new centroid replaces the old code it is matched to (minimum total
-            # distance), so codes that already mean something move little and the decoder keeps its meaning.
-            from scipy.optimize import linear_sum_assignment
-
-            old_codes, new_codes = linear_sum_assignment(torch.cdist(self.codebook, centroids).cpu().numpy())
-            reordered = centroids.clone()
-            reordered[torch.as_tensor(old_codes)] = centroids[torch.as_tensor(new_codes)]
-            centroids = reordered
-        self.codebook.copy_(centroids)
+        encodings = self.encoder_outputs(features).reshape(-1, self.latent_cfg.code_dim).float().cpu().numpy()
+        if encodings.shape[0] < self.codebook_size:
+            return None
+        centroids = KMeans(n_clusters=self.codebook_size, n_init=10, random_state=seed).fit(encodings).cluster_centers_
+        return torch.as_tensor(centroids, dtype=self.codebook.dtype, device=self.codebook.device)
 
     @torch.no_grad()
     def post_step(self, step: int) -> None:

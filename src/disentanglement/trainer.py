@@ -823,7 +823,7 @@ def _refresh_codebook(run: _Training, step: int) -> None:
     """k-means refresh of the codebook every ``codebook_refresh_every`` steps of the first half of training."""
     every = _refresh_every(run.config)
     if every and run.init_features is not None and step % every == 0 and step <= run.config.train.max_steps // 2:
-        run.model.initialize_from_data(run.init_features, run.config.train.seed + step, refresh=True)
+        run.model.refresh_from_data(run.init_features, run.config.train.seed + step)
 
 
 def _due(every: int, step: int, max_steps: int) -> bool:
