@@ -160,7 +160,8 @@ def factor_agreements(
 
 @dataclass
 class PosteriorSummary:
-    """What the evaluation needs of ``q(z | x, y)`` and ``p(z | x)`` for a batch.
+    """What the evaluation needs of ``q(z | x, y)`` and ``p(z | x)`` for a batch, as each latent family
+    builds it (``model.posterior_summary``).
 
     ``vector`` is the latent the decoder sees at evaluation: the argmax code of every slot
     (discrete) or the posterior mean (continuous). Discrete ``log_q`` is the effective posterior:
@@ -211,7 +212,8 @@ def batch_weighting(
 
 @dataclass
 class PriorMixture:
-    """Latents drawn from (or enumerating) the prior for a batch, with log mixture weights."""
+    """Latents drawn from (or enumerating) the prior for a batch, with log mixture weights, as each
+    latent family builds it (``model.prior_mixture``)."""
 
     vectors: torch.Tensor  # [S, B, L]
     log_weights: torch.Tensor  # [S, B], logsumexp over S is 0 for every example
