@@ -363,5 +363,5 @@ def test_kmeans_codebook_init_and_identity_keeping_refresh(tokenizer):
     before = model.codebook.detach().clone()
     with torch.no_grad():
         model.codebook.copy_(before[[2, 0, 1]])  # same centroids, other identities
-    model.initialize_from_data(features, seed=5, refresh=True)
+    model.refresh_from_data(features, seed=5)
     torch.testing.assert_close(model.codebook.detach(), before[[2, 0, 1]], rtol=1e-4, atol=1e-5)

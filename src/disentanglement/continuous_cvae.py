@@ -8,9 +8,8 @@ import math
 
 import torch
 
-from .cvae_base import CVAEBase, FrozenFeatures, LatentSample, mlp
+from .cvae_base import CVAEBase, FrozenFeatures, LatentSample, PosteriorSummary, PriorMixture, mlp
 from .data import Batch
-from .evaluation import PosteriorSummary, PriorMixture
 from .regularizers import diag_gaussian_log_density, gaussian_kl
 
 LOGVAR_RANGE = (-12.0, 8.0)  # keeps exp(logvar) finite in float32 and bfloat16

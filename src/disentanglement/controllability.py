@@ -44,11 +44,10 @@ import torch
 from .config import RunConfig
 from .cvae_base import CVAEBase, FrozenFeatures
 from .data import Example, PromptResponse, collate, tokenize_pairs
-from .evaluation import example_factor_values, posterior_latents, posterior_summary
+from .evaluation import example_factor_values, posterior_latents
 from .features import FeatureCache
 from .generation import SamplingOptions, encode_prompts, generate_texts, prompt_features
 from .metrics import distinct_n
-from .shared_discrete_cvae import SharedDiscreteCVAE
 
 #: Generations of the first prompts shown in the report.
 EXAMPLES_SHOWN = 2
@@ -151,7 +150,7 @@ def reencode(model: CVAEBase, examples: Sequence[Example], pad_token_id: int, ba
     for start in range(0, len(examples), batch_size):
         batch = collate(list(examples[start : start + batch_size]), pad_token_id).to(device)
         features = model.frozen_pass(batch)
-        summary = posterior_summary(model, features)
+        summary = model.posterior_summary(features)
         values = {
             "features": model.encoder_input(features).float(),
             "nll": (features.zfree_token_nll.double() * batch.target_mask[:, 1:].double()).sum(-1),
@@ -194,7 +193,7 @@ def _targets(
     within (``slot m``; ``prior``; ``factor NAME``) and ``target`` the index to recover within it."""
     targets: list[dict[str, Any]] = []
     P = features.prior_features.shape[0]
-    if isinstance(model, SharedDiscreteCVAE):
+    if model.is_discrete:
         M, K = model.num_slots, model.codebook_size
         mode = model.prior_log_probs(features).argmax(-1)  # [P, M]
         # the label each code stands for: the most frequent value among the real examples assigned to it
@@ -253,7 +252,7 @@ def _targets(
 def _recovered(model: CVAEBase, targets: list[dict[str, Any]], encoded: dict[str, Any], prior_mu) -> list[int]:
     """The target index each generation's re-encoding recovers, within its group (see the module docstring)."""
     out: list[int] = []
-    if isinstance(model, SharedDiscreteCVAE):
+    if model.is_discrete:
         for t, codes in zip(targets, encoded["codes"].tolist(), strict=True):
             out.append(codes[int(t["group"].split()[1])])
         return out
@@ -308,7 +307,7 @@ def controllability(
             raise ValueError(f"--generation-{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
     if isinstance(prior_latents, bool) or not isinstance(prior_latents, int) or prior_latents < 2:
         raise ValueError(f"--generation-latents must be an integer >= 2, got {prior_latents!r}")
-    discrete = isinstance(model, SharedDiscreteCVAE)
+    discrete = model.is_discrete
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id
     prompts = choose_prompts([p.prompt for p in pairs], num_prompts, seed)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -226,8 +227,47 @@ def bag_of_words_loss(bow_logits: torch.Tensor, input_ids: torch.Tensor, target_
     return (-(token_log_probs * mask).sum(1) / mask.sum(1)).mean()
 
 
+@dataclass
+class PosteriorSummary:
+    """What the evaluation needs of ``q(z | x, y)`` and ``p(z | x)`` for a batch, as each latent family
+    builds it (``model.posterior_summary``).
+
+    ``vector`` is the latent the decoder sees at evaluation: the argmax code of every slot
+    (discrete) or the posterior mean (continuous). Discrete ``log_q`` is the effective posterior:
+    one-hot at the nearest code for the default "nearest" assignment (``0`` / ``-inf``), the
+    softmax of the posterior logits for "gumbel".
+    """
+
+    vector: torch.Tensor  # [B, L]
+    kl_per_unit: torch.Tensor  # [B, U], per-example KL(q || p) per slot or dimension
+    codes: torch.Tensor | None = None  # [B, M]
+    log_q: torch.Tensor | None = None  # [B, M, K]
+    log_p: torch.Tensor | None = None  # [B, M, K]
+    mu: torch.Tensor | None = None  # [B, D]
+    logvar: torch.Tensor | None = None  # [B, D]
+    prior_mu: torch.Tensor | None = None  # [B, D]
+    prior_logvar: torch.Tensor | None = None  # [B, D]
+
+
+@dataclass
+class PriorMixture:
+    """Latents drawn from (or enumerating) the prior for a batch, with log mixture weights, as each
+    latent family builds it (``model.prior_mixture``)."""
+
+    vectors: torch.Tensor  # [S, B, L]
+    log_weights: torch.Tensor  # [S, B], logsumexp over S is 0 for every example
+    method: str  # "exact" (every code or code combination, weighted by p(k | x)) or "samples"
+
+    @property
+    def size(self) -> int:
+        return self.vectors.shape[0]
+
+
 class CVAEBase(nn.Module):
     """Frozen features, latent injection and the loss; subclasses define the latent."""
+
+    #: Whether the latent is a tuple of codes (discrete families) rather than a real vector.
+    is_discrete: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -300,8 +340,36 @@ class CVAEBase(nn.Module):
         """A different latent for the same example (for the inter-latent divergence), or None."""
         return None
 
-    def initialize_from_data(self, features: FrozenFeatures, seed: int, refresh: bool = False) -> None:
-        """Data-dependent (re-)initialisation before or during training (e.g. the codebook); nothing by default."""
+    def posterior_latents(self, features: FrozenFeatures) -> dict[str, torch.Tensor]:
+        """The posterior's parameters for a batch (discrete: ``logits``, ``probs``, ``codes``; continuous:
+        ``mu``, ``logvar``), without sampling."""
+        raise NotImplementedError
+
+    def posterior_summary(self, features: FrozenFeatures) -> PosteriorSummary:
+        """What evaluation needs of ``q(z | x, y)`` and ``p(z | x)`` for a batch (per-example KL)."""
+        raise NotImplementedError
+
+    def prior_mixture(
+        self,
+        features: FrozenFeatures,
+        num_samples: int = 16,
+        exact_limit: int = 64,
+        summary: PosteriorSummary | None = None,
+    ) -> PriorMixture:
+        """Latents enumerating or sampling ``p(z | x)``, with log mixture weights."""
+        raise NotImplementedError
+
+    def importance_samples(
+        self, batch: Batch, summary: PosteriorSummary, num_samples: int
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Log importance weights ``[k, B]``, the sequence NLLs ``[k, B]`` and whether the bound is exact."""
+        raise NotImplementedError
+
+    def initialize_from_data(self, features: FrozenFeatures, seed: int) -> None:
+        """Data-dependent initialisation before training (e.g. the codebook's k-means start); nothing by default."""
+
+    def refresh_from_data(self, features: FrozenFeatures, seed: int) -> None:
+        """Data-dependent refresh during training (e.g. the codebook's k-means refresh); nothing by default."""
 
     def post_step(self, step: int) -> None:
         """Called after the optimizer step whose forward passes ran with ``step`` (e.g. dead-code restart)."""

@@ -125,7 +125,6 @@ def encode_examples(
     from .data import collate
     from .evaluation import score_batch
     from .metrics import importance_weighted_nll
-    from .shared_discrete_cvae import SharedDiscreteCVAE
 
     if not examples:
         raise ValueError("encode needs at least one example")
@@ -136,7 +135,7 @@ def encode_examples(
     for flag, value in (("iw_samples", iw_samples), ("prior_samples", prior_samples), ("batch_size", batch_size)):
         commands._check_at_least(flag, value, 1)
     commands._check_at_least("exact_limit", exact_limit, 0)
-    discrete = isinstance(model, SharedDiscreteCVAE)
+    discrete = model.is_discrete
     device = next(model.parameters()).device
     E = len(examples)
     # evaluate's order: the same batches, so the same prior and importance samples
@@ -368,9 +367,7 @@ def latent_vector(model: CVAEBase, latent: Any) -> torch.Tensor:
     (discrete: ``M * code_dim`` numbers, e.g. a mix of codebook entries; continuous: ``z``)."""
     import torch
 
-    from .shared_discrete_cvae import SharedDiscreteCVAE
-
-    discrete = isinstance(model, SharedDiscreteCVAE)
+    discrete = model.is_discrete
     device = next(model.parameters()).device
     if isinstance(latent, Mapping):
         key = "codes" if discrete else "mu"
@@ -510,9 +507,7 @@ def _as_latent_rows(latents: LatentRows | str | Path | Sequence[Mapping[str, Any
 
 
 def _model_kind(model: CVAEBase) -> tuple[bool, str]:
-    from .shared_discrete_cvae import SharedDiscreteCVAE
-
-    discrete = isinstance(model, SharedDiscreteCVAE)
+    discrete = model.is_discrete
     return discrete, "discrete" if discrete else "continuous"
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .cvae_base import CVAEBase, FrozenFeatures
+from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary, PriorMixture
 from .data import Batch, Example, collate, label_factor_names, label_factors
 from .features import FeatureCache
 from .losses import reconstruction_loss_stack
@@ -158,26 +158,7 @@ def factor_agreements(
 # --------------------------------------------------------------------------- the posterior
 
 
-@dataclass
-class PosteriorSummary:
-    """What the evaluation needs of ``q(z | x, y)`` and ``p(z | x)`` for a batch, as each latent family
-    builds it (``model.posterior_summary``).
-
-    ``vector`` is the latent the decoder sees at evaluation: the argmax code of every slot
-    (discrete) or the posterior mean (continuous). Discrete ``log_q`` is the effective posterior:
-    one-hot at the nearest code for the default "nearest" assignment (``0`` / ``-inf``), the
-    softmax of the posterior logits for "gumbel".
-    """
-
-    vector: torch.Tensor  # [B, L]
-    kl_per_unit: torch.Tensor  # [B, U], per-example KL(q || p) per slot or dimension
-    codes: torch.Tensor | None = None  # [B, M]
-    log_q: torch.Tensor | None = None  # [B, M, K]
-    log_p: torch.Tensor | None = None  # [B, M, K]
-    mu: torch.Tensor | None = None  # [B, D]
-    logvar: torch.Tensor | None = None  # [B, D]
-    prior_mu: torch.Tensor | None = None  # [B, D]
-    prior_logvar: torch.Tensor | None = None  # [B, D]
+__all__ = ["PosteriorSummary", "PriorMixture"]  # built by the families (cvae_base); read here
 
 
 def posterior_summary(model: CVAEBase, features: FrozenFeatures) -> PosteriorSummary:
@@ -208,20 +189,6 @@ def batch_weighting(
     """
     offsets, target = model.alignment_offsets(batch), model.conditioned_target_mask(batch)
     return model.token_weighting(batch, features, offsets, target, token_nll, alpha)
-
-
-@dataclass
-class PriorMixture:
-    """Latents drawn from (or enumerating) the prior for a batch, with log mixture weights, as each
-    latent family builds it (``model.prior_mixture``)."""
-
-    vectors: torch.Tensor  # [S, B, L]
-    log_weights: torch.Tensor  # [S, B], logsumexp over S is 0 for every example
-    method: str  # "exact" (every code or code combination, weighted by p(k | x)) or "samples"
-
-    @property
-    def size(self) -> int:
-        return self.vectors.shape[0]
 
 
 def mixture_token_nll(token_nll: torch.Tensor, log_weights: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:

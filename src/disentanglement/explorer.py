@@ -226,7 +226,6 @@ def explore(
     from .features import build_feature_cache
     from .generation import SamplingOptions, encode_prompts, generate_texts
     from .inspection import QUANTITIES, token_values
-    from .shared_discrete_cvae import SharedDiscreteCVAE
 
     _check_options(examples_per_group, num_prompts, max_new_tokens, clusters)
     if not examples or len(pairs) != len(examples):
@@ -248,7 +247,7 @@ def explore(
         seed=seed,
         progress=progress,
     )
-    discrete = isinstance(model, SharedDiscreteCVAE)
+    discrete = model.is_discrete
     labels = [r["label"] for r in rows]
     if discrete:
         groups = discrete_groups(rows, model.codebook_size, examples_per_group)

@@ -55,9 +55,8 @@ import torch
 
 from . import encode as encode_module
 from .config import DataConfig, RunConfig
-from .cvae_base import CVAEBase, FrozenFeatures
+from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary
 from .data import PromptResponse, collate, prompt_text_for_generation, tokenize_pairs
-from .evaluation import PosteriorSummary, posterior_summary
 from .metrics import distinct_n
 from .shared_discrete_cvae import SharedDiscreteCVAE
 
@@ -153,7 +152,7 @@ def reference_posterior(
     """The posterior of one ``(prompt, response)`` pair, tokenised as in training."""
     examples, _ = tokenize_pairs([PromptResponse(prompt, response, None, "reference response")], tokenizer, data_cfg)
     batch = collate(examples, tokenizer.pad_token_id).to(_device(model))
-    return posterior_summary(model, model.frozen_pass(batch))
+    return model.posterior_summary(model.frozen_pass(batch))
 
 
 def generation_inputs(
@@ -543,7 +542,7 @@ def generate(
     ``sampling.seed``; the caller's random state is left untouched.
     """
     sampling = sampling or SamplingOptions()
-    discrete = isinstance(model, SharedDiscreteCVAE)
+    discrete = model.is_discrete
     attributes = list(attributes or [])
     if mode is None:
         if traverse is not None:

@@ -23,9 +23,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .cvae_base import CVAEBase, FrozenFeatures, LatentSample, mlp
+from .cvae_base import CVAEBase, FrozenFeatures, LatentSample, PosteriorSummary, PriorMixture, mlp
 from .data import Batch
-from .evaluation import PosteriorSummary, PriorMixture
 from .regularizers import annealed_temperature, categorical_kl
 
 
@@ -35,6 +34,8 @@ def one_hot_kl(log_p: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 class SharedDiscreteCVAE(CVAEBase):
+    is_discrete = True
+
     def __init__(self, decoder, latent, reconstruction, kl, divergence=None, **kwargs) -> None:
         super().__init__(decoder, latent, reconstruction, kl, divergence, **kwargs)
         M, K, C, H = latent.num_slots, latent.codebook_size, latent.code_dim, self.hidden_size
@@ -229,13 +230,9 @@ class SharedDiscreteCVAE(CVAEBase):
         return self.codes_to_vector(alternative)
 
     @torch.no_grad()
-    def initialize_from_data(self, features: FrozenFeatures, seed: int, refresh: bool = False) -> None:
+    def initialize_from_data(self, features: FrozenFeatures, seed: int) -> None:
         """The codebook's start: k-means of the encoder's outputs (all slots pooled), so that every code
-        lies where some examples are. (``refresh=True`` is :meth:`refresh_from_data`, kept for callers
-        of the old single method.)"""
-        if refresh:
-            self.refresh_from_data(features, seed)
-            return
+        lies where some examples are."""
         centroids = self._kmeans_centroids(features, seed)
         if centroids is not None:
             self.codebook.copy_(centroids)
