@@ -81,7 +81,7 @@ def test_invalid_hub_id(monkeypatch):
 
 
 def test_resolve_dtype():
-    assert resolve_dtype(ModelConfig(), "cpu") == torch.float32
+    assert resolve_dtype(ModelConfig(), "cpu") == (torch.bfloat16 if lm.cpu_has_fast_bf16() else torch.float32)
     assert resolve_dtype(ModelConfig(), torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype(ModelConfig(dtype="bfloat16"), "cpu") == torch.bfloat16
     assert resolve_dtype(ModelConfig(dtype="float32"), "cuda") == torch.float32
@@ -110,7 +110,7 @@ def _save_tiny(directory: Path, pad: bool = True):
 
 def test_local_directory_round_trip(tmp_path):
     model, tokenizer = _save_tiny(tmp_path, pad=False)
-    loaded, loaded_tokenizer = load_model_and_tokenizer(ModelConfig(model=str(tmp_path)))
+    loaded, loaded_tokenizer = load_model_and_tokenizer(ModelConfig(model=str(tmp_path), dtype="float32"))
     assert isinstance(loaded, type(model)) and not loaded.training
     assert loaded.dtype == torch.float32
     assert all(p.requires_grad for p in loaded.parameters())  # nothing frozen here
@@ -173,18 +173,24 @@ def test_gguf_fingerprint_is_sha256(tmp_path):
 
 
 @pytest.mark.slow
-def test_embedded_gguf_cache_gives_identical_logits(tmp_path, capsys):
-    cfg = ModelConfig(model_cache_dir=str(tmp_path))
+def test_embedded_gguf_cache_gives_identical_logits(tmp_path, capsys, monkeypatch):
+    cfg = ModelConfig(model_cache_dir=str(tmp_path), dtype="float32")
     start = time.perf_counter()
     first, tokenizer = load_model_and_tokenizer(cfg)
     first_time = time.perf_counter() - start
+
+    def dequantise_again(*args, **kwargs):
+        raise AssertionError("the second load dequantised the GGUF again instead of reading the cache")
+
     start = time.perf_counter()
-    cached, cached_tokenizer = load_model_and_tokenizer(cfg)
+    with monkeypatch.context() as patched:  # the second load must be a cache hit: no dequantisation at all
+        patched.setattr(lm, "dequantize_gguf", dequantise_again)
+        patched.setattr(lm, "_write_gguf_cache", dequantise_again)
+        cached, cached_tokenizer = load_model_and_tokenizer(cfg)
     cached_time = time.perf_counter() - start
     raw, raw_tokenizer = lm.dequantize_gguf(embedded_gguf_path())  # the freshly dequantised GGUF model
-    with capsys.disabled():
+    with capsys.disabled():  # reported, not asserted: timing goals live in benchmarks
         print(f"\nembedded SmolLM2 load: first (dequantise + cache) {first_time:.1f} s, cached {cached_time:.1f} s")
-    assert cached_time < first_time / 2 and cached_time < 10
     assert not cached.training and cached.dtype == torch.float32
     for model in (first, cached):  # embeddings still tied
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

@@ -142,7 +142,7 @@ def test_sweep_command_line(tmp_path, data_file, monkeypatch, capsys):
 
     import disentanglement.lm as lm
 
-    monkeypatch.setattr(lm, "load_model_and_tokenizer", lambda cfg, device="cpu": model_and_tokenizer())
+    monkeypatch.setattr(lm, "load_model_and_tokenizer", lambda cfg, device="cpu", dtype=None: model_and_tokenizer())
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump(dict(BASE, data=str(data_file))))
     out = tmp_path / "out"

@@ -96,6 +96,9 @@ RESUME_FREE_FIELDS = frozenset(
         "feature_cache_dir",
         "device",
         "model_cache_dir",
+        # The frozen pass's fingerprint includes the weights' dtype, so a resume whose dtype resolves to
+        # another one than the run's is refused there, naming the frozen pass.
+        "dtype",
         # Paths whose content the frozen pass's fingerprint checks on resume (token ids and frozen weights),
         # so that a moved data file or model does not block resuming.
         "data",
@@ -597,7 +600,7 @@ def _set_up(
     device = choose_device(tcfg.device)
     accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision="bf16" if device.type == "cuda" else "no")
     set_seed(tcfg.seed)
-    decoder, tokenizer = _decoder_and_tokenizer(config, model_and_tokenizer)
+    decoder, tokenizer = _decoder_and_tokenizer(config, model_and_tokenizer, device)
     data = prepare_data(config, tokenizer, pairs)
     if not data.train:
         raise ValueError("no training examples after loading and splitting the data")
@@ -635,12 +638,16 @@ def _set_up(
     )
 
 
-def _decoder_and_tokenizer(config: RunConfig, model_and_tokenizer: tuple[Any, Any] | None) -> tuple[Any, Any]:
+def _decoder_and_tokenizer(
+    config: RunConfig, model_and_tokenizer: tuple[Any, Any] | None, device: torch.device
+) -> tuple[Any, Any]:
+    """The given decoder, or the configured one loaded on the CPU in the dtype chosen for ``device``
+    (``dtype: auto`` is bf16 on CUDA even when the CPU has no fast bf16)."""
     if model_and_tokenizer is not None:
         return model_and_tokenizer
-    from .lm import load_model_and_tokenizer
+    from .lm import load_model_and_tokenizer, resolve_dtype
 
-    return load_model_and_tokenizer(config.model, device="cpu")
+    return load_model_and_tokenizer(config.model, device="cpu", dtype=resolve_dtype(config.model, device))
 
 
 def _check_fingerprint(resumed: CheckpointContents | None, fingerprint: str) -> None:
