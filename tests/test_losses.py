@@ -70,12 +70,12 @@ def rtol_for(term: str) -> float:
 # ----------------------------------------------------------------------------------------------
 
 
-def loop_terms(l, m, b, alpha: float, scale: float, eps: float = 1e-6) -> dict[str, float]:
-    """All six terms from conditioned NLL l, mask m and aligned base NLL b (lists [B][N])."""
+def loop_terms(cond_nll, m, b, alpha: float, scale: float, eps: float = 1e-6) -> dict[str, float]:
+    """All six terms from conditioned NLL cond_nll, mask m and aligned base NLL b (lists [B][N])."""
     sums = dict.fromkeys(ALL_TERMS, 0.0)
-    bsz = len(l)
+    bsz = len(cond_nll)
     for i in range(bsz):
-        n_pos = len(l[i])
+        n_pos = len(cond_nll[i])
         sup = [t for t in range(n_pos) if m[i][t]]
         n_b = len(sup)
         # token weights from b floored at eps before the power
@@ -89,9 +89,9 @@ def loop_terms(l, m, b, alpha: float, scale: float, eps: float = 1e-6) -> dict[s
         inv_base = sum(pi_inv[t] * float(b[i][t]) for t in sup)
         kappa = tok_base / base if base > 0 else 1.0
         rho = inv_base / base if base > 0 else 1.0
-        seq = sum(float(l[i][t]) for t in sup)
-        tok = sum(pi[t] * float(l[i][t]) for t in sup)
-        inv = sum(pi_inv[t] * float(l[i][t]) for t in sup)
+        seq = sum(float(cond_nll[i][t]) for t in sup)
+        tok = sum(pi[t] * float(cond_nll[i][t]) for t in sup)
+        inv = sum(pi_inv[t] * float(cond_nll[i][t]) for t in sup)
         sums["reconstruction_loss"] += seq / n_b
         sums["sequence_reconstruction_loss"] += seq
         sums["token_weighted_reconstruction_loss"] += tok
@@ -122,18 +122,18 @@ def loop_masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, token_mask: t
     return out
 
 
-def compute_terms(l: torch.Tensor, m: torch.Tensor, weighting, scale: float) -> dict[str, torch.Tensor]:
+def compute_terms(cond_nll: torch.Tensor, m: torch.Tensor, weighting, scale: float) -> dict[str, torch.Tensor]:
     return {
-        "reconstruction_loss": reconstruction_loss(l, m),
-        "sequence_reconstruction_loss": sequence_reconstruction_loss(l, m),
-        "token_weighted_reconstruction_loss": token_weighted_reconstruction_loss(l, weighting),
+        "reconstruction_loss": reconstruction_loss(cond_nll, m),
+        "sequence_reconstruction_loss": sequence_reconstruction_loss(cond_nll, m),
+        "token_weighted_reconstruction_loss": token_weighted_reconstruction_loss(cond_nll, weighting),
         "normalized_concentration_corrected_token_weighted_reconstruction_loss": (
-            normalized_concentration_corrected_token_weighted_reconstruction_loss(l, weighting, scale)
+            normalized_concentration_corrected_token_weighted_reconstruction_loss(cond_nll, weighting, scale)
         ),
         "normalized_inverse_surprisal_token_weighted_reconstruction_loss": (
-            normalized_inverse_surprisal_token_weighted_reconstruction_loss(l, weighting, scale)
+            normalized_inverse_surprisal_token_weighted_reconstruction_loss(cond_nll, weighting, scale)
         ),
-        "zfree_relative_reconstruction_loss": zfree_relative_reconstruction_loss(l, m, scale),
+        "zfree_relative_reconstruction_loss": zfree_relative_reconstruction_loss(cond_nll, m, scale),
     }
 
 
@@ -141,10 +141,10 @@ def random_problem(seed: int, bsz: int = 4, n: int = 9, zero_fraction: float = 0
     g = torch.Generator().manual_seed(seed)
     m = (torch.rand(bsz, n, generator=g) < 0.6).long()
     m[torch.arange(bsz), torch.randint(0, n, (bsz,), generator=g)] = 1
-    l = torch.rand(bsz, n, generator=g, dtype=torch.float64) * 5 * m
+    cond_nll = torch.rand(bsz, n, generator=g, dtype=torch.float64) * 5 * m
     b = torch.rand(bsz, n, generator=g, dtype=torch.float64) * 4
     b[torch.rand(bsz, n, generator=g) < zero_fraction] = 0.0
-    return l, m, b
+    return cond_nll, m, b
 
 
 def t64(x) -> torch.Tensor:
@@ -196,12 +196,12 @@ def test_uniform_token_weights_and_aggregation():
     m = torch.tensor([[1, 0, 1, 1], [0, 1, 0, 0]])
     w = uniform_token_weights(m)
     torch.testing.assert_close(w, torch.tensor([[1 / 3, 0, 1 / 3, 1 / 3], [0, 1.0, 0, 0]]))
-    l = t64([[3.0, 100.0, 6.0, 9.0], [100.0, 2.0, 100.0, 100.0]])
-    torch.testing.assert_close(token_weighted_masked_nll_per_example(l, w), t64([6.0, 2.0]))
+    cond_nll = t64([[3.0, 100.0, 6.0, 9.0], [100.0, 2.0, 100.0, 100.0]])
+    torch.testing.assert_close(token_weighted_masked_nll_per_example(cond_nll, w), t64([6.0, 2.0]))
     with pytest.raises(ValueError, match="no supervised token"):
         uniform_token_weights(torch.tensor([[1, 0], [0, 0]]))
     with pytest.raises(ValueError, match="differ"):
-        token_weighted_masked_nll_per_example(l, w[:, :3])
+        token_weighted_masked_nll_per_example(cond_nll, w[:, :3])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,13 +210,13 @@ def test_uniform_token_weights_and_aggregation():
 
 
 def test_six_terms_hand_worked():
-    # Example 0: l = [2, 4, 6] on b = [1, 2, 3] (alpha = 1); example 1: l = [1, 0], one token supervised.
-    l = t64([[2.0, 4.0, 6.0], [5.0, 0.0, 0.0]])
+    # Example 0: cond_nll = [2, 4, 6] on b = [1, 2, 3] (alpha = 1); example 1: cond_nll = [1, 0], one token supervised.
+    cond_nll = t64([[2.0, 4.0, 6.0], [5.0, 0.0, 0.0]])
     m = torch.tensor([[1, 1, 1], [1, 0, 0]])
     b = t64([[1.0, 2.0, 3.0], [2.0, 9.0, 9.0]])
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
     scale = 2.0
-    got = compute_terms(l, m, w, scale)
+    got = compute_terms(cond_nll, m, w, scale)
     # example 0: uniform 4; sum 12; pi = [1,2,3]/6 -> 28/6; kappa = 7/6 -> (28/6)/(7/6) = 4;
     #            pi_inv = [6,3,2]/11 -> (12+12+12)/11 = 36/11; rho = 9/11 -> 4
     # example 1: everything is 5 (single token: pi = pi_inv = 1, kappa = rho = 1)
@@ -236,11 +236,11 @@ def test_six_terms_hand_worked():
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0, 3.0])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_six_terms_match_loop_on_random(alpha, seed):
-    l, m, b = random_problem(seed)
+    cond_nll, m, b = random_problem(seed)
     scale = 1.7
     w = token_weighting_from_base_nll(b, m, alpha=alpha)
-    got = compute_terms(l, m, w, scale)
-    want = loop_terms(l.tolist(), m.tolist(), b.tolist(), alpha, scale)
+    got = compute_terms(cond_nll, m, w, scale)
+    want = loop_terms(cond_nll.tolist(), m.tolist(), b.tolist(), alpha, scale)
     for term in ALL_TERMS:
         torch.testing.assert_close(
             got[term], t64(want[term]), rtol=rtol_for(term), atol=1e-12, msg=lambda s, t=term: f"{t}: {s}"
@@ -248,9 +248,9 @@ def test_six_terms_match_loop_on_random(alpha, seed):
 
 
 def test_alpha_zero_collapses_token_terms():
-    l, m, b = random_problem(5)
+    cond_nll, m, b = random_problem(5)
     w = token_weighting_from_base_nll(b, m, alpha=0.0)
-    got = compute_terms(l, m, w, 3.0)
+    got = compute_terms(cond_nll, m, w, 3.0)
     torch.testing.assert_close(got["token_weighted_reconstruction_loss"], got["reconstruction_loss"])
     for term in (
         "normalized_concentration_corrected_token_weighted_reconstruction_loss",
@@ -261,10 +261,10 @@ def test_alpha_zero_collapses_token_terms():
 
 # Regression: the uniform weights m_t / n_b must take token_nll's dtype, not float32.
 def test_uniform_terms_keep_float64_precision():
-    l = torch.ones(1, 3, dtype=torch.float64)
+    cond_nll = torch.ones(1, 3, dtype=torch.float64)
     m = torch.tensor([[1, 1, 1]])
-    assert reconstruction_loss(l, m).item() == pytest.approx(1.0, rel=0, abs=1e-15)
-    assert zfree_relative_reconstruction_loss(l, m, 1.0).item() == pytest.approx(1.0, rel=0, abs=1e-15)
+    assert reconstruction_loss(cond_nll, m).item() == pytest.approx(1.0, rel=0, abs=1e-15)
+    assert zfree_relative_reconstruction_loss(cond_nll, m, 1.0).item() == pytest.approx(1.0, rel=0, abs=1e-15)
 
 
 @settings(max_examples=60, deadline=None)
@@ -278,13 +278,13 @@ def test_property_terms_match_loop(data):
         row = data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
         row[data.draw(st.integers(0, n - 1))] = 1
         m.append(row)
-    l = [[data.draw(value) if m[i][t] else 0.0 for t in range(n)] for i in range(bsz)]
+    cond_nll = [[data.draw(value) if m[i][t] else 0.0 for t in range(n)] for i in range(bsz)]
     b = [[data.draw(value) for _ in range(n)] for _ in range(bsz)]
     alpha = data.draw(st.floats(0.0, 3.0))
     scale = data.draw(st.floats(0.1, 10.0))
     w = token_weighting_from_base_nll(t64(b), torch.tensor(m), alpha=alpha)
-    got = compute_terms(t64(l), torch.tensor(m), w, scale)
-    want = loop_terms(l, m, b, alpha, scale)
+    got = compute_terms(t64(cond_nll), torch.tensor(m), w, scale)
+    want = loop_terms(cond_nll, m, b, alpha, scale)
     for term in ALL_TERMS:
         torch.testing.assert_close(
             got[term], t64(want[term]), rtol=rtol_for(term), atol=1e-9, msg=lambda s, t=term: f"{t}: {s}"
@@ -300,17 +300,17 @@ def test_property_terms_match_loop(data):
 )
 @pytest.mark.parametrize("scale", [None, 0.0, -1.0, float("nan"), float("inf")])
 def test_weighted_scaled_terms_reject_bad_scale(fn, scale):
-    l, m, b = random_problem(0)
+    cond_nll, m, b = random_problem(0)
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
     with pytest.raises(ValueError, match="zfree_reference_scale"):
-        fn(l, w, scale)
+        fn(cond_nll, w, scale)
 
 
 @pytest.mark.parametrize("scale", [None, 0.0, -1.0, float("nan")])
 def test_zfree_relative_rejects_bad_scale(scale):
-    l, m, _ = random_problem(0)
+    cond_nll, m, _ = random_problem(0)
     with pytest.raises(ValueError, match="zfree_reference_scale"):
-        zfree_relative_reconstruction_loss(l, m, scale)
+        zfree_relative_reconstruction_loss(cond_nll, m, scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,7 +326,7 @@ def test_term_tables_match_design():
 
 @pytest.mark.parametrize("scale_from", ["argument", "config"])
 def test_stack_all_six_terms_and_weighted_total(scale_from):
-    l, m, b = random_problem(3)
+    cond_nll, m, b = random_problem(3)
     alpha = 1.3
     weights = {
         "reconstruction_weight": 1.0,
@@ -341,9 +341,9 @@ def test_stack_all_six_terms_and_weighted_total(scale_from):
         **weights, token_weight_alpha=alpha, zfree_reference_scale=scale if scale_from == "config" else None
     )
     w = token_weighting_from_base_nll(b, m, alpha=alpha)
-    stack = reconstruction_loss_stack(l, m, w, config, scale if scale_from == "argument" else None)
+    stack = reconstruction_loss_stack(cond_nll, m, w, config, scale if scale_from == "argument" else None)
     assert set(stack.terms) == set(ALL_TERMS)
-    want = loop_terms(l.tolist(), m.tolist(), b.tolist(), alpha, scale)
+    want = loop_terms(cond_nll.tolist(), m.tolist(), b.tolist(), alpha, scale)
     total = 0.0
     for term in ALL_TERMS:
         torch.testing.assert_close(stack.terms[term], t64(want[term]), rtol=rtol_for(term), atol=1e-12)
@@ -356,48 +356,48 @@ def test_stack_all_six_terms_and_weighted_total(scale_from):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_stack_values_and_gradients_equal_the_term_functions(dtype):
-    # The stack contracts coefficient matrices with l; the term functions are the reference definitions.
-    l, m, b = random_problem(11, bsz=5, n=12)
-    l = l.to(dtype).requires_grad_()
+    # The stack contracts coefficient matrices with cond_nll; the term functions are the reference definitions.
+    cond_nll, m, b = random_problem(11, bsz=5, n=12)
+    cond_nll = cond_nll.to(dtype).requires_grad_()
     w = token_weighting_from_base_nll(b.to(dtype), m, alpha=0.7)
     weights = dict(zip(WEIGHT_FIELDS.values(), (1.0, 0.02, 0.5, 2.0, 0.0, 3.0), strict=True))
-    stack = reconstruction_loss_stack(l, m, w, ReconstructionLossConfig(**weights), 1.9)
-    reference = compute_terms(l, m, w, 1.9)
+    stack = reconstruction_loss_stack(cond_nll, m, w, ReconstructionLossConfig(**weights), 1.9)
+    reference = compute_terms(cond_nll, m, w, 1.9)
     tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
     for term in ALL_TERMS:
         torch.testing.assert_close(stack.terms[term], reference[term], **tol)
-    (grad,) = torch.autograd.grad(stack.total, l, retain_graph=True)  # the terms share one graph
+    (grad,) = torch.autograd.grad(stack.total, cond_nll, retain_graph=True)  # the terms share one graph
     expected = sum(weights[WEIGHT_FIELDS[t]] * reference[t] for t in ALL_TERMS)
-    (want,) = torch.autograd.grad(expected, l)
+    (want,) = torch.autograd.grad(expected, cond_nll)
     torch.testing.assert_close(grad, want, **tol)
     assert (grad[m == 0] == 0).all()  # nothing reaches unsupervised positions
     # one term's gradient alone, through the logged value
-    (grad3,) = torch.autograd.grad(stack.terms["token_weighted_reconstruction_loss"], l)
+    (grad3,) = torch.autograd.grad(stack.terms["token_weighted_reconstruction_loss"], cond_nll)
     torch.testing.assert_close(grad3, w.token_weights / len(m), **tol)
 
 
 def test_stack_total_ignores_a_disabled_term_that_overflows():
     # Term 5 divides by rho, which can underflow for near-certain tokens; disabled, it must not poison the total.
-    l, m, b = random_problem(12)
+    cond_nll, m, b = random_problem(12)
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
     w = dataclasses.replace(w, inverse_token_base_scale_factor=torch.zeros_like(w.inverse_token_base_scale_factor))
-    l = l.clone().requires_grad_()
-    stack = reconstruction_loss_stack(l, m, w, ReconstructionLossConfig(reconstruction_weight=1.0), 1.0)
+    cond_nll = cond_nll.clone().requires_grad_()
+    stack = reconstruction_loss_stack(cond_nll, m, w, ReconstructionLossConfig(reconstruction_weight=1.0), 1.0)
     assert not torch.isfinite(stack.terms["normalized_inverse_surprisal_token_weighted_reconstruction_loss"])
-    torch.testing.assert_close(stack.total, reconstruction_loss(l, m))
-    (grad,) = torch.autograd.grad(stack.total, l)
+    torch.testing.assert_close(stack.total, reconstruction_loss(cond_nll, m))
+    (grad,) = torch.autograd.grad(stack.total, cond_nll)
     torch.testing.assert_close(grad, uniform_token_weights(m).double() / len(m))  # finite, term 1's own
 
 
 def test_stack_keeps_float32_under_autocast():
     # The trainer runs the forward under bf16 autocast; the loss terms must stay in float32.
-    l, m, b = random_problem(13)
-    l, b = l.float(), b.float()
+    cond_nll, m, b = random_problem(13)
+    cond_nll, b = cond_nll.float(), b.float()
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
     config = ReconstructionLossConfig(token_weighted_weight=1.0, zfree_relative_weight=0.5)
-    plain = reconstruction_loss_stack(l, m, w, config, 1.3)
+    plain = reconstruction_loss_stack(cond_nll, m, w, config, 1.3)
     with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
-        mixed = reconstruction_loss_stack(l, m, w, config, 1.3)
+        mixed = reconstruction_loss_stack(cond_nll, m, w, config, 1.3)
     assert mixed.total.dtype == torch.float32
     torch.testing.assert_close(mixed.total, plain.total, rtol=1e-6, atol=0)
     for term in ALL_TERMS:
@@ -406,38 +406,38 @@ def test_stack_keeps_float32_under_autocast():
 
 
 def test_stack_argument_scale_overrides_config_scale():
-    l, m, b = random_problem(4)
+    cond_nll, m, b = random_problem(4)
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
     config = ReconstructionLossConfig(zfree_relative_weight=1.0, zfree_reference_scale=100.0)
-    stack = reconstruction_loss_stack(l, m, w, config, 2.0)
+    stack = reconstruction_loss_stack(cond_nll, m, w, config, 2.0)
     torch.testing.assert_close(
         stack.terms["zfree_relative_reconstruction_loss"], stack.terms["reconstruction_loss"] / 2
     )
 
 
 def test_stack_logs_disabled_terms_but_total_uses_only_enabled():
-    l, m, b = random_problem(6)
+    cond_nll, m, b = random_problem(6)
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
     config = ReconstructionLossConfig(**{**NO_WEIGHTS, "token_weighted_weight": 1.0})
-    stack = reconstruction_loss_stack(l, m, w, config, 1.5)
+    stack = reconstruction_loss_stack(cond_nll, m, w, config, 1.5)
     assert set(stack.terms) == set(ALL_TERMS)
     torch.testing.assert_close(stack.total, stack.terms["token_weighted_reconstruction_loss"])
     # all weights zero: total is 0
-    stack = reconstruction_loss_stack(l, m, w, ReconstructionLossConfig(**NO_WEIGHTS), 1.5)
+    stack = reconstruction_loss_stack(cond_nll, m, w, ReconstructionLossConfig(**NO_WEIGHTS), 1.5)
     assert stack.total.item() == 0.0
 
 
 def test_stack_without_weighting():
-    l, m, _ = random_problem(7)
+    cond_nll, m, _ = random_problem(7)
     config = ReconstructionLossConfig(reconstruction_weight=1.0, sequence_reconstruction_weight=0.5)
-    stack = reconstruction_loss_stack(l, m, None, config)
+    stack = reconstruction_loss_stack(cond_nll, m, None, config)
     assert set(stack.terms) == {"reconstruction_loss", "sequence_reconstruction_loss"}
     torch.testing.assert_close(
         stack.total, stack.terms["reconstruction_loss"] + 0.5 * stack.terms["sequence_reconstruction_loss"]
     )
     # with a scale, the z-free-relative term is computable without the weighting
     config = ReconstructionLossConfig(zfree_relative_weight=2.0, zfree_reference_scale=4.0)
-    stack = reconstruction_loss_stack(l, m, None, config)
+    stack = reconstruction_loss_stack(cond_nll, m, None, config)
     assert set(stack.terms) == {
         "reconstruction_loss",
         "sequence_reconstruction_loss",
@@ -451,27 +451,27 @@ def test_stack_without_weighting():
 
 @pytest.mark.parametrize("term", sorted(TERMS_NEEDING_WEIGHTING))
 def test_stack_rejects_missing_weighting_for_enabled_term(term):
-    l, m, _ = random_problem(8)
+    cond_nll, m, _ = random_problem(8)
     config = ReconstructionLossConfig(**{WEIGHT_FIELDS[term]: 1.0}, zfree_reference_scale=1.0)
     with pytest.raises(ValueError, match=term):
-        reconstruction_loss_stack(l, m, None, config)
+        reconstruction_loss_stack(cond_nll, m, None, config)
 
 
 @pytest.mark.parametrize("term", sorted(TERMS_NEEDING_SCALE))
 def test_stack_rejects_missing_scale_for_enabled_term(term):
-    l, m, b = random_problem(9)
+    cond_nll, m, b = random_problem(9)
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
     config = ReconstructionLossConfig(**{WEIGHT_FIELDS[term]: 1.0})
     assert config.zfree_reference_scale is None
     with pytest.raises(ValueError, match="zfree_reference_scale") as info:
-        reconstruction_loss_stack(l, m, w, config)
+        reconstruction_loss_stack(cond_nll, m, w, config)
     assert term in str(info.value)
 
 
 def test_stack_without_scale_omits_scaled_disabled_terms():
-    l, m, b = random_problem(10)
+    cond_nll, m, b = random_problem(10)
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
-    stack = reconstruction_loss_stack(l, m, w, ReconstructionLossConfig(token_weighted_weight=1.0))
+    stack = reconstruction_loss_stack(cond_nll, m, w, ReconstructionLossConfig(token_weighted_weight=1.0))
     assert set(stack.terms) == set(ALL_TERMS[:3])
 
 

@@ -333,8 +333,8 @@ def test_dynamic_weights_are_the_models_own_detached_nll(tokenizer, examples):
     features = cache.features(batch, model.weighting_params)
     assert features.zfree_weighting is None  # nothing to precompute: it changes every step
     out = model(batch, features)
-    l, m = out.token_nll.detach().double(), out.target_mask.double()
-    want = loop_weighting(out.weighting.aligned_base_token_nll.tolist(), l.tolist(), m.tolist(), 1.5)
+    cond_nll, m = out.token_nll.detach().double(), out.target_mask.double()
+    want = loop_weighting(out.weighting.aligned_base_token_nll.tolist(), cond_nll.tolist(), m.tolist(), 1.5)
     for name in FIELDS:
         torch.testing.assert_close(
             getattr(out.weighting, name).double(), torch.tensor(want[name], dtype=torch.float64), rtol=1e-5, atol=1e-7

@@ -261,9 +261,9 @@ def reconstruction_loss_stack(
         w = torch.tensor([weights[names[k]] for k in enabled], dtype=C.dtype, device=C.device)
         objective = (w.unsqueeze(1) * C[enabled]).sum(0)  # [B * N]
     # Elementwise products and sums, not matmul: autocast would run a matmul in bf16/fp16.
-    l = token_nll.reshape(-1)
-    values = (C * l).sum(1)  # [K], every term (logged; its graph is used only if someone differentiates it)
-    total = (objective * l).sum()
+    flat_nll = token_nll.reshape(-1)
+    values = (C * flat_nll).sum(1)  # [K], every term (logged; its graph is used only if someone differentiates it)
+    total = (objective * flat_nll).sum()
     return ReconstructionLossStack(terms=dict(zip(names, values.unbind(), strict=True)), total=total)
 
 
