@@ -9,7 +9,8 @@
     disentangle data synth NAME --output FILE.jsonl [--rows N] [--seed S]
     disentangle sweep --config base.yaml --output-dir OUT --set FIELD=V1,V2 --seeds 0,1,2 [...]
 
-Training flags are generated from the config dataclasses (``config.py``): every field has one.
+Training flags are generated from the config dataclasses (``config.py``), those of eval, generate,
+inspect and encode from their options dataclasses (``commands.py``): every field has one.
 
 Exit codes: 0 done; 2 bad input (config, data, checkpoint; the message names the file, line or
 field); 3 training diverged (the message names the last good checkpoint); 4 an OS error such as a
@@ -107,10 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_train(subparsers)
-    from . import commands, encode, sweep, synthetic
+    from . import commands, sweep, synthetic
 
-    commands.add_subcommands(subparsers)
-    encode.add_encode_subcommand(subparsers)
+    commands.add_subcommands(subparsers)  # eval, generate, inspect, encode
     sweep.add_sweep_subcommand(subparsers)
     synthetic.add_data_subcommand(subparsers)
     return parser

@@ -1,9 +1,10 @@
-"""Subcommands that work on a trained checkpoint: ``eval``, ``generate`` and ``inspect``.
+"""Subcommands that work on a trained checkpoint: ``eval``, ``generate``, ``inspect`` and ``encode``.
 
     disentangle eval CHECKPOINT [--data validation|train|chatterbot|FILE.jsonl] [--output report.json]
     disentangle generate CHECKPOINT --prompt "..." [--slot S | --codes 0,2 | --all-combinations] [...]
     disentangle inspect CHECKPOINT [--data ...] --index I [--output-dir DIR]
     disentangle inspect CHECKPOINT --explore [--data ...] [--output PAGE.html]   # explorer.py
+    disentangle encode CHECKPOINT [--data ...] --output latents.jsonl             # encode.py
 
 ``CHECKPOINT`` is a checkpoint directory (``RUN/checkpoints/step-NNNNNN``) or a run directory
 (its latest complete checkpoint is used). Each subcommand has a ``run_*`` function that the parser
@@ -18,6 +19,12 @@ seeded subset.
 ``eval`` and ``inspect`` check their numeric options and ``--data`` before the model loads
 (:func:`check_data_option` reads only the checkpoint's ``config.yaml``), so a typo in a flag or a
 malformed data file fails in a second, not after the checkpoint has loaded.
+
+Each subcommand's flags are built from one frozen options dataclass (:data:`SUBCOMMAND_OPTIONS`:
+:class:`EvalOptions`, :class:`GenerateOptions`, :class:`InspectOptions`, :class:`EncodeOptions`, sharing
+:class:`CheckpointOptions` and :class:`DataOptions`) with ``config.option``, as ``train``'s are built from
+the config dataclasses: each default is stated once, in its field, and a field cannot lack its flag.
+The ``run_*`` functions take such an instance, with keyword overrides on top.
 """
 
 from __future__ import annotations
@@ -29,8 +36,13 @@ import logging
 import math
 import os
 import re
+import types
+import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from .config import _base_type, _literal_values, field_flag, option
 
 if TYPE_CHECKING:  # the heavy modules (torch, transformers) load when a command runs, not for --help
     from .config import RunConfig
@@ -160,80 +172,364 @@ def _write_json(path: str | Path, obj: Any) -> Path:
     return path
 
 
+# --------------------------------------------------------------------------- options
+
+
+#: A field with no default: its flag is required.
+REQUIRED: Any = dataclasses.MISSING
+
+
+def cli_option(default: Any, help: str, flag: str | None = None, **argparse_kwargs: Any) -> Any:
+    """:func:`config.option`, plus what the subcommands' flags need beyond ``train``'s (kept in
+    ``metadata["argparse"]``): ``group`` (the argument group's title), ``metavar``, ``action="append"``.
+    ``default=REQUIRED`` makes the flag required."""
+    f = option(default, help, flag)
+    if argparse_kwargs:
+        f.metadata = types.MappingProxyType({**f.metadata, "argparse": argparse_kwargs})
+    return f
+
+
+def add_option_arguments(
+    parser: argparse.ArgumentParser, cls: type, descriptions: dict[str, str] | None = None
+) -> None:
+    """One flag per field of the options dataclass ``cls`` (``--field-name``, or the field's ``flag``), its
+    default the field's (shown by ``ArgumentDefaultsHelpFormatter``), ``dest`` the field's name.
+
+    As :func:`config.add_config_arguments` for ``train``: the type comes from the type hint, a ``Literal`` gives
+    the choices; a bool that defaults to True gets ``--no-...`` (``BooleanOptionalAction``), one that defaults to
+    False is a switch (``store_true``); a list is ``action="append"`` (repeat the flag). ``descriptions`` maps a
+    group title to its description.
+    """
+    groups: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        extra = dict(f.metadata.get("argparse", {}))
+        title = extra.pop("group", None)
+        if title is None:
+            target = parser
+        elif title in groups:
+            target = groups[title]
+        else:
+            target = groups[title] = parser.add_argument_group(title, (descriptions or {}).get(title))
+        hint = hints[f.name]
+        base = _base_type(hint)
+        kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"]}
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kwargs["required"] = True
+            default = None
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kwargs["default"] = default
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        elif typing.get_origin(base) is list:
+            (item,) = typing.get_args(base)
+            kwargs.update(action="append", type=item)
+        else:
+            kwargs["type"] = base if base in (int, float, str) else str
+            choices = [c for c in _literal_values(hint) if c is not None]
+            if choices:
+                kwargs["choices"] = choices
+        kwargs.update(extra)
+        target.add_argument(field_flag(f), **kwargs)
+
+
+def options_from(cls: type, args: argparse.Namespace) -> Any:
+    """The ``cls`` options of a parsed command line (every field has its flag)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _with(cls: type, options: Any, overrides: dict[str, Any]) -> Any:
+    """``options`` (default ``cls()``) with the keyword ``overrides`` (the ``run_*`` functions' keywords)."""
+    return dataclasses.replace(options if options is not None else cls(), **overrides)
+
+
+_DATA_HELP = "validation, train, chatterbot or a .jsonl file"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointOptions:
+    """Options of every subcommand that loads a checkpoint."""
+
+    device: Literal["auto", "cpu", "cuda"] = cli_option("auto", "where to run the model")
+    seed: int = cli_option(0, "seed of every sample drawn (results are deterministic)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataOptions(CheckpointOptions):
+    """Options of the subcommands that score a data set with a checkpoint: ``eval``, ``inspect``, ``encode``."""
+
+    data: str = cli_option("validation", _DATA_HELP)
+    max_examples: int | None = cli_option(None, "use at most this many examples of --data (seeded subset)")
+    prior_samples: int = cli_option(
+        16, "prior samples of the prior-mixture NLL (continuous, or too many code combinations)"
+    )
+    exact_limit: int = cli_option(64, "enumerate the discrete prior exactly up to this many combinations")
+    batch_size: int = cli_option(16, "examples per forward pass")
+    progress: bool = cli_option(True, "progress bars")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoringOptions(DataOptions):
+    """Options of the subcommands that compute the importance-weighted bound: ``eval``, ``encode``."""
+
+    iw_samples: int = cli_option(8, "posterior samples k of the IW bound")
+
+
+_STEERING = "controllability (generate under each code or latent, re-encode)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalOptions(ScoringOptions):
+    """``disentangle eval``."""
+
+    output: str | None = cli_option(None, "JSON report path (default RUN/eval/eval_<data>.json); .md next to it")
+    generation: bool = cli_option(
+        False,
+        "also measure controllability: code/latent recovery, label accuracy, distinct-n, z-free NLL",
+        group=_STEERING,
+    )
+    generation_prompts: int = cli_option(8, "held-out prompts generated for", group=_STEERING)
+    generation_max_new_tokens: int = cli_option(32, "greedy tokens per generation", group=_STEERING)
+    generation_latents: int = cli_option(8, "continuous: prior draws per prompt (recovery targets)", group=_STEERING)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncodeOptions(ScoringOptions):
+    """``disentangle encode``."""
+
+    output: str = cli_option(REQUIRED, "where to write the rows: FILE.jsonl or FILE.parquet")
+
+
+_EXPLORE = "corpus explorer (--explore)"
+_EXPLORE_DESCRIPTION = (
+    "one self-contained HTML page: per code (per slot) or per k-means cluster of posterior means, its share, "
+    "label distribution, most confident examples with token heat maps, and greedy generations under it"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class InspectOptions(DataOptions):
+    """``disentangle inspect`` (one example's token report and the run's plots, or with ``explore`` the
+    corpus explorer page)."""
+
+    index: int = cli_option(0, "index of the example in --data")
+    output_dir: str | None = cli_option(None, "where to write (default RUN/inspect)")
+    alpha: float | None = cli_option(None, "token-weight alpha (default: the run's configured alpha)")
+    plots: bool = cli_option(True, "write the PNG plots")
+    explore: bool = cli_option(False, "write the corpus explorer page instead of one example's report", group=_EXPLORE)
+    output: str | None = cli_option(
+        None,
+        "the explorer page (default: OUTPUT_DIR/explorer.html, else RUN/inspect/explorer.html)",
+        group=_EXPLORE,
+    )
+    explore_examples: int = cli_option(3, "most confident examples shown per group", group=_EXPLORE)
+    explore_prompts: int = cli_option(3, "generate for the first N distinct prompts of --data", group=_EXPLORE)
+    explore_prompt_texts: list[str] | None = cli_option(
+        None,
+        "generate for this prompt instead (repeatable)",
+        flag="--explore-prompt",
+        group=_EXPLORE,
+        metavar="TEXT",
+    )
+    explore_tokens: int = cli_option(16, "new tokens per generation (greedy)", group=_EXPLORE)
+    clusters: int | None = cli_option(
+        None, "continuous: k-means clusters (default: the first factor's values, else 8)", group=_EXPLORE
+    )
+
+
+_LATENT_FILE = "latents read off data (an output of disentangle encode)"
+_DISCRETE = "discrete latents"
+_CONTINUOUS = "continuous latents"
+_SAMPLING = "sampling (as transformers' generate)"
+GENERATE_MODES = ("codes", "prior", "posterior", "interpolate", "row", "attribute", "traverse")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateOptions(CheckpointOptions):
+    """``disentangle generate``: the prompts, :func:`generation.generate`'s keywords and the sampling options."""
+
+    prompt: list[str] = cli_option(REQUIRED, "a prompt (repeat for several)")
+    mode: Literal["codes", "prior", "posterior", "interpolate", "row", "attribute", "traverse"] | None = cli_option(
+        None,
+        "latents: codes (discrete default), prior (continuous default), posterior of --reference-response, "
+        "interpolate (continuous) between two reference responses' posteriors; row, attribute, traverse "
+        "(continuous; implied by --row, --attribute, --traverse)",
+    )
+    latents: str | None = cli_option(None, "an encode file (.jsonl or .parquet) of this checkpoint", group=_LATENT_FILE)
+    row: int | None = cli_option(
+        None, "decode with row I's latent: its codes (discrete, as --codes) or its mu", group=_LATENT_FILE
+    )
+    attributes: list[str] | None = cli_option(
+        None,
+        "continuous: add SCALE * (mean(mu | LABEL) - mean(mu)) over --latents to the latent (--row's mu, "
+        "else the prompt's prior mean); LABEL is value or factor=value; repeatable",
+        flag="--attribute",
+        group=_LATENT_FILE,
+        metavar="LABEL:SCALE",
+    )
+    code_examples: int = cli_option(
+        0,
+        "discrete: show each generated code's N most typical responses of --latents (highest posterior)",
+        group=_LATENT_FILE,
+        metavar="N",
+    )
+    slot: int | None = cli_option(
+        None, "sweep every code of this slot (default 0 unless --codes is given)", group=_DISCRETE
+    )
+    codes: str | None = cli_option(
+        None, "force codes per slot, comma-separated, '-' = prior mode (e.g. 0,2 or -,3)", group=_DISCRETE
+    )
+    all_combinations: bool = cli_option(False, "every combination of the unforced slots", group=_DISCRETE)
+    max_combinations: int = cli_option(64, "limit of --all-combinations", group=_DISCRETE)
+    reference_response: str | None = cli_option(
+        None, "response whose posterior is used (posterior, interpolate)", group=_CONTINUOUS
+    )
+    reference_response_b: str | None = cli_option(None, "second reference response (interpolate)", group=_CONTINUOUS)
+    steps: int = cli_option(5, "interpolation or traversal points, ends included", group=_CONTINUOUS)
+    traverse: int | None = cli_option(
+        None, "traverse dimension DIM around the prior mean (or --row's mu)", group=_CONTINUOUS, metavar="DIM"
+    )
+    traverse_range: str = cli_option(
+        "-3:3", "offsets of --traverse", flag="--range", group=_CONTINUOUS, metavar="LOW:HIGH"
+    )
+    num_samples: int = cli_option(1, "responses per latent (prior mode: latents drawn, one response each)")
+    greedy: bool = cli_option(False, "greedy decoding instead of sampling", group=_SAMPLING)
+    temperature: float = cli_option(0.7, "sampling temperature", group=_SAMPLING)
+    top_p: float = cli_option(0.9, "nucleus sampling mass", group=_SAMPLING)
+    max_new_tokens: int = cli_option(64, "new tokens per response at most", group=_SAMPLING)
+    batch_size: int = cli_option(16, "rows per generate call (left-padded)")
+    output: str | None = cli_option(None, "write the generations and diversity as JSON here")
+    json: bool = cli_option(False, "print JSON instead of the text table")
+
+    def sampling(self):
+        """The :class:`generation.SamplingOptions` of these options (``seed`` included)."""
+        from .generation import SamplingOptions
+
+        return SamplingOptions(
+            greedy=self.greedy,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_new_tokens=self.max_new_tokens,
+            seed=self.seed,
+        )
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`generation.generate` (``sampling`` included, ``batch_size`` not)."""
+        names = (
+            "mode",
+            "slot",
+            "codes",
+            "all_combinations",
+            "max_combinations",
+            "num_samples",
+            "reference_response",
+            "reference_response_b",
+            "steps",
+            "latents",
+            "row",
+            "attributes",
+            "traverse",
+            "traverse_range",
+            "code_examples",
+        )
+        return {**{name: getattr(self, name) for name in names}, "sampling": self.sampling()}
+
+
+#: The options dataclass of each subcommand built here.
+SUBCOMMAND_OPTIONS: dict[str, type] = {
+    "eval": EvalOptions,
+    "generate": GenerateOptions,
+    "inspect": InspectOptions,
+    "encode": EncodeOptions,
+}
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
+    """The ``checkpoint`` positional and :class:`CheckpointOptions` (``--device``, ``--seed``)."""
+    _add_checkpoint(parser)
+    add_option_arguments(parser, CheckpointOptions)
+
+
+def _add_checkpoint(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "checkpoint", help="checkpoint directory (RUN/checkpoints/step-NNNNNN) or run directory (latest checkpoint)"
     )
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run the model")
-    parser.add_argument("--seed", type=int, default=0, help="seed of every sample drawn (results are deterministic)")
+
+
+def _add_subcommand(subparsers, name: str, func, descriptions: dict[str, str] | None = None, **kwargs: Any) -> None:
+    parser = subparsers.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+    _add_checkpoint(parser)
+    add_option_arguments(parser, SUBCOMMAND_OPTIONS[name], descriptions)
+    parser.set_defaults(func=func)
 
 
 # --------------------------------------------------------------------------- eval
 
 
 def run_eval(
-    checkpoint: str | Path,
-    *,
-    data: str | None = None,
-    output: str | Path | None = None,
-    max_examples: int | None = None,
-    iw_samples: int = 8,
-    prior_samples: int = 16,
-    exact_limit: int = 64,
-    seed: int = 0,
-    batch_size: int = 16,
-    device: str = "auto",
-    progress: bool = True,
-    generation: bool = False,
-    generation_prompts: int = 8,
-    generation_max_new_tokens: int = 32,
-    generation_latents: int = 8,
-    model_and_tokenizer=None,
+    checkpoint: str | Path, options: EvalOptions | None = None, *, model_and_tokenizer=None, **overrides: Any
 ) -> tuple[dict, Path, Path]:
     """Evaluate a checkpoint (:func:`evaluation.evaluate`); write the JSON report and a Markdown summary.
 
-    ``output`` defaults to ``RUN/eval/eval_<data>.json``; the summary is the same path with ``.md``.
-    With ``generation`` the report gets ``controllability`` (:func:`controllability.controllability` on
-    ``generation_prompts`` prompts of ``data``, ``generation_max_new_tokens`` greedy tokens, and
-    ``generation_latents`` prior draws per prompt for a continuous model).
-    Returns ``(report, json_path, markdown_path)``.
+    ``options`` (default :class:`EvalOptions`) with the keyword ``overrides`` on top (``run_eval(ckpt,
+    data="train", iw_samples=4)``). ``output`` defaults to ``RUN/eval/eval_<data>.json``; the summary is the
+    same path with ``.md``. With ``generation`` the report gets ``controllability``
+    (:func:`controllability.controllability` on ``generation_prompts`` prompts of ``data``,
+    ``generation_max_new_tokens`` greedy tokens, and ``generation_latents`` prior draws per prompt for a
+    continuous model). Returns ``(report, json_path, markdown_path)``.
     """
     from .evaluation import evaluate
     from .features import build_feature_cache
     from .report import write_markdown_summary
 
+    options = _with(EvalOptions, options, overrides)
     # options first, before the model loads
-    for flag, value in (("--iw-samples", iw_samples), ("--prior-samples", prior_samples), ("--batch-size", batch_size)):
+    for flag, value in (
+        ("--iw-samples", options.iw_samples),
+        ("--prior-samples", options.prior_samples),
+        ("--batch-size", options.batch_size),
+    ):
         _check_at_least(flag, value, 1)
-    _check_at_least("--exact-limit", exact_limit, 0)
-    _check_at_least("--max-examples", max_examples, 1, optional=True)
-    if generation:
-        _check_at_least("--generation-prompts", generation_prompts, 1)
-        _check_at_least("--generation-max-new-tokens", generation_max_new_tokens, 1)
-        _check_at_least("--generation-latents", generation_latents, 2)
-    if output is not None and Path(output).is_dir():
-        raise ValueError(f"--output {output} is a directory; expected the path of the JSON report")
-    check_data_option(checkpoint, data)
+    _check_at_least("--exact-limit", options.exact_limit, 0)
+    _check_at_least("--max-examples", options.max_examples, 1, optional=True)
+    if options.generation:
+        _check_at_least("--generation-prompts", options.generation_prompts, 1)
+        _check_at_least("--generation-max-new-tokens", options.generation_max_new_tokens, 1)
+        _check_at_least("--generation-latents", options.generation_latents, 2)
+    if options.output is not None and Path(options.output).is_dir():
+        raise ValueError(f"--output {options.output} is a directory; expected the path of the JSON report")
+    check_data_option(checkpoint, options.data)
     checkpoint_dir, run_dir = resolve_run(checkpoint)
-    json_path = Path(output) if output is not None else run_dir / "eval" / f"eval_{_slug(data)}.json"
+    json_path = (
+        Path(options.output) if options.output is not None else run_dir / "eval" / f"eval_{_slug(options.data)}.json"
+    )
     check_writable_target(json_path, "--output")
-    model, tokenizer, config, state, checkpoint_dir, run_dir = load_checkpoint(checkpoint, model_and_tokenizer, device)
-    examples, description = load_examples(data, config, tokenizer, max_examples, seed)
+    model, tokenizer, config, state, checkpoint_dir, run_dir = load_checkpoint(
+        checkpoint, model_and_tokenizer, options.device
+    )
+    examples, description = load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
     model_device = next(model.parameters()).device
     cache = build_feature_cache(
-        model, examples, tokenizer.pad_token_id, batch_size, model_device, progress, description="frozen pass"
+        model,
+        examples,
+        tokenizer.pad_token_id,
+        options.batch_size,
+        model_device,
+        options.progress,
+        description="frozen pass",
     )
     body = evaluate(
         model,
         examples,
         cache,
         tokenizer.pad_token_id,
-        iw_samples=iw_samples,
-        prior_samples=prior_samples,
-        exact_limit=exact_limit,
-        batch_size=batch_size,
-        seed=seed,
-        progress=progress,
+        iw_samples=options.iw_samples,
+        prior_samples=options.prior_samples,
+        exact_limit=options.exact_limit,
+        batch_size=options.batch_size,
+        seed=options.seed,
+        progress=options.progress,
     )
     report = {
         "title": f"Evaluation of {checkpoint_dir}",
@@ -242,7 +538,7 @@ def run_eval(
         "data": description,
         **body,
     }
-    if generation:
+    if options.generation:
         from .controllability import controllability
         from .encode import raw_pairs
 
@@ -252,12 +548,12 @@ def run_eval(
             config,
             examples,
             cache,
-            raw_pairs(data, config, examples),
-            num_prompts=generation_prompts,
-            max_new_tokens=generation_max_new_tokens,
-            prior_latents=generation_latents,
-            seed=seed,
-            batch_size=batch_size,
+            raw_pairs(options.data, config, examples),
+            num_prompts=options.generation_prompts,
+            max_new_tokens=options.generation_max_new_tokens,
+            prior_latents=options.generation_latents,
+            seed=options.seed,
+            batch_size=options.batch_size,
         )
     _write_json(json_path, report)
     md_path = write_markdown_summary(report, json_path.with_suffix(".md"))
@@ -297,58 +593,8 @@ def eval_summary_lines(report: dict) -> list[str]:
     return lines
 
 
-def _add_eval(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "eval",
-        help="evaluate a checkpoint: gains, ELBO, IW bound, KL, MI, code usage, label agreement",
-        description="Evaluate a checkpoint; write a JSON report and a Markdown summary next to it.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    _add_common(parser)
-    parser.add_argument("--data", default="validation", help="validation, train, chatterbot or a .jsonl file")
-    parser.add_argument("--output", help="JSON report path (default RUN/eval/eval_<data>.json); .md next to it")
-    parser.add_argument("--max-examples", type=int, help="evaluate at most this many examples (seeded subset)")
-    parser.add_argument("--iw-samples", type=int, default=8, help="posterior samples k of the IW bound")
-    parser.add_argument(
-        "--prior-samples", type=int, default=16, help="prior samples (continuous, or too many code combinations)"
-    )
-    parser.add_argument(
-        "--exact-limit", type=int, default=64, help="enumerate the discrete prior exactly up to this many combinations"
-    )
-    parser.add_argument("--batch-size", type=int, default=16, help="examples per forward pass")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
-    steering = parser.add_argument_group("controllability (generate under each code or latent, re-encode)")
-    steering.add_argument(
-        "--generation",
-        action="store_true",
-        help="also measure controllability: code/latent recovery, label accuracy, distinct-n, z-free NLL",
-    )
-    steering.add_argument("--generation-prompts", type=int, default=8, help="held-out prompts generated for")
-    steering.add_argument("--generation-max-new-tokens", type=int, default=32, help="greedy tokens per generation")
-    steering.add_argument(
-        "--generation-latents", type=int, default=8, help="continuous: prior draws per prompt (recovery targets)"
-    )
-    parser.set_defaults(func=_eval_main)
-
-
 def _eval_main(args: argparse.Namespace) -> int:
-    report, json_path, md_path = run_eval(
-        args.checkpoint,
-        data=args.data,
-        output=args.output,
-        max_examples=args.max_examples,
-        iw_samples=args.iw_samples,
-        prior_samples=args.prior_samples,
-        exact_limit=args.exact_limit,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        device=args.device,
-        progress=args.progress,
-        generation=args.generation,
-        generation_prompts=args.generation_prompts,
-        generation_max_new_tokens=args.generation_max_new_tokens,
-        generation_latents=args.generation_latents,
-    )
+    report, json_path, md_path = run_eval(args.checkpoint, options_from(EvalOptions, args))
     print("\n".join(eval_summary_lines(report)))
     print(f"report:  {json_path}")
     print(f"summary: {md_path}")
@@ -369,7 +615,8 @@ def run_generate(
     **options: Any,
 ) -> dict:
     """Generate from a checkpoint (:func:`generation.generate`; ``options`` are its keyword arguments,
-    ``sampling`` a :class:`generation.SamplingOptions`). Writes the result as JSON to ``output`` when given."""
+    ``sampling`` a :class:`generation.SamplingOptions`; :meth:`GenerateOptions.generate_kwargs` gives them
+    for a command line). Writes the result as JSON to ``output`` when given."""
     from .generation import generate, parse_range
 
     if output is not None:
@@ -395,108 +642,21 @@ def run_generate(
     return result
 
 
-def _add_generate(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "generate",
-        help="generate responses under chosen latents (codes, prior samples, posteriors, interpolations)",
-        description="Generate responses to prompts under chosen latents; print a table (or JSON) and the "
-        "diversity (distinct-1/2) across latents and samples.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    _add_common(parser)
-    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
-    parser.add_argument(
-        "--mode",
-        choices=("codes", "prior", "posterior", "interpolate", "row", "attribute", "traverse"),
-        help="latents: codes (discrete default), prior (continuous default), posterior of --reference-response, "
-        "interpolate (continuous) between two reference responses' posteriors; row, attribute, traverse "
-        "(continuous; implied by --row, --attribute, --traverse)",
-    )
-    latent_file = parser.add_argument_group("latents read off data (an output of disentangle encode)")
-    latent_file.add_argument("--latents", help="an encode file (.jsonl or .parquet) of this checkpoint")
-    latent_file.add_argument(
-        "--row", type=int, help="decode with row I's latent: its codes (discrete, as --codes) or its mu"
-    )
-    latent_file.add_argument(
-        "--attribute",
-        action="append",
-        dest="attributes",
-        metavar="LABEL:SCALE",
-        help="continuous: add SCALE * (mean(mu | LABEL) - mean(mu)) over --latents to the latent (--row's mu, "
-        "else the prompt's prior mean); LABEL is value or factor=value; repeatable",
-    )
-    latent_file.add_argument(
-        "--code-examples",
-        type=int,
-        default=0,
-        metavar="N",
-        help="discrete: show each generated code's N most typical responses of --latents (highest posterior)",
-    )
-    discrete = parser.add_argument_group("discrete latents")
-    discrete.add_argument("--slot", type=int, help="sweep every code of this slot (default 0 unless --codes is given)")
-    discrete.add_argument("--codes", help="force codes per slot, comma-separated, '-' = prior mode (e.g. 0,2 or -,3)")
-    discrete.add_argument("--all-combinations", action="store_true", help="every combination of the unforced slots")
-    discrete.add_argument("--max-combinations", type=int, default=64, help="limit of --all-combinations")
-    continuous = parser.add_argument_group("continuous latents")
-    continuous.add_argument("--reference-response", help="response whose posterior is used (posterior, interpolate)")
-    continuous.add_argument("--reference-response-b", help="second reference response (interpolate)")
-    continuous.add_argument("--steps", type=int, default=5, help="interpolation or traversal points, ends included")
-    continuous.add_argument(
-        "--traverse", type=int, metavar="DIM", help="traverse dimension DIM around the prior mean (or --row's mu)"
-    )
-    continuous.add_argument(
-        "--range", dest="traverse_range", default="-3:3", metavar="LOW:HIGH", help="offsets of --traverse"
-    )
-    parser.add_argument(
-        "--num-samples", type=int, default=1, help="responses per latent (prior mode: latents drawn, one response each)"
-    )
-    sampling = parser.add_argument_group("sampling (as transformers' generate)")
-    sampling.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
-    sampling.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
-    sampling.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass")
-    sampling.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per response at most")
-    parser.add_argument("--batch-size", type=int, default=16, help="rows per generate call (left-padded)")
-    parser.add_argument("--output", help="write the generations and diversity as JSON here")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the text table")
-    parser.set_defaults(func=_generate_main)
-
-
 def _generate_main(args: argparse.Namespace) -> int:
-    from .generation import SamplingOptions, format_generations
+    from .generation import format_generations
 
-    sampling = SamplingOptions(
-        greedy=args.greedy,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-    )
+    options = options_from(GenerateOptions, args)
     result = run_generate(
         args.checkpoint,
-        args.prompt,
-        output=args.output,
-        device=args.device,
-        batch_size=args.batch_size,
-        mode=args.mode,
-        slot=args.slot,
-        codes=args.codes,
-        all_combinations=args.all_combinations,
-        max_combinations=args.max_combinations,
-        num_samples=args.num_samples,
-        reference_response=args.reference_response,
-        reference_response_b=args.reference_response_b,
-        steps=args.steps,
-        latents=args.latents,
-        row=args.row,
-        attributes=args.attributes,
-        traverse=args.traverse,
-        traverse_range=args.traverse_range,
-        code_examples=args.code_examples,
-        sampling=sampling,
+        options.prompt,
+        output=options.output,
+        device=options.device,
+        batch_size=options.batch_size,
+        **options.generate_kwargs(),
     )
-    print(json.dumps(result, indent=1) if args.json else format_generations(result))
-    if args.output:
-        print(f"written: {args.output}")
+    print(json.dumps(result, indent=1) if options.json else format_generations(result))
+    if options.output:
+        print(f"written: {options.output}")
     return 0
 
 
@@ -504,172 +664,109 @@ def _generate_main(args: argparse.Namespace) -> int:
 
 
 def run_inspect(
-    checkpoint: str | Path,
-    *,
-    data: str | None = None,
-    index: int = 0,
-    output_dir: str | Path | None = None,
-    alpha: float | None = None,
-    prior_samples: int = 16,
-    exact_limit: int = 64,
-    max_examples: int | None = None,
-    plots: bool = True,
-    seed: int = 0,
-    batch_size: int = 16,
-    device: str = "auto",
-    progress: bool = True,
-    model_and_tokenizer=None,
+    checkpoint: str | Path, options: InspectOptions | None = None, *, model_and_tokenizer=None, **overrides: Any
 ) -> dict[str, Any]:
     """Write the token report of example ``index`` of ``data`` and the run's plots.
 
-    ``output_dir`` defaults to ``RUN/inspect``. Files: ``inspect_<index>.html`` and ``.json`` (the
-    sidecar), ``training_curves.png``, ``kl.png``, ``schedules.png`` (from ``RUN/metrics.jsonl``),
-    ``code_usage.png`` (discrete) and ``code_label_heatmap.png`` (labelled data), the last two over
-    the whole ``data`` set. Returns ``{"html", "json", "plots"}`` (paths).
+    ``options`` (default :class:`InspectOptions`, whose explorer fields this ignores) with the keyword
+    ``overrides`` on top. ``output_dir`` defaults to ``RUN/inspect``. Files: ``inspect_<index>.html`` and
+    ``.json`` (the sidecar), ``training_curves.png``, ``kl.png``, ``schedules.png`` (from
+    ``RUN/metrics.jsonl``), ``code_usage.png`` (discrete) and ``code_label_heatmap.png`` (labelled data), the
+    last two over the whole ``data`` set. Returns ``{"html", "json", "plots"}`` (paths).
     """
     from .features import build_feature_cache
     from .inspection import write_example_report, write_run_plots
 
+    options = _with(InspectOptions, options, overrides)
     # options first, before the model loads (the upper bound of --index needs the examples)
-    _check_at_least("--index", index, 0)
-    _check_at_least("--prior-samples", prior_samples, 1)
-    _check_at_least("--batch-size", batch_size, 1)
-    _check_at_least("--exact-limit", exact_limit, 0)
-    _check_at_least("--max-examples", max_examples, 1, optional=True)
+    _check_at_least("--index", options.index, 0)
+    _check_at_least("--prior-samples", options.prior_samples, 1)
+    _check_at_least("--batch-size", options.batch_size, 1)
+    _check_at_least("--exact-limit", options.exact_limit, 0)
+    _check_at_least("--max-examples", options.max_examples, 1, optional=True)
+    alpha = options.alpha
     if alpha is not None and not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha >= 0):
         raise ValueError(f"--alpha must be a finite number >= 0, got {alpha!r}")
-    if max_examples is not None and index >= max_examples:
-        raise ValueError(f"--index {index} is outside [0, {max_examples}) for --max-examples {max_examples}")
-    if output_dir is not None and Path(output_dir).exists() and not Path(output_dir).is_dir():
-        raise ValueError(f"--output-dir {output_dir} exists and is not a directory")
-    check_data_option(checkpoint, data)
-    check_writable_target(output_dir or resolve_run(checkpoint)[1] / "inspect", "--output-dir", directory=True)
-    model, tokenizer, config, state, checkpoint_dir, run_dir = load_checkpoint(checkpoint, model_and_tokenizer, device)
-    examples, description = load_examples(data, config, tokenizer, max_examples, seed)
-    if not 0 <= index < len(examples):
-        raise ValueError(f"--index {index} is outside [0, {len(examples)}) for {description}")
-    out_dir = Path(output_dir) if output_dir is not None else run_dir / "inspect"
+    if options.max_examples is not None and options.index >= options.max_examples:
+        raise ValueError(
+            f"--index {options.index} is outside [0, {options.max_examples}) for --max-examples {options.max_examples}"
+        )
+    if options.output_dir is not None and Path(options.output_dir).exists() and not Path(options.output_dir).is_dir():
+        raise ValueError(f"--output-dir {options.output_dir} exists and is not a directory")
+    check_data_option(checkpoint, options.data)
+    check_writable_target(options.output_dir or resolve_run(checkpoint)[1] / "inspect", "--output-dir", directory=True)
+    model, tokenizer, config, state, checkpoint_dir, run_dir = load_checkpoint(
+        checkpoint, model_and_tokenizer, options.device
+    )
+    examples, description = load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
+    if not 0 <= options.index < len(examples):
+        raise ValueError(f"--index {options.index} is outside [0, {len(examples)}) for {description}")
+    out_dir = Path(options.output_dir) if options.output_dir is not None else run_dir / "inspect"
     extra = {"checkpoint": str(checkpoint_dir), "step": state.get("step"), "data": description}
     html_path, json_path = write_example_report(
         out_dir,
-        index,
+        options.index,
         model,
         tokenizer,
-        examples[index],
+        examples[options.index],
         extra_meta=extra,
         alpha=alpha,
-        prior_samples=prior_samples,
-        exact_limit=exact_limit,
-        seed=seed,
+        prior_samples=options.prior_samples,
+        exact_limit=options.exact_limit,
+        seed=options.seed,
     )
     written: list[Path] = []
-    if plots:
+    if options.plots:
         model_device = next(model.parameters()).device
         cache = build_feature_cache(
-            model, examples, tokenizer.pad_token_id, batch_size, model_device, progress, description="frozen pass"
+            model,
+            examples,
+            tokenizer.pad_token_id,
+            options.batch_size,
+            model_device,
+            options.progress,
+            description="frozen pass",
         )
         written = write_run_plots(
-            out_dir, model, examples, cache, tokenizer.pad_token_id, run_dir / "metrics.jsonl", seed=seed
+            out_dir, model, examples, cache, tokenizer.pad_token_id, run_dir / "metrics.jsonl", seed=options.seed
         )
     return {"html": html_path, "json": json_path, "plots": written}
 
 
-def _add_inspect(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "inspect",
-        help="token heat map of one example (HTML + JSON) and the run's plots (PNG)",
-        description="Write a self-contained HTML page colouring one example's response tokens by z-free "
-        "surprisal, token weight, inverse weight, conditioned NLL and gain (with a JSON sidecar), and PNG "
-        "plots of the run: training curves, KL and schedules, code usage, code x label heat map.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    _add_common(parser)
-    parser.add_argument("--data", default="validation", help="validation, train, chatterbot or a .jsonl file")
-    parser.add_argument("--index", type=int, default=0, help="index of the example in --data")
-    parser.add_argument("--output-dir", help="where to write (default RUN/inspect)")
-    parser.add_argument("--alpha", type=float, help="token-weight alpha (default: the run's configured alpha)")
-    parser.add_argument("--prior-samples", type=int, default=16, help="prior samples for the prior-mixture NLL")
-    parser.add_argument("--exact-limit", type=int, default=64, help="exact discrete prior up to this many combinations")
-    parser.add_argument("--max-examples", type=int, help="use at most this many examples of --data (seeded subset)")
-    parser.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True, help="write the PNG plots")
-    parser.add_argument("--batch-size", type=int, default=16, help="examples per forward pass")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
-    explore = parser.add_argument_group(
-        "corpus explorer (--explore)",
-        "one self-contained HTML page: per code (per slot) or per k-means cluster of posterior means, its share, "
-        "label distribution, most confident examples with token heat maps, and greedy generations under it",
-    )
-    explore.add_argument(
-        "--explore", action="store_true", help="write the corpus explorer page instead of one example's report"
-    )
-    explore.add_argument(
-        "--output", help="the explorer page (default: OUTPUT_DIR/explorer.html, else RUN/inspect/explorer.html)"
-    )
-    explore.add_argument("--explore-examples", type=int, default=3, help="most confident examples shown per group")
-    explore.add_argument(
-        "--explore-prompts", type=int, default=3, help="generate for the first N distinct prompts of --data"
-    )
-    explore.add_argument(
-        "--explore-prompt",
-        action="append",
-        dest="explore_prompt_texts",
-        metavar="TEXT",
-        help="generate for this prompt instead (repeatable)",
-    )
-    explore.add_argument("--explore-tokens", type=int, default=16, help="new tokens per generation (greedy)")
-    explore.add_argument(
-        "--clusters", type=int, help="continuous: k-means clusters (default: the first factor's values, else 8)"
-    )
-    parser.set_defaults(func=_inspect_main)
-
-
-def _explore_main(args: argparse.Namespace) -> int:
+def _explore_main(checkpoint: str, options: InspectOptions) -> int:
     from .explorer import run_explore
 
-    output = args.output
-    if output is None and args.output_dir is not None:
-        output = Path(args.output_dir) / "explorer.html"
+    output = options.output
+    if output is None and options.output_dir is not None:
+        output = Path(options.output_dir) / "explorer.html"
     path = run_explore(
-        args.checkpoint,
-        data=args.data,
+        checkpoint,
+        data=options.data,
         output=output,
-        examples_per_group=args.explore_examples,
-        prompts=args.explore_prompt_texts,
-        num_prompts=args.explore_prompts,
-        max_new_tokens=args.explore_tokens,
-        clusters=args.clusters,
-        max_examples=args.max_examples,
-        prior_samples=args.prior_samples,
-        exact_limit=args.exact_limit,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        device=args.device,
-        progress=args.progress,
+        examples_per_group=options.explore_examples,
+        prompts=options.explore_prompt_texts,
+        num_prompts=options.explore_prompts,
+        max_new_tokens=options.explore_tokens,
+        clusters=options.clusters,
+        max_examples=options.max_examples,
+        prior_samples=options.prior_samples,
+        exact_limit=options.exact_limit,
+        seed=options.seed,
+        batch_size=options.batch_size,
+        device=options.device,
+        progress=options.progress,
     )
     print(f"explorer: {path}")
     return 0
 
 
 def _inspect_main(args: argparse.Namespace) -> int:
-    if args.explore:
-        return _explore_main(args)
-    if args.output is not None:
+    options = options_from(InspectOptions, args)
+    if options.explore:
+        return _explore_main(args.checkpoint, options)
+    if options.output is not None:
         raise ValueError("--output is the explorer page's path; use it with --explore (or --output-dir)")
-    paths = run_inspect(
-        args.checkpoint,
-        data=args.data,
-        index=args.index,
-        output_dir=args.output_dir,
-        alpha=args.alpha,
-        prior_samples=args.prior_samples,
-        exact_limit=args.exact_limit,
-        max_examples=args.max_examples,
-        plots=args.plots,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        device=args.device,
-        progress=args.progress,
-    )
+    paths = run_inspect(args.checkpoint, options)
     print(f"token report: {paths['html']}")
     print(f"sidecar:      {paths['json']}")
     for path in paths["plots"]:
@@ -677,8 +774,55 @@ def _inspect_main(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- encode
+
+
+def _encode_main(args: argparse.Namespace) -> int:
+    from .encode import _encode_to_file
+
+    options = options_from(EncodeOptions, args)
+    path, count = _encode_to_file(args.checkpoint, **dataclasses.asdict(options), model_and_tokenizer=None)
+    print(f"wrote {count} rows to {path}")
+    return 0
+
+
+# --------------------------------------------------------------------------- the parsers
+
+
 def add_subcommands(subparsers) -> None:
-    """Register ``eval``, ``generate`` and ``inspect`` on the ``disentangle`` parser."""
-    _add_eval(subparsers)
-    _add_generate(subparsers)
-    _add_inspect(subparsers)
+    """Register ``eval``, ``generate``, ``inspect`` and ``encode`` on the ``disentangle`` parser, their flags
+    built from :data:`SUBCOMMAND_OPTIONS`."""
+    _add_subcommand(
+        subparsers,
+        "eval",
+        _eval_main,
+        help="evaluate a checkpoint: gains, ELBO, IW bound, KL, MI, code usage, label agreement",
+        description="Evaluate a checkpoint; write a JSON report and a Markdown summary next to it.",
+    )
+    _add_subcommand(
+        subparsers,
+        "generate",
+        _generate_main,
+        help="generate responses under chosen latents (codes, prior samples, posteriors, interpolations)",
+        description="Generate responses to prompts under chosen latents; print a table (or JSON) and the "
+        "diversity (distinct-1/2) across latents and samples.",
+    )
+    _add_subcommand(
+        subparsers,
+        "inspect",
+        _inspect_main,
+        {_EXPLORE: _EXPLORE_DESCRIPTION},
+        help="token heat map of one example (HTML + JSON) and the run's plots (PNG)",
+        description="Write a self-contained HTML page colouring one example's response tokens by z-free "
+        "surprisal, token weight, inverse weight, conditioned NLL and gain (with a JSON sidecar), and PNG "
+        "plots of the run: training curves, KL and schedules, code usage, code x label heat map.",
+    )
+    _add_subcommand(
+        subparsers,
+        "encode",
+        _encode_main,
+        help="read z off data: one row per example (codes or mu, posterior, prior, KL, latent gain)",
+        description="Encode every example of --data with a checkpoint and write one row per example, in data "
+        "order, to a .jsonl (or .parquet, with pyarrow) file: source, prompt, response, label, the posterior and "
+        "prior latents, the per-example KL and latent gain (the numbers eval aggregates, for the same options).",
+    )
