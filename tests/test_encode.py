@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -20,7 +19,6 @@ from disentanglement.encode import (
     COMMON_KEYS,
     CONTINUOUS_KEYS,
     DISCRETE_KEYS,
-    add_encode_subcommand,
     decode_from_latent,
     encode_examples,
     encode_pairs,
@@ -295,9 +293,9 @@ def injected_loader(monkeypatch):
 
 
 def parser():
-    top = argparse.ArgumentParser(prog="disentangle")
-    add_encode_subcommand(top.add_subparsers(dest="command", required=True))
-    return top
+    from disentanglement.cli import build_parser
+
+    return build_parser()
 
 
 def test_cli_encode(discrete_run, tmp_path, injected_loader, capsys):

@@ -445,12 +445,6 @@ SUBCOMMAND_OPTIONS: dict[str, type] = {
 }
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
-    """The ``checkpoint`` positional and :class:`CheckpointOptions` (``--device``, ``--seed``)."""
-    _add_checkpoint(parser)
-    add_option_arguments(parser, CheckpointOptions)
-
-
 def _add_checkpoint(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "checkpoint", help="checkpoint directory (RUN/checkpoints/step-NNNNNN) or run directory (latest checkpoint)"

@@ -58,7 +58,6 @@ that code among those assigned to it).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
 import json
@@ -750,53 +749,3 @@ def encode_pairs(
         seed=seed,
         progress=progress,
     )
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def add_encode_subcommand(subparsers) -> None:
-    """Register ``encode`` on the ``disentangle`` parser."""
-    parser = subparsers.add_parser(
-        "encode",
-        help="read z off data: one row per example (codes or mu, posterior, prior, KL, latent gain)",
-        description="Encode every example of --data with a checkpoint and write one row per example, in data "
-        "order, to a .jsonl (or .parquet, with pyarrow) file: source, prompt, response, label, the posterior and "
-        "prior latents, the per-example KL and latent gain (the numbers eval aggregates, for the same options).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    commands._add_common(parser)
-    parser.add_argument("--data", default="validation", help="validation, train, chatterbot or a .jsonl file")
-    parser.add_argument("--output", required=True, help="where to write the rows: FILE.jsonl or FILE.parquet")
-    parser.add_argument("--max-examples", type=int, help="encode at most this many examples (seeded subset)")
-    parser.add_argument(
-        "--iw-samples", type=int, default=8, help="posterior samples of the per-example IW bound (as eval's)"
-    )
-    parser.add_argument(
-        "--prior-samples", type=int, default=16, help="prior samples (continuous, or too many code combinations)"
-    )
-    parser.add_argument(
-        "--exact-limit", type=int, default=64, help="enumerate the discrete prior exactly up to this many combinations"
-    )
-    parser.add_argument("--batch-size", type=int, default=16, help="examples per forward pass")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
-    parser.set_defaults(func=_encode_main)
-
-
-def _encode_main(args: argparse.Namespace) -> int:
-    path, count = _encode_to_file(
-        args.checkpoint,
-        data=args.data,
-        output=args.output,
-        max_examples=args.max_examples,
-        iw_samples=args.iw_samples,
-        prior_samples=args.prior_samples,
-        exact_limit=args.exact_limit,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        device=args.device,
-        progress=args.progress,
-        model_and_tokenizer=None,
-    )
-    print(f"wrote {count} rows to {path}")
-    return 0
