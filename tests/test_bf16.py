@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import disentanglement.lm as lm
 from disentanglement.config import ModelConfig, build_config
+from disentanglement.cvae_base import WeightingParams
 from disentanglement.data import Example, collate, make_hidden_factor_pairs
 from disentanglement.features import (
     _WEIGHTING_STATISTICS,
@@ -240,7 +241,7 @@ def test_bf16_reference_quantities_are_close_to_float32():
     for dtype in (torch.float32, torch.bfloat16):
         model = build_cvae(config, copy.deepcopy(decoder).to(dtype))
         cache = build_feature_cache(model, data, 2, batch_size=8, progress=False)
-        tokens, stats = cache.response_weighting(("surprisal", 1.0, 1e-6, 1.0))
+        tokens, stats = cache.response_weighting(WeightingParams("surprisal", 1.0, 1e-6, 1.0))
         assert tokens.dtype == stats.dtype == torch.float32
         assert all(nll.dtype == torch.float32 for nll in cache.response_nll)
         assert cache.prior_features.dtype == cache.encoder_features.dtype == torch.float32

@@ -69,7 +69,7 @@ def test_cached_token_weighting_equals_the_models_own(tokenizer, pairs, placemen
     for name in FIELDS:
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-7)
     # Weights precomputed for another alpha are not used: the model computes its own.
-    other = cache.features(batch, ("surprisal", 0.5, *model.weighting_params[2:]))
+    other = cache.features(batch, dataclasses.replace(model.weighting_params, source="surprisal", alpha=0.5))
     torch.testing.assert_close(model.token_weighting(batch, other, offsets, target).token_weights, want.token_weights)
     assert not torch.allclose(other.zfree_weighting.token_weights, cached.zfree_weighting.token_weights)
 

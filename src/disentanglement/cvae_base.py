@@ -18,6 +18,7 @@ it into ``P`` soft embeddings placed ``[z][x][y]`` (``prefix``) or ``[x][z][y]``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -43,7 +44,16 @@ from .token_weighting import (
     token_weighting_from_base_nll,
 )
 
-WeightingParams = tuple[str, float, float, float]  # (token_weight_source, alpha, eps, interpolation)
+
+@dataclass(frozen=True)
+class WeightingParams:
+    """The settings a token weighting depends on besides the data (term 3's ``token_weight_*`` fields);
+    hashable, the key under which a feature cache keeps the weights it precomputed."""
+
+    source: str  # "surprisal", "entropy" or "dynamic"
+    alpha: float
+    eps: float
+    interpolation: float
 
 
 @dataclass
@@ -398,8 +408,8 @@ class CVAEBase(nn.Module):
         if cfg.encoder_view != "mean_last":
             params["encoder_view"] = cfg.encoder_view
         if cfg.encoder_view == "token_weighted":
-            source, alpha, eps, interpolation = self.encoder_weighting_params
-            params.update(source=source, alpha=alpha, eps=eps, interpolation=interpolation)
+            w = self.encoder_weighting_params
+            params.update(source=w.source, alpha=w.alpha, eps=w.eps, interpolation=w.interpolation)
         if self.encoder_layer_index is None:
             if cfg.encoder_layer != -1:
                 params["encoder_layer"] = cfg.encoder_layer
@@ -409,10 +419,10 @@ class CVAEBase(nn.Module):
 
     @property
     def encoder_weighting_params(self) -> WeightingParams:
-        """``(source, alpha, eps, interpolation)`` of the ``token_weighted`` view's ``pi_t``: the model's own,
-        with the surprisal shares in place of ``dynamic`` weights (which change every step)."""
-        source, alpha, eps, interpolation = self.weighting_params
-        return ("surprisal" if source == "dynamic" else source, alpha, eps, interpolation)
+        """The weighting of the ``token_weighted`` view's ``pi_t``: the model's own, with the surprisal
+        shares in place of ``dynamic`` weights (which change every step)."""
+        own = self.weighting_params
+        return dataclasses.replace(own, source="surprisal") if own.source == "dynamic" else own
 
     # -- parameters ----------------------------------------------------------------------------
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
@@ -504,7 +514,8 @@ class CVAEBase(nn.Module):
         mask = batch.target_mask.to(hidden.dtype).unsqueeze(-1)  # [B, T, 1]
         view = self.latent_cfg.encoder_view
         if view == "token_weighted":
-            source, alpha, eps, interpolation = self.encoder_weighting_params
+            w = self.encoder_weighting_params
+            source, alpha, eps, interpolation = w.source, w.alpha, w.eps, w.interpolation
             pi = token_weighting_from_base_nll(
                 zfree_nll,
                 batch.target_mask[:, 1:],
@@ -630,9 +641,10 @@ class CVAEBase(nn.Module):
         ``token_nll`` is the decoder's ``[B, Tc-1]`` NLL ``l_t``, needed only by the ``"dynamic"`` source;
         ``alpha`` overrides the configured one (for inspection).
         """
-        source, configured_alpha, eps, interpolation = self.weighting_params
-        alpha = configured_alpha if alpha is None else float(alpha)
-        params = (source, alpha, eps, interpolation)
+        params = self.weighting_params
+        if alpha is not None:
+            params = dataclasses.replace(params, alpha=float(alpha))
+        source, alpha, eps, interpolation = params.source, params.alpha, params.eps, params.interpolation
         positions, zfree_mask = conditioned_target.shape[1] - 1, batch.target_mask[:, 1:]
         if features.zfree_weighting is not None and features.weighting_params == params:
             return align_token_weighting(features.zfree_weighting, offsets, positions, zfree_mask)
@@ -660,9 +672,9 @@ class CVAEBase(nn.Module):
 
     @property
     def weighting_params(self) -> WeightingParams:
-        """``(source, alpha, eps, interpolation)`` of the token weighting."""
+        """The token weighting's settings (source, alpha, eps, interpolation)."""
         cfg = self.reconstruction_cfg
-        return (
+        return WeightingParams(
             cfg.token_weight_source,
             float(cfg.token_weight_alpha),
             float(cfg.token_weight_eps),

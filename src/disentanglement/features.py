@@ -100,9 +100,9 @@ class FeatureCache:
 
     def response_weighting(self, params: WeightingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Every response token's ``(b_t, pi_t, pi_inv_t)``, ``[sum_b n_b, 3]`` in example order, and the
-        ``[E, 5]`` statistics of :data:`_WEIGHTING_STATISTICS`, for ``params = (source, alpha, eps,
-        interpolation)`` (source ``"surprisal"`` or ``"entropy"``); computed once per setting."""
-        source, alpha, eps, interpolation = params
+        ``[E, 5]`` statistics of :data:`_WEIGHTING_STATISTICS`, for ``params`` (source ``"surprisal"`` or
+        ``"entropy"``); computed once per setting."""
+        source, alpha, eps, interpolation = params.source, params.alpha, params.eps, params.interpolation
         if source not in ("surprisal", "entropy"):
             raise ValueError(f"the feature cache precomputes surprisal or entropy weights, not {source!r}")
         if source == "entropy" and self.response_entropy is None:
@@ -110,7 +110,7 @@ class FeatureCache:
                 "token_weight_source 'entropy': this feature cache holds no predictive entropy; build it with a "
                 "model whose token_weight_source is 'entropy' (load_or_build_feature_cache rebuilds such a file)"
             )
-        key = (source, float(alpha), float(eps), float(interpolation))
+        key = WeightingParams(source, float(alpha), float(eps), float(interpolation))
         if key not in self._weightings:
             tokens, statistics = [], []
             for first in range(0, len(self), _WEIGHTING_CHUNK):
@@ -169,7 +169,7 @@ class FeatureCache:
             # Token k of a response sits one position after the position that predicts it: [B, T, H].
             placed = F.pad(self._place(self.response_hidden, batch), (0, 0, 1, 0))
             hidden = dict(response_hidden=placed, response_mask=batch.target_mask.bool())
-        if weighting_params is None or weighting_params[0] == "dynamic":
+        if weighting_params is None or weighting_params.source == "dynamic":
             if self._flat_nll is None:
                 self._flat_nll = _flatten(self.response_nll)
             entropy = None
