@@ -54,14 +54,10 @@ WEIGHT_FIELDS = {
     "zfree_relative_reconstruction_loss": "zfree_relative_weight",
 }
 NO_WEIGHTS = {field: 0.0 for field in WEIGHT_FIELDS.values()}
-# Terms 1 and 6 aggregate with ``uniform_token_weights``, which builds m_t / n_b in float32 for an
-# integer mask even when l_t is float64 (see test_uniform_terms_keep_float64_precision, which fails
-# on that). Their loop comparisons therefore allow float32 rounding of 1/n_b; a formula error would
-# be orders of magnitude larger. All other terms are held to float64 agreement.
-UNIFORM_TERMS = frozenset({"reconstruction_loss", "zfree_relative_reconstruction_loss"})
 
 
-#: Every term against its plain-loop reference, in float64: the same tolerance for all six.
+#: Every term against its plain-loop reference, in float64: the same tolerance for all six (terms 1 and 6
+#: included: test_uniform_terms_keep_float64_precision checks their 1/n_b stays float64).
 RTOL = 1e-9
 
 
