@@ -214,7 +214,7 @@ def test_full_decoder_training_keeps_float32_weights_under_auto(monkeypatch):
 def test_bf16_logits_are_scored_in_float32():
     # The head's bf16 logits go through a float32 log-softmax: the NLL equals the float32 computation
     # on the same (bf16-rounded) logits, not a bf16 log-softmax.
-    from disentanglement.token_weighting import shifted_nll
+    from disentanglement.losses import masked_token_nll_per_position
 
     torch.manual_seed(0)
     hidden = torch.randn(3, 9, 16).to(torch.bfloat16)
@@ -224,7 +224,7 @@ def test_bf16_logits_are_scored_in_float32():
     ids = torch.randint(0, 500, (3, 9))
     mask = torch.ones(3, 9, dtype=torch.long)
     for chunk in (None, 2):
-        nll = shifted_nll(hidden, ids, mask, head=head, chunk_size=chunk)
+        nll = masked_token_nll_per_position(hidden, ids, mask, chunk_size=chunk, head=head)
         assert nll.dtype == torch.float32
         logits = head(hidden).float()[:, :-1]
         expected = -torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)

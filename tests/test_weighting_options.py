@@ -26,12 +26,10 @@ from disentanglement.features import (
     load_or_build_feature_cache,
     save_feature_cache,
 )
-from disentanglement.losses import token_weighted_reconstruction_loss
+from disentanglement.losses import masked_token_nll_per_position, token_weighted_reconstruction_loss
 from disentanglement.models import build_cvae
 from disentanglement.token_weighting import (
     TokenWeighting,
-    shifted_nll,
-    shifted_nll_and_entropy,
     token_weighting_from_base_nll,
 )
 from helpers import tiny_llama, tiny_tokenizer, train_and_read_metrics
@@ -204,20 +202,22 @@ def test_nll_and_entropy_match_the_loop_and_shifted_nll_chunked_and_through_a_he
     ids = torch.randint(0, 11, (3, 7), generator=g)
     mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1]])
     want_entropy = loop_entropy(logits, mask)
-    want_nll = shifted_nll(logits, ids, mask)
+    want_nll = masked_token_nll_per_position(logits, ids, mask)
     for chunk in (None, 1, 2, 4, 100):
         for args in ((logits,), (hidden,)):
-            nll, entropy = shifted_nll_and_entropy(
-                *args, ids, mask, head=head if args[0] is hidden else None, chunk_size=chunk
+            nll, entropy = masked_token_nll_per_position(
+                *args, ids, mask, chunk, head=head if args[0] is hidden else None, entropy=True
             )
             torch.testing.assert_close(entropy.double(), want_entropy, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(nll, want_nll, rtol=1e-5, atol=1e-6)
     # A -inf logit (a token ruled out) has p log p = 0, not NaN.
     ruled_out = torch.tensor([[[0.0, 0.0, float("-inf")], [0.0, 0.0, 0.0]]])
-    _, entropy = shifted_nll_and_entropy(ruled_out, torch.tensor([[0, 1]]), torch.tensor([[0, 1]]))
+    _, entropy = masked_token_nll_per_position(ruled_out, torch.tensor([[0, 1]]), torch.tensor([[0, 1]]), entropy=True)
     torch.testing.assert_close(entropy, torch.tensor([[math.log(2)]]))
     # Uniform logits: log V at every supervised position, and the NLL of any token is log V too.
-    nll, entropy = shifted_nll_and_entropy(torch.zeros(1, 3, 11), torch.tensor([[0, 4, 9]]), torch.tensor([[0, 1, 1]]))
+    nll, entropy = masked_token_nll_per_position(
+        torch.zeros(1, 3, 11), torch.tensor([[0, 4, 9]]), torch.tensor([[0, 1, 1]]), entropy=True
+    )
     torch.testing.assert_close(entropy, torch.full((1, 2), math.log(11)))
     torch.testing.assert_close(nll, torch.full((1, 2), math.log(11)))
 

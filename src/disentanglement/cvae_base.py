@@ -29,18 +29,12 @@ import torch.nn.functional as F
 
 from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
 from .data import Batch
-from .losses import (
-    default_chunk_size,
-    lm_head_token_nll_and_entropy_per_position,
-    lm_head_token_nll_per_position,
-    reconstruction_loss_stack,
-)
+from .losses import apply_head, default_chunk_size, masked_token_nll_per_position, reconstruction_loss_stack
 from .regularizers import beta_at, kl_objective, next_token_divergence
 from .token_weighting import (
     TokenWeighting,
     align_to_conditioned,
     align_token_weighting,
-    apply_head,
     token_weighting_from_base_nll,
 )
 
@@ -157,8 +151,8 @@ class Decoded:
         """Masked per-token NLL ``[B, Tc-1]``, zero outside the window (where nothing is supervised)."""
         B, W, _ = self.hidden.shape
         chunk = default_chunk_size(B, self.head.weight.shape[0])
-        window = lm_head_token_nll_per_position(
-            self.hidden, self.head, self.input_ids[:, self.start :], self.target_mask[:, self.start :], chunk
+        window = masked_token_nll_per_position(
+            self.hidden, self.input_ids[:, self.start :], self.target_mask[:, self.start :], chunk, head=self.head
         )  # [B, W - 1]
         return F.pad(window, (self.start, 0))
 
@@ -494,17 +488,16 @@ class CVAEBase(nn.Module):
             start = int((batch.prompt_lengths - 1).min())  # first position that predicts a response token
             window_args = (
                 hidden[:, start:],
-                head,
                 batch.input_ids[:, start:],
                 batch.target_mask[:, start:],
                 default_chunk_size(batch.input_ids.shape[0], head.weight.shape[0]),
             )
             entropy = None
             if self.reconstruction_cfg.token_weight_source == "entropy":  # both from one pass of the head
-                window, entropy_window = lm_head_token_nll_and_entropy_per_position(*window_args)
+                window, entropy_window = masked_token_nll_per_position(*window_args, head=head, entropy=True)
                 entropy = F.pad(entropy_window.float(), (start, 0))  # [B, T-1]
             else:
-                window = lm_head_token_nll_per_position(*window_args)
+                window = masked_token_nll_per_position(*window_args, head=head)
         zfree_nll = F.pad(window.float(), (start, 0))  # [B, T-1]
         if self.latent_cfg.encoder_layer != -1:
             hidden = out.hidden_states[self.latent_cfg.encoder_layer]  # [B, T, H], the features' layer

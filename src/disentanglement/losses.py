@@ -16,11 +16,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, TypeVar, overload
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .config import ReconstructionLossConfig
-from .token_weighting import TokenWeighting, shifted_nll, shifted_nll_and_entropy
+
+if TYPE_CHECKING:
+    from .token_weighting import TokenWeighting
+
+_Block = TypeVar("_Block")
 
 # The six terms, in DESIGN.md order, with the config field that weights each.
 TERM_WEIGHT_FIELDS: dict[str, str] = {
@@ -51,45 +58,137 @@ TERMS_NEEDING_SCALE = frozenset(
 )
 
 
+def _check_shifted_shapes(logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor) -> int:
+    """``T`` of ``input_ids`` ``[B, T]``; ``logits`` (``[B, T, ...]``) and ``target_mask`` must share its ``[B, T]``."""
+    bsz, seq = input_ids.shape
+    if logits.shape[:2] != (bsz, seq) or target_mask.shape != (bsz, seq):
+        raise ValueError(
+            f"logits {tuple(logits.shape)}, input_ids {tuple(input_ids.shape)} and target_mask "
+            f"{tuple(target_mask.shape)} must agree on [B, T]"
+        )
+    return seq
+
+
+def apply_head(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+    """``head(hidden)`` for ``[B, c, H]`` states, as one ``[B c, H] x [H, V]`` matmul: ``[B, c, V]``.
+
+    A chunk of positions of a ``[B, T, H]`` window is a strided view, and a linear layer on a strided
+    3-D input runs as a batched matmul against the weight expanded over the batch (for bf16 weights on
+    the CPU a copy of the whole ``[V, H]`` weight per example, which made the head several times slower
+    than the decoder's body); the rows are made contiguous first (``B c H`` elements), so it is one matmul.
+    """
+    return head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
+
+
+def _over_chunks(
+    block: Callable[[torch.Tensor, torch.Tensor], _Block],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int | None,
+) -> list[_Block]:
+    """``block`` on consecutive chunks of ``chunk_size`` positions of ``inputs`` ``[B, N, ...]`` and ``targets``
+    ``[B, N]`` (one chunk when ``chunk_size`` is ``None``, 0 or at least ``N``), one result per chunk.
+
+    With gradients enabled each chunk runs under activation checkpointing, so only one chunk's
+    ``[B, chunk, V]`` block exists at a time in the backward pass too; under ``no_grad`` nothing is
+    saved for backward and chunks need no checkpointing.
+    """
+    step = max(1, chunk_size or inputs.shape[1])
+    run = (lambda f, *a: checkpoint(f, *a, use_reentrant=False)) if torch.is_grad_enabled() else (lambda f, *a: f(*a))
+    return [run(block, inputs[:, i : i + step], targets[:, i : i + step]) for i in range(0, inputs.shape[1], step)]
+
+
+@overload
 def masked_token_nll_per_position(
-    logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor, chunk_size: int | None = None
-) -> torch.Tensor:
-    """Masked per-token NLL ``[B, T-1]`` from logits ``[B, T, V]`` and ids/mask ``[B, T]``.
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    target_mask: torch.Tensor,
+    chunk_size: int | None = None,
+    *,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    entropy: Literal[False] = False,
+) -> torch.Tensor: ...
+@overload
+def masked_token_nll_per_position(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    target_mask: torch.Tensor,
+    chunk_size: int | None = None,
+    *,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    entropy: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+def masked_token_nll_per_position(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    target_mask: torch.Tensor,
+    chunk_size: int | None = None,
+    *,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Masked per-token NLL ``[B, T-1]`` from logits ``[B, T, V]`` and ids/mask ``[B, T]``: the one NLL kernel.
 
     ``out[b, t] = -log softmax(logits[b, t])[input_ids[b, t+1]] * target_mask[b, t+1]``.
-    ``target_mask`` here is the ``[B, T]`` token mask (1 on response tokens). One
-    ``F.cross_entropy`` call on a view of ``logits`` (no second ``[B, T, V]`` tensor beyond what it
-    needs), or, with ``chunk_size``, checkpointed chunks of positions (one chunk's worth at a time).
+    ``target_mask`` here is the ``[B, T]`` token mask (1 on response tokens). Half-precision scores
+    are upcast to float32 before the log-softmax, whatever the model's dtype.
+
+    ``logits`` is ``[B, T, V]``, or, when ``head`` is given, the hidden states ``[B, T, H]`` that
+    ``head`` (the LM head) turns into logits. With ``chunk_size`` the positions are processed in
+    chunks under activation checkpointing, so the peak extra memory is one ``[B, chunk, V]`` block
+    in the forward and the backward pass: with ``head`` the full ``[B, T, V]`` logits never exist.
+    Without chunking it is one ``F.cross_entropy`` call on a view of ``logits``, which materialises
+    nothing beyond what ``cross_entropy`` itself needs.
+
+    With ``entropy=True`` (no-grad) it returns ``(nll, entropy)``, ``[B, T-1]`` each, from one log-softmax
+    per chunk: ``nll`` as above, in float32 whatever the input dtype (float64 too), and
+    ``entropy[b, t] = H(softmax(logits[b, t])) * target_mask[b, t+1]``, the entropy (nats) of the
+    distribution that predicts token ``t + 1``, whatever that token is.
     """
-    return shifted_nll(logits, input_ids, target_mask, chunk_size=chunk_size)
+    seq = _check_shifted_shapes(logits, input_ids, target_mask)
+    supervised = target_mask[:, 1:].to(torch.bool)  # [B, T-1]
+    inputs = logits[:, :-1]  # [B, T-1, V or H], a view
 
+    def scores_of(x: torch.Tensor) -> torch.Tensor:
+        return apply_head(head, x) if head is not None else x  # [B, c, V]
 
-def lm_head_token_nll_per_position(
-    hidden: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    input_ids: torch.Tensor,
-    target_mask: torch.Tensor,
-    chunk_size: int | None = None,
-) -> torch.Tensor:
-    """:func:`masked_token_nll_per_position` of ``head(hidden)`` without materialising the logits.
+    if entropy:
+        with torch.no_grad():
+            targets = input_ids[:, 1:].masked_fill(~supervised, 0)  # [B, T-1], any valid id where unsupervised
 
-    ``hidden`` is ``[B, T, H]`` (final hidden states); with ``chunk_size`` the LM head and the
-    cross-entropy run per chunk of positions under checkpointing, so the peak extra memory is one
-    ``[B, chunk_size, V]`` block.
-    """
-    return shifted_nll(hidden, input_ids, target_mask, head=head, chunk_size=chunk_size)
+            def block_nll_entropy(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                log_p = F.log_softmax(scores_of(x).float(), dim=-1)  # [B, c, V]
+                nll = -log_p.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+                # p log p with p = 0 is 0: a -inf logit (a token ruled out) must not give 0 * -inf = NaN.
+                return nll, -(log_p.exp() * log_p.clamp_min(torch.finfo(log_p.dtype).min)).sum(-1)
 
+            blocks = _over_chunks(block_nll_entropy, inputs, targets, chunk_size)
+            if not blocks:  # T = 1: no position predicts anything
+                empty = inputs.new_zeros(inputs.shape[0], 0, dtype=torch.float32)
+                return empty, empty
+            nll, ent = (torch.cat(parts, dim=1) for parts in zip(*blocks, strict=True))
+            return torch.where(supervised, nll, 0.0), torch.where(supervised, ent, 0.0)
 
-def lm_head_token_nll_and_entropy_per_position(
-    hidden: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    input_ids: torch.Tensor,
-    target_mask: torch.Tensor,
-    chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """No-grad: :func:`lm_head_token_nll_per_position` and the predictive entropy at the same positions,
-    ``[B, T-1]`` each, from one pass of the head per chunk (:func:`shifted_nll_and_entropy`)."""
-    return shifted_nll_and_entropy(hidden, input_ids, target_mask, head=head, chunk_size=chunk_size)
+    targets = input_ids[:, 1:].masked_fill(~supervised, -100)  # [B, T-1]
+
+    def block_nll(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        scores = scores_of(x)  # [B, c, V]
+        if scores.dtype in (torch.float16, torch.bfloat16):
+            scores = scores.float()  # log-softmax in at least float32, whatever the model's dtype
+        if scores.is_contiguous():  # vocabulary-last cross-entropy is the fast kernel; reshape is a view here
+            nll = F.cross_entropy(
+                scores.reshape(-1, scores.shape[-1]), y.reshape(-1), reduction="none", ignore_index=-100
+            )
+            return nll.view(y.shape)
+        return F.cross_entropy(scores.transpose(1, 2), y, reduction="none", ignore_index=-100)  # no copy
+
+    if not chunk_size or chunk_size >= seq - 1:
+        if head is None and logits.is_contiguous():
+            # All T positions as one contiguous view; the last predicts nothing (target -100).
+            padded = F.pad(targets, (0, 1), value=-100)  # [B, T]
+            return block_nll(logits, padded)[:, :-1]
+        return block_nll(inputs, targets)
+    return torch.cat(_over_chunks(block_nll, inputs, targets, chunk_size), dim=1)
 
 
 def default_chunk_size(batch_size: int, vocab_size: int, budget_elements: int = 1 << 24) -> int:

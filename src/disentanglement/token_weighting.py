@@ -20,12 +20,12 @@ Beyond the seed (DESIGN.md section 8), two options change ``pi`` and ``pi_inv``;
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+from .losses import masked_token_nll_per_position
 
 
 @dataclass(frozen=True)
@@ -202,110 +202,6 @@ def align_token_weighting(
     return replace(weighting, token_weights=pi, inverse_token_weights=pi_inv, aligned_base_token_nll=b)
 
 
-def _check_shifted_shapes(logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor) -> tuple[int, int]:
-    """``(B, T)`` of ``input_ids``, which ``logits`` (``[B, T, ...]``) and ``target_mask`` must share."""
-    bsz, seq = input_ids.shape
-    if logits.shape[:2] != (bsz, seq) or target_mask.shape != (bsz, seq):
-        raise ValueError(
-            f"logits {tuple(logits.shape)}, input_ids {tuple(input_ids.shape)} and target_mask "
-            f"{tuple(target_mask.shape)} must agree on [B, T]"
-        )
-    return bsz, seq
-
-
-def apply_head(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
-    """``head(hidden)`` for ``[B, c, H]`` states, as one ``[B c, H] x [H, V]`` matmul: ``[B, c, V]``.
-
-    A chunk of positions of a ``[B, T, H]`` window is a strided view, and a linear layer on a strided
-    3-D input runs as a batched matmul against the weight expanded over the batch (for bf16 weights on
-    the CPU a copy of the whole ``[V, H]`` weight per example, which made the head several times slower
-    than the decoder's body); the rows are made contiguous first (``B c H`` elements), so it is one matmul.
-    """
-    return head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
-
-
-def shifted_nll(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    target_mask: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    chunk_size: int | None = None,
-) -> torch.Tensor:
-    """Masked next-token NLL ``[B, T-1]``; shared by the reference scorer and ``losses``.
-
-    ``out[b, t] = -log softmax(logits[b, t])[input_ids[b, t+1]] * target_mask[b, t+1]``.
-
-    ``logits`` is ``[B, T, V]``, or, when ``head`` is given, the hidden states ``[B, T, H]`` that
-    ``head`` (the LM head) turns into logits. With ``chunk_size`` the positions are processed in
-    chunks under activation checkpointing, so the peak extra memory is one ``[B, chunk, V]`` block
-    in the forward and the backward pass: with ``head`` the full ``[B, T, V]`` logits never exist.
-    Without chunking it is one ``cross_entropy`` call on a view, which materialises nothing beyond
-    what ``cross_entropy`` itself needs.
-    """
-    bsz, seq = _check_shifted_shapes(logits, input_ids, target_mask)
-    targets = input_ids[:, 1:].masked_fill(~target_mask[:, 1:].to(torch.bool), -100)  # [B, T-1]
-    inputs = logits[:, :-1]  # [B, T-1, V or H], a view
-
-    def block_nll(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        scores = apply_head(head, x) if head is not None else x  # [B, c, V]
-        if scores.dtype in (torch.float16, torch.bfloat16):
-            scores = scores.float()  # log-softmax in at least float32, whatever the model's dtype
-        if scores.is_contiguous():  # vocabulary-last cross-entropy is the fast kernel; reshape is a view here
-            nll = F.cross_entropy(
-                scores.reshape(-1, scores.shape[-1]), y.reshape(-1), reduction="none", ignore_index=-100
-            )
-            return nll.view(y.shape)
-        return F.cross_entropy(scores.transpose(1, 2), y, reduction="none", ignore_index=-100)  # no copy
-
-    if chunk_size is None or chunk_size >= seq - 1:
-        if head is None and logits.is_contiguous():
-            # All T positions as one contiguous view; the last predicts nothing (target -100).
-            padded = F.pad(targets, (0, 1), value=-100)  # [B, T]
-            return block_nll(logits, padded)[:, :-1]
-        return block_nll(inputs, targets)
-    # Under no_grad nothing is saved for backward, so chunks need no checkpointing.
-    run = (lambda f, *a: checkpoint(f, *a, use_reentrant=False)) if torch.is_grad_enabled() else (lambda f, *a: f(*a))
-    blocks = [
-        run(block_nll, inputs[:, i : i + chunk_size], targets[:, i : i + chunk_size])
-        for i in range(0, seq - 1, chunk_size)
-    ]
-    return torch.cat(blocks, dim=1)
-
-
-@torch.no_grad()
-def shifted_nll_and_entropy(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    target_mask: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """No-grad masked next-token NLL and predictive entropy, ``[B, T-1]`` each, from one log-softmax.
-
-    ``nll[b, t]`` is :func:`shifted_nll`'s (in at least float32, as there for half-precision logits; float32
-    for float64 logits too); ``entropy[b, t] = H(softmax(logits[b, t])) * target_mask[b, t+1]``,
-    the entropy (nats) of the distribution that predicts token ``t + 1``, whatever that token is.
-    ``logits`` is ``[B, T, V]``, or hidden states ``[B, T, H]`` when ``head`` is given; with
-    ``chunk_size`` the positions go through the head and the softmax one chunk at a time.
-    """
-    bsz, seq = _check_shifted_shapes(logits, input_ids, target_mask)
-    supervised = target_mask[:, 1:].to(torch.bool)  # [B, T-1]
-    targets = input_ids[:, 1:].masked_fill(~supervised, 0)  # [B, T-1], any valid id where unsupervised
-    inputs = logits[:, :-1]  # [B, T-1, V or H]
-    step = max(1, chunk_size or inputs.shape[1])
-    nll_blocks, entropy_blocks = [], []
-    for i in range(0, inputs.shape[1], step):
-        scores = inputs[:, i : i + step]
-        log_p = F.log_softmax((apply_head(head, scores) if head is not None else scores).float(), dim=-1)  # [B, c, V]
-        nll_blocks.append(-log_p.gather(-1, targets[:, i : i + step].unsqueeze(-1)).squeeze(-1))
-        # p log p with p = 0 is 0: a -inf logit (a token ruled out) must not give 0 * -inf = NaN.
-        entropy_blocks.append(-(log_p.exp() * log_p.clamp_min(torch.finfo(log_p.dtype).min)).sum(-1))
-    empty = inputs.new_zeros(bsz, 0, dtype=torch.float32)
-    nll = torch.cat(nll_blocks, dim=1) if nll_blocks else empty
-    entropy = torch.cat(entropy_blocks, dim=1) if entropy_blocks else empty
-    return torch.where(supervised, nll, 0.0), torch.where(supervised, entropy, 0.0)
-
-
 @torch.no_grad()
 def score_zfree_reference(
     reference_model: torch.nn.Module,
@@ -317,13 +213,13 @@ def score_zfree_reference(
 
     Runs in eval mode under ``torch.no_grad()`` and restores the caller's train/eval mode.
     ``target_mask`` is ``[B, T]`` over tokens (1 on response tokens), as for
-    :func:`disentanglement.losses.masked_token_nll_per_position`.
+    :func:`~disentanglement.losses.masked_token_nll_per_position`, whose NLL it is.
     """
     was_training = reference_model.training
     reference_model.eval()
     try:
         logits = reference_model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
-        return shifted_nll(logits.float(), input_ids, target_mask).float()
+        return masked_token_nll_per_position(logits.float(), input_ids, target_mask).float()
     finally:
         reference_model.train(was_training)
 
