@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from disentanglement.config import ModelConfig, build_config
-from disentanglement.cvae_base import CVAEBase
+from disentanglement.cvae_base import CVAEBase, WeightingParams
 from disentanglement.data import Example, load_chatterbot, tokenize_pairs
 from disentanglement.features import _WEIGHTING_STATISTICS, FeatureCache, build_feature_cache
 from disentanglement.lm import load_model_and_tokenizer
@@ -112,7 +112,7 @@ def quantities(cache: FeatureCache, alphas: Sequence[float], eps: float) -> dict
         "c_base": torch.tensor([estimate_zfree_reference_scale(cache.example_base_losses())]),
     }
     for alpha in alphas:
-        tokens, stats = cache.response_weighting(("surprisal", float(alpha), eps, 1.0))
+        tokens, stats = cache.response_weighting(WeightingParams("surprisal", float(alpha), eps, 1.0))
         tag = f"a={alpha:g}"
         out[f"pi_t ({tag})"] = tokens[:, 1]
         out[f"pi_inv_t ({tag})"] = tokens[:, 2]

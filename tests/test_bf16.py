@@ -54,7 +54,9 @@ def peaked_llama(vocab: int = 103, seed: int = 0):
 
 # -- detection and resolve_dtype ---------------------------------------------------------------------------
 def _torch_checks(monkeypatch, amx: bool | None, avx512_bf16: bool | None) -> None:
-    """Set torch.cpu's checks (None: this torch has no such check)."""
+    """Set torch.cpu's checks (None: this torch has no such check), with oneDNN present (as on a torch
+    built without it the answer is False whatever the CPU says)."""
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
     for name, value in (("_is_amx_tile_supported", amx), ("_is_avx512_bf16_supported", avx512_bf16)):
         if value is None:
             monkeypatch.delattr(torch.cpu, name, raising=False)

@@ -599,3 +599,13 @@ def test_chunked_lm_head_never_saves_a_full_logits_block():
     run("chunked", lambda: masked_token_nll_per_position(hidden, ids, mask, chunk_size=chunk, head=head))
     assert largest["plain"] >= B * (T - 1) * V  # the plain path keeps [B, T-1, V] log-probabilities
     assert largest["chunked"] <= max(B * T * H, V * H)  # only inputs and weights are kept; logits are recomputed
+
+
+def test_apply_head_is_the_head_on_every_position_including_an_empty_chunk():
+    from disentanglement.losses import apply_head
+
+    head = torch.nn.Linear(4, 7).double()
+    window = torch.randn(3, 10, 4, dtype=torch.float64)
+    chunk = window[:, 2:6]  # a strided view, as the chunked NLL passes it
+    torch.testing.assert_close(apply_head(head, chunk), head(chunk), rtol=0, atol=1e-12)
+    assert apply_head(head, window[:, 5:5]).shape == (3, 0, 7)  # no positions: [B, 0, V], not an error

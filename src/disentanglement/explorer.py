@@ -113,7 +113,7 @@ def discrete_groups(rows: Sequence[Mapping[str, Any]], codebook_size: int, count
             members = [i for i, r in enumerate(rows) if int(r["codes"][slot]) == code]
             ranked = sorted(members, key=lambda i: (-float(rows[i]["posterior"][slot][code]), i))[:count]
             codes = [
-                code if m == slot else (_most_common([int(rows[i]["codes"][m]) for i in members]) or overall[m])
+                code if m == slot else _most_common_or([int(rows[i]["codes"][m]) for i in members], overall[m])
                 for m in range(M)
             ]
             groups.append(
@@ -136,6 +136,12 @@ def _most_common(values: Sequence[int]) -> int | None:
         return None
     counts = Counter(values)
     return min(counts, key=lambda v: (-counts[v], v))
+
+
+def _most_common_or(values: Sequence[int], default: int) -> int:
+    """:func:`_most_common` of ``values``, ``default`` when there are none (code 0 is a code, not "none")."""
+    found = _most_common(values)
+    return default if found is None else found
 
 
 def cluster_groups(mu: Sequence[Sequence[float]], num_clusters: int, count: int, seed: int = 0) -> list[dict[str, Any]]:

@@ -77,7 +77,8 @@ def apply_head(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tenso
     the CPU a copy of the whole ``[V, H]`` weight per example, which made the head several times slower
     than the decoder's body); the rows are made contiguous first (``B c H`` elements), so it is one matmul.
     """
-    return head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
+    out = head(hidden.reshape(-1, hidden.shape[-1]))  # [B c, V]
+    return out.view(*hidden.shape[:-1], out.shape[-1])  # (an explicit V: a chunk may have no positions)
 
 
 def _over_chunks(

@@ -656,7 +656,9 @@ def _check_fingerprint(resumed: CheckpointContents | None, fingerprint: str) -> 
         raise ConfigError(
             f"cannot resume {resumed.path}: the data, the tokenizer or the frozen model differ from the run's "
             f"(fingerprint {fingerprint}, the run's {resumed.trainer_state['frozen_pass_fingerprint']}); "
-            "resuming would continue on other data: start a new run"
+            "the fingerprint includes the decoder weights' dtype, so a run started in float32 resumes only "
+            "with --dtype float32 (dtype: auto now chooses bf16 on CUDA and on CPUs with fast bf16); "
+            "otherwise resuming would continue on other data: start a new run"
         )
 
 
