@@ -503,16 +503,7 @@ def run_eval(
         checkpoint, model_and_tokenizer, options.device
     )
     examples, description = load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
-    model_device = next(model.parameters()).device
-    cache = build_feature_cache(
-        model,
-        examples,
-        tokenizer.pad_token_id,
-        options.batch_size,
-        model_device,
-        options.progress,
-        description="frozen pass",
-    )
+    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress)
     body = evaluate(
         model,
         examples,
@@ -711,15 +702,8 @@ def run_inspect(
     )
     written: list[Path] = []
     if options.plots:
-        model_device = next(model.parameters()).device
         cache = build_feature_cache(
-            model,
-            examples,
-            tokenizer.pad_token_id,
-            options.batch_size,
-            model_device,
-            options.progress,
-            description="frozen pass",
+            model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress
         )
         written = write_run_plots(
             out_dir, model, examples, cache, tokenizer.pad_token_id, run_dir / "metrics.jsonl", seed=options.seed

@@ -302,10 +302,7 @@ def _encode_to_file(
     model, tokenizer, config, _, _, _ = commands.load_checkpoint(checkpoint, model_and_tokenizer, device)
     examples, _ = commands.load_examples(data, config, tokenizer, max_examples, seed)
     pairs = raw_pairs(data, config, examples)
-    model_device = next(model.parameters()).device
-    cache = build_feature_cache(
-        model, examples, tokenizer.pad_token_id, batch_size, model_device, progress, description="frozen pass"
-    )
+    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, batch_size, progress=progress)
     rows = encode_examples(
         model,
         examples,
@@ -734,8 +731,7 @@ def encode_pairs(
     if not normalised:
         raise ValueError("encode_pairs needs at least one pair")
     examples, _ = tokenize_pairs(normalised, tokenizer, config.data)
-    device = next(model.parameters()).device
-    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, batch_size, device, progress)
+    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, batch_size, progress=progress)
     return encode_examples(
         model,
         examples,

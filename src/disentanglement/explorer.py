@@ -237,9 +237,7 @@ def explore(
     if not examples or len(pairs) != len(examples):
         raise ValueError(f"{len(pairs)} pairs for {len(examples)} examples; the explorer needs one pair per example")
     device = next(model.parameters()).device
-    cache = build_feature_cache(
-        model, examples, tokenizer.pad_token_id, batch_size, device, progress, description="frozen pass"
-    )
+    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, batch_size, device, progress)
     rows = encode_examples(
         model,
         examples,

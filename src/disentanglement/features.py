@@ -200,11 +200,14 @@ def build_feature_cache(
     examples: Sequence[Example],
     pad_token_id: int,
     batch_size: int = 16,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
     progress: bool = True,
     description: str = "frozen pass",
 ) -> FeatureCache:
-    """Run the frozen pass once over ``examples`` (in length order, to pad little)."""
+    """Run the frozen pass once over ``examples`` (in length order, to pad little), on ``device``
+    (default: where the model is)."""
+    if device is None:
+        device = next(model.parameters()).device
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
     response_nll: list[torch.Tensor | None] = [None] * len(examples)
     prior: list[torch.Tensor | None] = [None] * len(examples)
