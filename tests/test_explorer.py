@@ -17,7 +17,6 @@ import select
 import shutil
 import subprocess
 import time
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from disentanglement.explorer import (
     run_explore,
 )
 from disentanglement.inspection import QUANTITIES
+from helpers import check_html
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -110,37 +110,17 @@ def _page(response: str = "Hello", prompt: str = "Hi", label="a") -> dict:
     }
 
 
-class Tags(HTMLParser):
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.tags: list[str] = []
-        self.token_text = ""
-        self._in_tok = False
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append(tag)
-        self._in_tok = tag == "span" and ("class", "tok") in attrs
-
-    def handle_endtag(self, tag):
-        self._in_tok = False
-
-    def handle_data(self, data):
-        if self._in_tok:
-            self.token_text += data
-
-
 MALICIOUS = '</script><script>alert(1)</script><img src=x onerror="alert(2)"> & <b>bold</b>'
 
 
 def test_user_text_is_escaped_everywhere():
     text = render_explorer_html(_page(response=MALICIOUS, prompt="<i>prompt</i>", label={"style": "<u>x</u>"}))
-    parser = Tags()
-    parser.feed(text)
+    parser = check_html(text)
     assert parser.tags.count("script") == 2  # the page's own data and code
     assert not {"img", "b", "i", "u"} & set(parser.tags)
     assert "<img" not in text and "<b>" not in text and "<i>prompt" not in text and "<u>x" not in text
     assert text.count("</script>") == 2
-    assert parser.token_text == MALICIOUS  # the token spans show the response as it is
+    assert "".join(parser.token_texts) == MALICIOUS  # the token spans show the response as it is
     assert "&lt;img src=x onerror=&quot;alert(2)&quot;&gt;" in text
     assert "http://" not in text and "https://" not in text
 
@@ -214,8 +194,7 @@ def discrete_page(discrete_run, tmp_path_factory) -> Path:
 
 def test_page_content_of_a_discrete_run(discrete_page):
     text = discrete_page.read_text()
-    parser = Tags()
-    parser.feed(text)
+    parser = check_html(text)
     assert text.startswith("<!DOCTYPE html>") and "http://" not in text and "https://" not in text
     assert "<link" not in text and " src=" not in text  # nothing loaded from anywhere
     for code in range(NUM_FACTORS):
@@ -224,6 +203,10 @@ def test_page_content_of_a_discrete_run(discrete_page):
     assert len(shares) == NUM_FACTORS and sum(shares) == pytest.approx(1.0, abs=1e-5)
     assert text.count('class="gen generation"') == 2 * NUM_FACTORS
     assert parser.tags.count("script") == 2
+    groups = parser.find_all("section", "group")
+    assert [g.attrs["data-group"] for g in groups] == [f"s0-c{code}" for code in range(NUM_FACTORS)]
+    assert [float(g.attrs["data-share"]) for g in groups] == shares
+    assert len(parser.find_all("td", "generation")) == 2 * NUM_FACTORS
 
 
 def test_continuous_page(continuous_run, tmp_path):
@@ -239,7 +222,11 @@ def test_continuous_page(continuous_run, tmp_path):
         model_and_tokenizer=model_and_tokenizer(),
     )
     text = path.read_text()
+    parser = check_html(text)
     assert all(f'data-group="k{k}"' in text for k in range(3)) and 'data-group="k3"' not in text
+    assert [g.attrs["data-group"] for g in parser.find_all("section", "group")] == ["k0", "k1", "k2"]
+    prompts = [td.text for td in parser.find_all("td", "gen") if "generation" not in td.classes]
+    assert prompts == ["red cat 1"] * 3  # one prompt, generated under each cluster's latent
     assert text.count('class="gen generation"') == 3 and "red cat 1" in text
 
 
@@ -265,7 +252,10 @@ def test_factor_labels_are_distributed_per_factor(discrete_run, tmp_path):
     )
     assert path == discrete_run.run_dir / "inspect" / "explorer.html"  # the default place
     text = path.read_text()
+    parser = check_html(text)
     assert text.count('data-factor="factor"') == text.count('data-factor="half"') > 0
+    tables = parser.find_all("table", "labels")
+    assert [t.attrs["data-factor"] for t in tables] == ["factor", "half"] * (len(tables) // 2)
     assert "generated under this latent" not in text and "no prompts" in text
     # each group's label counts add up to its examples, per factor
     for section in text.split('<section class="group')[1:]:
@@ -288,6 +278,7 @@ def test_cli_explore(discrete_run, tmp_path, injected_loader, capsys):
     argv = ["inspect", str(discrete_run.checkpoint), "--explore", "--output", str(page), "--no-progress"]
     assert cli.main(argv + ["--explore-tokens", "3", "--explore-prompts", "1", "--explore-examples", "1"]) == 0
     assert f"explorer: {page}" in capsys.readouterr().out and page.is_file()
+    assert len(check_html(page.read_text()).find_all("section", "group")) == NUM_FACTORS
     assert cli.main(argv + ["--explore-tokens", "0"]) == 2
     assert "--explore-tokens" in capsys.readouterr().err
     assert cli.main(["inspect", str(discrete_run.checkpoint), "--output", str(page)]) == 2

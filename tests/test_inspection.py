@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from html.parser import HTMLParser
 
 import pytest
 
@@ -13,60 +12,10 @@ from conftest import model_and_tokenizer
 from disentanglement import cli, trainer
 from disentanglement.commands import load_examples, run_inspect
 from disentanglement.inspection import QUANTITIES
+from disentanglement.report import read_metrics_jsonl
+from helpers import capture_figures, check_html, line_series, tick_labels, visible_axes
 
 PNG = b"\x89PNG\r\n\x1a\n"
-VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
-
-
-class Page(HTMLParser):
-    """Checks that tags nest and close; collects the token spans, their text and every tag seen."""
-
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.stack: list[str] = []
-        self.errors: list[str] = []
-        self.tags: list[str] = []
-        self.spans: list[dict[str, str]] = []
-        self.texts: list[str] = []
-        self._in_token = 0
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append(tag)
-        if tag in VOID:
-            return
-        self.stack.append(tag)
-        attrs = dict(attrs)
-        if tag == "span" and "tok" in (attrs.get("class") or "").split():
-            self.spans.append(attrs)
-            self.texts.append("")
-            self._in_token = len(self.stack)
-
-    def handle_startendtag(self, tag, attrs):
-        if tag not in VOID:
-            self.errors.append(f"self-closing <{tag}/>")
-
-    def handle_endtag(self, tag):
-        if tag in VOID:
-            return
-        if not self.stack or self.stack[-1] != tag:
-            self.errors.append(f"</{tag}> closes {self.stack[-1:]}")
-            return
-        if self._in_token == len(self.stack):
-            self._in_token = 0
-        self.stack.pop()
-
-    def handle_data(self, data):
-        if self._in_token:
-            self.texts[-1] += data
-
-
-def parse(text: str) -> Page:
-    page = Page()
-    page.feed(text)
-    page.close()
-    assert not page.errors, page.errors
-    assert not page.stack, f"unclosed {page.stack}"
-    return page
 
 
 def visible(token: str) -> str:
@@ -77,34 +26,35 @@ def visible(token: str) -> str:
 @pytest.fixture(scope="module")
 def discrete_inspection(discrete_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("inspect")
-    paths = run_inspect(
-        discrete_run.checkpoint, index=3, output_dir=out, progress=False, model_and_tokenizer=model_and_tokenizer()
-    )
-    return paths, out
+    with capture_figures() as figures:
+        paths = run_inspect(
+            discrete_run.checkpoint, index=3, output_dir=out, progress=False, model_and_tokenizer=model_and_tokenizer()
+        )
+    return paths, out, figures
 
 
 def test_html_is_well_formed_and_agrees_with_its_sidecar(discrete_run, discrete_inspection):
-    paths, out = discrete_inspection
+    paths, out, _ = discrete_inspection
     assert paths["html"] == out / "inspect_3.html" and paths["json"] == out / "inspect_3.json"
     sidecar = json.loads(paths["json"].read_text())
     text = paths["html"].read_text()
     assert text.startswith("<!DOCTYPE html>") and "http://" not in text and "https://" not in text
-    page = parse(text)
+    page = check_html(text)
 
     _, tok, config, _ = discrete_run.load()
     example = load_examples("validation", config, tok)[0][3]
     tokens = sidecar["tokens"]
     # every response token exactly once, in order
-    assert len(tokens) == len(page.spans) == len(example.response_ids)
-    assert [int(s["data-i"]) for s in page.spans] == list(range(len(tokens)))
+    assert len(tokens) == len(page.token_spans) == len(example.response_ids)
+    assert [int(s["data-i"]) for s in page.token_spans] == list(range(len(tokens)))
     assert "".join(tokens) == tok.decode(example.response_ids, skip_special_tokens=False)
-    assert page.texts == [visible(t) for t in tokens]
-    assert [s["data-token"] for s in page.spans] == tokens
+    assert page.token_texts == [visible(t) for t in tokens]
+    assert [s["data-token"] for s in page.token_spans] == tokens
     # the page's numbers are the sidecar's
     assert set(sidecar["values"]) == set(QUANTITIES)
     for key, values in sidecar["values"].items():
         assert len(values) == len(tokens)
-        assert [s[f"data-{key}"] for s in page.spans] == [f"{v:.4g}" for v in values]
+        assert [s[f"data-{key}"] for s in page.token_spans] == [f"{v:.4g}" for v in values]
     values = sidecar["values"]
     for i in range(len(tokens)):
         assert values["gain"][i] == pytest.approx(values["zfree_surprisal"][i] - values["conditioned_nll"][i])
@@ -121,12 +71,50 @@ def test_html_is_well_formed_and_agrees_with_its_sidecar(discrete_run, discrete_
 
 
 def test_plots_are_written_and_non_empty(discrete_inspection):
-    paths, out = discrete_inspection
+    paths, out, _ = discrete_inspection
     names = {p.name for p in paths["plots"]}
     assert {"training_curves.png", "kl.png", "schedules.png", "code_usage.png", "code_label_heatmap.png"} <= names
     for path in paths["plots"]:
         data = path.read_bytes()
         assert path.parent == out and data.startswith(PNG) and len(data) > 1000
+
+
+def test_plots_draw_the_metrics_log_and_the_codes_of_the_data(discrete_run, discrete_inspection):
+    paths, _, figures = discrete_inspection
+    assert set(figures) == {p.name for p in paths["plots"]}
+    # the training curves: one panel per numeric key of the run's metrics log, each its logged values by step
+    log = read_metrics_jsonl(discrete_run.run_dir / "metrics.jsonl")
+    numeric = {
+        k: v
+        for r in log
+        for k, v in r.items()
+        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+    panels = {ax.get_title(): ax for ax in visible_axes(figures["training_curves.png"])}
+    assert set(panels) == {k for k in numeric if any(math.isfinite(r.get(k, math.nan)) for r in log)}
+    assert "loss" in panels and all(ax.get_xlabel() == "step" for ax in panels.values())
+    logged = [r for r in log if math.isfinite(r.get("loss", math.nan))]
+    assert line_series(panels["loss"]) == [([float(r["step"]) for r in logged], [float(r["loss"]) for r in logged])]
+    (kl,) = visible_axes(figures["kl.png"])
+    assert kl.get_title() == "KL terms" and {line.get_label() for line in kl.get_lines()} == {
+        k for k in panels if "kl" in k.lower()
+    }
+    assert {ax.get_title() for ax in visible_axes(figures["schedules.png"])} <= {"beta", "temperature", "lr"}
+    # code usage: one bar chart per slot, a bar per code, the bars counting every example of the data
+    _, tok, config, _ = discrete_run.load()
+    examples = load_examples("validation", config, tok)[0]
+    slots = visible_axes(figures["code_usage.png"])
+    assert len(slots) == config.latent.num_slots
+    for m, ax in enumerate(slots):
+        assert len(ax.patches) == config.latent.codebook_size and ax.get_title().startswith(f"slot {m}: perplexity")
+        assert sum(p.get_height() for p in ax.patches) == len(examples)
+    # the code x label heat map: the data's labels across, the codes used down, every example counted once
+    ax, colorbar = visible_axes(figures["code_label_heatmap.png"])
+    (image,) = ax.get_images()
+    assert (ax.get_xlabel(), ax.get_ylabel(), colorbar.get_ylabel()) == ("label", "code", "count")
+    assert set(tick_labels(ax, "x")) == {str(e.label) for e in examples}
+    assert set(tick_labels(ax, "y")) <= {str(k) for k in range(config.latent.codebook_size)}
+    assert image.get_array().sum() == len(examples)
 
 
 def test_markup_in_token_text_is_escaped(discrete_run, tmp_path):
@@ -143,12 +131,12 @@ def test_markup_in_token_text_is_escaped(discrete_run, tmp_path):
     )
     assert paths["plots"] == []
     text = paths["html"].read_text()
-    page = parse(text)
+    page = check_html(text)
     assert page.tags.count("script") == 2  # the page's own data and code, nothing from the tokens
     assert "b" not in page.tags and "i" not in page.tags
     assert "<script>alert" not in text and "&lt;" in text and "&amp;" in text
     sidecar = json.loads(paths["json"].read_text())
-    assert "".join(page.texts) == "".join(sidecar["tokens"]) == response + "<|im_end|>"
+    assert "".join(page.token_texts) == "".join(sidecar["tokens"]) == response + "<|im_end|>"
     assert sidecar["meta"]["prompt"] == "red <i>cat</i> 5\n"
 
 
@@ -215,13 +203,22 @@ def test_factor_labels_get_one_heat_map_each(discrete_run, tmp_path):
             for i, r in enumerate(rows)
         )
     )
-    paths = run_inspect(
-        discrete_run.checkpoint,
-        data=str(data),
-        index=0,
-        output_dir=tmp_path / "out",
-        progress=False,
-        model_and_tokenizer=model_and_tokenizer(),
-    )
+    with capture_figures() as figures:
+        paths = run_inspect(
+            discrete_run.checkpoint,
+            data=str(data),
+            index=0,
+            output_dir=tmp_path / "out",
+            progress=False,
+            model_and_tokenizer=model_and_tokenizer(),
+        )
     names = {p.name for p in paths["plots"]}
     assert {"code_factor_heatmap.png", "code_half_heatmap.png"} <= names and "code_label_heatmap.png" not in names
+    # each heat map has its own factor's values across, and counts all 24 examples
+    for file, values in (
+        ("code_factor_heatmap.png", {r["label"] for r in rows}),
+        ("code_half_heatmap.png", {"0", "1"}),
+    ):
+        ax, _ = visible_axes(figures[file])
+        assert set(tick_labels(ax, "x")) == {str(v) for v in values}
+        assert ax.get_images()[0].get_array().sum() == len(rows)

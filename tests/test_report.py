@@ -1,76 +1,12 @@
 import json
 import math
 import re
-from html.parser import HTMLParser
 
 import pytest
 
 from disentanglement import metrics as M
 from disentanglement import report as R
-
-VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
-
-
-class BalanceChecker(HTMLParser):
-    """Checks that every non-void tag is closed in order; collects token spans and script data."""
-
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.stack: list[str] = []
-        self.errors: list[str] = []
-        self.token_spans: list[dict[str, str]] = []
-        self.token_text: list[str] = []
-        self.tags: list[str] = []
-        self.scripts: dict[str, str] = {}
-        self._script_id: str | None = None
-        self._in_tok = 0
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append(tag)
-        attrs = dict(attrs)
-        if tag in VOID:
-            return
-        self.stack.append(tag)
-        if tag == "span" and "tok" in (attrs.get("class") or "").split():
-            self.token_spans.append(attrs)
-            self.token_text.append("")
-            self._in_tok = len(self.stack)
-        if tag == "script":
-            self._script_id = attrs.get("id", "")
-            self.scripts[self._script_id] = ""
-
-    def handle_startendtag(self, tag, attrs):
-        self.tags.append(tag)
-        if tag not in VOID:
-            self.errors.append(f"self-closing non-void <{tag}/>")
-
-    def handle_endtag(self, tag):
-        if tag in VOID:
-            return
-        if not self.stack or self.stack[-1] != tag:
-            self.errors.append(f"unbalanced </{tag}> with open {self.stack[-3:]}")
-            return
-        if self._in_tok == len(self.stack):
-            self._in_tok = 0
-        self.stack.pop()
-        if tag == "script":
-            self._script_id = None
-
-    def handle_data(self, data):
-        if self._script_id is not None:
-            self.scripts[self._script_id] += data
-        elif self._in_tok:
-            self.token_text[-1] += data
-
-
-def parse(page: str) -> BalanceChecker:
-    p = BalanceChecker()
-    p.feed(page)
-    p.close()
-    assert not p.errors, p.errors
-    assert not p.stack, f"unclosed tags {p.stack}"
-    return p
-
+from helpers import capture_figures, check_html, line_series, tick_labels, visible_axes
 
 TOKENS = ["Hello", " world", "<b>&", "\n", ' "quoted"', "</script>", "  two spaces", "x\ny"]
 VALUES = {
@@ -83,7 +19,7 @@ VALUES = {
 def test_html_well_formed_one_span_per_token_and_escaped():
     page = R.render_token_html(TOKENS, VALUES, "Example <report>", meta={"model": "tiny & <odd>", "step": 3})
     assert page.startswith("<!DOCTYPE html>")
-    p = parse(page)
+    p = check_html(page)
     assert len(p.token_spans) == len(TOKENS)
     # raw markup never appears: "<b>" is only a token's text, never a tag; no stray tags
     assert "b" not in p.tags and "odd" not in p.tags and "report" not in p.tags
@@ -96,10 +32,10 @@ def test_html_well_formed_one_span_per_token_and_escaped():
         assert attrs["data-zfree_surprisal"] == f"{VALUES['zfree_surprisal'][i]:.4g}"
         assert "background-color" in attrs["style"]
     # visible whitespace: newline drawn as a return arrow followed by a line break; spaces kept
-    assert p.token_text[3] == "\u21b5"
-    assert p.token_text[7] == "x\u21b5y"
+    assert p.token_texts[3] == "\u21b5"
+    assert p.token_texts[7] == "x\u21b5y"
     assert page.count("\u21b5<br>") == 2
-    assert p.token_text[6] == "  two spaces"
+    assert p.token_texts[6] == "  two spaces"
     assert p.token_spans[6]["data-gain"] == "n/a"
     # a select listing every quantity; the default is selected
     for key in VALUES:
@@ -109,7 +45,7 @@ def test_html_well_formed_one_span_per_token_and_escaped():
 
 def test_html_embedded_json_matches_inputs_and_no_network():
     page = R.render_token_html(TOKENS, VALUES, "t", default="gain")
-    p = parse(page)
+    p = check_html(page)
     raw = p.scripts["token-data"]
     assert "</" not in raw
     data = json.loads(raw)
@@ -128,14 +64,14 @@ def test_html_embedded_json_matches_inputs_and_no_network():
 
 def test_html_colour_scales():
     page = R.render_token_html(["a", "b", "c"], {"gain": [-2.0, 0.0, 1.0], "nll": [0.0, 1.0, 2.0]}, "t", default="nll")
-    spans = parse(page).token_spans
+    spans = check_html(page).token_spans
     assert [s["style"] for s in spans] == [
         "background-color:rgb(255,255,255)",
         "background-color:rgb(255,128,128)",
         "background-color:rgb(255,0,0)",
     ]
     page = R.render_token_html(["a", "b", "c"], {"gain": [-2.0, 0.0, 1.0]}, "t")
-    spans = parse(page).token_spans
+    spans = check_html(page).token_spans
     assert [s["style"] for s in spans] == [
         "background-color:rgb(0,0,255)",
         "background-color:rgb(255,255,255)",
@@ -157,7 +93,7 @@ def test_write_token_report_sidecar_agrees(tmp_path):
     side = json.loads(json_path.read_text())
     assert set(side) == {"title", "meta", "tokens", "values"}
     assert side["tokens"] == TOKENS and side["meta"] == {"k": 1} and side["title"] == "title"
-    p = parse(html_path.read_text(encoding="utf-8"))
+    p = check_html(html_path.read_text(encoding="utf-8"))
     embedded = json.loads(p.scripts["token-data"])
     assert embedded["values"] == side["values"]
     assert side["values"]["token_weight"] == VALUES["token_weight"]
@@ -203,22 +139,82 @@ def synthetic_metrics():
 
 
 def test_plot_training_curves(tmp_path):
-    paths = R.plot_training_curves(synthetic_metrics(), tmp_path / "plots")
+    metrics = synthetic_metrics()
+    with capture_figures() as figures:
+        paths = R.plot_training_curves(metrics, tmp_path / "plots")
     names = sorted(p.name for p in paths)
     assert names == ["kl.png", "schedules.png", "training_curves.png"]
     for p in paths:
         assert_png(p)
+    assert sorted(figures) == names
+    steps = [float(r["step"]) for r in metrics]
+
+    def drawn(key):
+        return steps, [float(r[key]) for r in metrics]
+
+    # the grid: one panel per numeric key with a finite value, titled by it, x = step (NaN, str, bool left out)
+    numeric = ["loss", "kl", "kl_per_slot_mean", "beta", "temperature", "lr"]
+    grid = visible_axes(figures["training_curves.png"])
+    assert [ax.get_title() for ax in grid] == numeric
+    for ax, key in zip(grid, numeric, strict=True):
+        assert ax.get_xlabel() == "step"
+        assert line_series(ax) == [drawn(key)]
+    # the KL plot: the keys containing "kl" on one axes, with a legend naming them
+    (kl,) = visible_axes(figures["kl.png"])
+    assert (kl.get_title(), kl.get_xlabel(), kl.get_ylabel()) == ("KL terms", "step", "nats")
+    assert line_series(kl) == [drawn("kl"), drawn("kl_per_slot_mean")]
+    assert [line.get_label() for line in kl.get_lines()] == ["kl", "kl_per_slot_mean"]
+    assert [t.get_text() for t in kl.get_legend().get_texts()] == ["kl", "kl_per_slot_mean"]
+    # the schedules: beta, temperature and lr, one panel each
+    schedules = visible_axes(figures["schedules.png"])
+    assert [ax.get_title() for ax in schedules] == ["beta", "temperature", "lr"]
+    for ax, key in zip(schedules, ["beta", "temperature", "lr"], strict=True):
+        assert line_series(ax) == [drawn(key)]
+
     # without KL or schedule keys only the grid is written; nothing numeric -> nothing written
-    only = R.plot_training_curves([{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}], tmp_path / "b")
+    with capture_figures() as figures:
+        only = R.plot_training_curves([{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}], tmp_path / "b")
     assert [p.name for p in only] == ["training_curves.png"]
-    assert R.plot_training_curves([{"step": 1, "note": "x"}], tmp_path / "c") == []
+    (ax,) = visible_axes(figures["training_curves.png"])
+    assert ax.get_title() == "loss" and line_series(ax) == [([1.0, 2.0], [1.0, 0.5])]
+    assert ax.get_lines()[0].get_marker() == "."  # few points: each one marked
+    # a record without a step is drawn at its index; a grid of 4 panels hides the two spare axes of 2 x 3
+    with capture_figures() as figures:
+        R.plot_training_curves([{"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}, {"a": 0.5}], tmp_path / "d")
+    grid = figures["training_curves.png"]
+    assert len(grid.axes) == 6 and [ax.get_title() for ax in visible_axes(grid)] == ["a", "b", "c", "d"]
+    assert line_series(visible_axes(grid)[0]) == [([0.0, 1.0], [1.0, 0.5])]
+    with capture_figures() as figures:
+        assert R.plot_training_curves([{"step": 1, "note": "x"}], tmp_path / "c") == []
+    assert figures == {}
 
 
 def test_plot_code_usage_and_contingency(tmp_path):
     usage = M.code_usage_per_slot([[0, 1], [1, 1], [2, 1], [2, 3]], 4)
-    assert_png(R.plot_code_usage(usage, tmp_path / "usage.png"))
+    with capture_figures() as figures:
+        assert_png(R.plot_code_usage(usage, tmp_path / "usage.png"))
+    # one bar chart per slot: the bars are the code counts, the title its perplexity and codes used
+    slots = visible_axes(figures["usage.png"])
+    assert len(slots) == 2
+    for m, (ax, expected) in enumerate(zip(slots, ([1, 1, 2, 0], [0, 3, 0, 1]), strict=True)):
+        assert [p.get_height() for p in ax.patches] == expected == list(usage[m]["histogram"])
+        assert [p.get_x() + p.get_width() / 2 for p in ax.patches] == pytest.approx([0, 1, 2, 3])
+        used = sum(c > 0 for c in expected)
+        assert ax.get_title() == f"slot {m}: perplexity {usage[m]['perplexity']:.2f}, used {used}/4"
+        assert ax.get_ylabel() == "count"
+    assert slots[-1].get_xlabel() == "code"
+
     agreement = M.label_agreement([0, 0, 1, 2, 2], ["a", "a", "b", "c", "b"])
-    assert_png(R.plot_contingency_heatmap(agreement["contingency"], tmp_path / "heat.png"))
+    contingency = agreement["contingency"]
+    with capture_figures() as figures:
+        assert_png(R.plot_contingency_heatmap(contingency, tmp_path / "heat.png"))
+    ax, colorbar = visible_axes(figures["heat.png"])
+    (image,) = ax.get_images()
+    assert image.get_array().tolist() == [[2, 0, 0], [0, 1, 0], [0, 1, 1]] == contingency["counts"]
+    assert (ax.get_xlabel(), ax.get_ylabel(), colorbar.get_ylabel()) == ("label", "code", "count")
+    assert tick_labels(ax, "x") == ["a", "b", "c"] and tick_labels(ax, "y") == ["0", "1", "2"]
+    # every cell annotated with its count, row by row
+    assert [t.get_text() for t in ax.texts] == ["2", "0", "0", "0", "1", "0", "0", "1", "1"]
 
 
 def test_write_markdown_summary(tmp_path):
@@ -288,3 +284,26 @@ def test_read_metrics_jsonl_leaves_out_a_partial_last_line(tmp_path):
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3}\n')
     with pytest.raises(ValueError, match="line 2: invalid JSON"):
         read_metrics_jsonl(path)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("<div><span></div></span>", "unbalanced"),
+        ("<div><p>open", "unbalanced </body> with open ['body', 'div', 'p']"),
+        ("<div/>", "self-closing"),
+        ('<img src="x.png">', "src="),
+        ('<link rel="stylesheet" href="s.css">', "<link>"),
+        ('<a href="https://example.org">x</a>', "https://"),
+        ("<style>@import 'x.css';</style>", "@import"),
+    ],
+)
+def test_the_html_checker_catches_broken_and_non_self_contained_pages(body, message):
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        check_html(f"<!DOCTYPE html>\n<html><body>{body}</body></html>\n")
+    with pytest.raises(AssertionError, match="unclosed tags"):
+        check_html("<!DOCTYPE html>\n<html><body><div>")
+    page = check_html(
+        '<!DOCTYPE html>\n<html><body><a href="#x">in</a><br><p class="a b" id="x">t<b>u</b></p></body></html>'
+    )
+    assert page.by_id("x").text == "tu" and page.find("p", "b").classes == ["a", "b"] and page.tags.count("br") == 1

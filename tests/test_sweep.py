@@ -12,6 +12,7 @@ from conftest import hidden_factor_prompts, model_and_tokenizer
 from disentanglement import cli, sweep
 from disentanglement.config import ConfigError
 from disentanglement.data import make_hidden_factor_pairs
+from helpers import capture_figures, tick_labels, visible_axes
 
 BASE = dict(
     max_steps=4,
@@ -95,15 +96,47 @@ def test_flatten_report_keeps_finite_numbers_only():
     assert flat == {"a": 1.0, "b.c": 2.5, "g": 1.0}
 
 
+def test_plot_summary_draws_each_cells_mean_and_interval(tmp_path):
+    summary = {
+        "a": {"label_nmi": (0.5, 0.1, 3), "kl": (2.0, 0.5, 3)},
+        "b": {"label_nmi": (0.25, float("nan"), 1), "kl": (1.0, 0.0, 1)},
+    }
+    with capture_figures() as figures:
+        path = sweep.plot_summary(summary, tmp_path / "sweep.png")
+    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    panels = visible_axes(figures["sweep.png"])
+    assert [ax.get_title() for ax in panels] == ["label_nmi", "kl"]
+    for ax, key in zip(panels, ("label_nmi", "kl"), strict=True):
+        assert tick_labels(ax, "y") == ["a", "b"] and ax.yaxis_inverted()  # the first cell on top
+        points, _, (bars,) = ax.containers[0]
+        assert list(points.get_xdata()) == [summary["a"][key][0], summary["b"][key][0]]
+        assert list(points.get_ydata()) == [0, 1]
+        half = [summary[c][key][1] for c in ("a", "b")]
+        half = [0.0 if math.isnan(h) else h for h in half]  # one seed: no interval drawn
+        ends = [x for seg in bars.get_segments() for x in (seg[0][0], seg[1][0])]
+        means = list(points.get_xdata())
+        assert ends == pytest.approx([x for m, h in zip(means, half, strict=True) for x in (m - h, m + h)])
+
+
 def test_sweep_runs_every_cell_and_seed_resumes_and_skips_what_is_done(tmp_path, data_file, monkeypatch):
     spec = spec_for(data_file)
-    rows = sweep.run_sweep(spec, tmp_path, model_factory=model_and_tokenizer)
+    with capture_figures() as figures:
+        rows = sweep.run_sweep(spec, tmp_path, model_factory=model_and_tokenizer)
     assert [(r["cell"], r["seed"]) for r in rows] == spec.runs()
     with (tmp_path / "sweep.csv").open() as handle:
         table = list(csv.DictReader(handle))
     assert len(table) == 4 and {"cell", "seed", "reconstruction_weight", "label_nmi"} <= set(table[0])
     md = (tmp_path / "sweep.md").read_text()
     assert "| raw | reconstruction_weight=1 |" in md and "±" in md and (tmp_path / "sweep.png").stat().st_size > 1000
+    # sweep.png: one panel per headline metric, each cell's mean over its seeds, cells named down the side
+    keys = sweep.headline_keys(rows)
+    panels = visible_axes(figures["sweep.png"])
+    assert "label_nmi" in keys and [ax.get_title() for ax in panels] == keys
+    for ax, key in zip(panels, keys, strict=True):
+        assert tick_labels(ax, "y") == ["raw", "term3"]
+        (points, _, _) = ax.containers[0]
+        means = [sum(r[key] for r in rows if r["cell"] == c) / 2 for c in ("raw", "term3")]
+        assert list(points.get_xdata()) == pytest.approx(means) and list(points.get_ydata()) == [0, 1]
     report = json.loads((tmp_path / "runs" / "raw" / "seed-1" / "eval" / "sweep_eval.json").read_text())
     assert rows[1]["label_nmi"] == report["label_nmi"]
     # Cells of one seed share one frozen-pass cache.
