@@ -555,7 +555,7 @@ def test_a_checkpoint_config_cannot_redirect_the_model_cache(tmp_path, finished_
     rewrite(checkpoint, "config.yaml", yaml.safe_dump(stored).encode(), update_checksum=True)
     seen = {}
 
-    def fake_load(cfg, device="cpu"):
+    def fake_load(cfg, device="cpu", dtype=None):
         seen["cfg"] = cfg
         tokenizer = tiny_tokenizer()
         return tiny_llama(len(tokenizer)), tokenizer
@@ -602,7 +602,7 @@ def cli_train(tmp_path, monkeypatch):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps({"prompt": p.prompt, "response": p.response}) + "\n" for p in pairs()))
 
-    def fake_load(cfg, device="cpu"):
+    def fake_load(cfg, device="cpu", dtype=None):
         tokenizer = tiny_tokenizer()
         return tiny_llama(len(tokenizer)), tokenizer
 

@@ -289,7 +289,11 @@ def test_run_encode_parquet_equals_jsonl(discrete_run, tmp_path):
 def injected_loader(monkeypatch):
     """``trainer.load_trained`` on a fresh tiny decoder, as the command line would load a real one."""
     original = trainer.load_trained
-    monkeypatch.setattr(trainer, "load_trained", lambda checkpoint, _=None: original(checkpoint, model_and_tokenizer()))
+    monkeypatch.setattr(
+        trainer,
+        "load_trained",
+        lambda checkpoint, _=None, **kwargs: original(checkpoint, model_and_tokenizer(), **kwargs),
+    )
 
 
 def parser():

@@ -307,7 +307,11 @@ def test_load_examples_splits_and_files(discrete_run):
 def injected_loader(monkeypatch):
     """``trainer.load_trained`` on a fresh tiny decoder, as the command line would load a real one."""
     original = trainer.load_trained
-    monkeypatch.setattr(trainer, "load_trained", lambda checkpoint, _=None: original(checkpoint, model_and_tokenizer()))
+    monkeypatch.setattr(
+        trainer,
+        "load_trained",
+        lambda checkpoint, _=None, **kwargs: original(checkpoint, model_and_tokenizer(), **kwargs),
+    )
 
 
 def test_cli_eval(discrete_run, tmp_path, injected_loader, capsys):

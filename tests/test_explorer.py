@@ -270,7 +270,11 @@ def test_factor_labels_are_distributed_per_factor(discrete_run, tmp_path):
 @pytest.fixture
 def injected_loader(monkeypatch):
     original = trainer.load_trained
-    monkeypatch.setattr(trainer, "load_trained", lambda checkpoint, _=None: original(checkpoint, model_and_tokenizer()))
+    monkeypatch.setattr(
+        trainer,
+        "load_trained",
+        lambda checkpoint, _=None, **kwargs: original(checkpoint, model_and_tokenizer(), **kwargs),
+    )
 
 
 def test_cli_explore(discrete_run, tmp_path, injected_loader, capsys):

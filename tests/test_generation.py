@@ -196,7 +196,11 @@ def test_mode_errors(discrete, continuous):
 @pytest.fixture
 def injected_loader(monkeypatch):
     original = trainer.load_trained
-    monkeypatch.setattr(trainer, "load_trained", lambda checkpoint, _=None: original(checkpoint, model_and_tokenizer()))
+    monkeypatch.setattr(
+        trainer,
+        "load_trained",
+        lambda checkpoint, _=None, **kwargs: original(checkpoint, model_and_tokenizer(), **kwargs),
+    )
 
 
 def test_cli_generate_text_and_json(discrete_run, continuous_run, tmp_path, injected_loader, capsys):

@@ -610,8 +610,11 @@ def load_trainable_weights(model, checkpoint: Path) -> None:
     apply_trainable_weights(model, read_model_state(checkpoint, state), checkpoint)
 
 
-def load_trained(checkpoint: str | Path, model_and_tokenizer: tuple[Any, Any] | None = None):
+def load_trained(checkpoint: str | Path, model_and_tokenizer: tuple[Any, Any] | None = None, device: Any = "cpu"):
     """Rebuild a trained CVAE from a checkpoint or run directory: ``(model, tokenizer, config, trainer_state)``.
+
+    The decoder is loaded (on the CPU) in the dtype its config resolves to for ``device``, where the caller
+    will run it: ``dtype: auto`` is bf16 on CUDA whatever the CPU supports, as in training.
 
     The decoder is loaded with the user's model cache (``ModelConfig.model_cache_dir`` of the stored
     config is ignored): a command that reads a checkpoint writes nothing outside the run directory and
@@ -634,9 +637,11 @@ def load_trained(checkpoint: str | Path, model_and_tokenizer: tuple[Any, Any] | 
         train=dataclasses.replace(config.train, feature_cache_dir=None),
     )
     if model_and_tokenizer is None:
-        from .lm import load_model_and_tokenizer
+        from .lm import load_model_and_tokenizer, resolve_dtype
 
-        decoder, tokenizer = load_model_and_tokenizer(config.model, device="cpu")
+        decoder, tokenizer = load_model_and_tokenizer(
+            config.model, device="cpu", dtype=resolve_dtype(config.model, device)
+        )
     else:
         decoder, tokenizer = model_and_tokenizer
     model = build_cvae(config, decoder)

@@ -71,8 +71,9 @@ def load_checkpoint(checkpoint: str | Path, model_and_tokenizer=None, device: st
     from . import trainer
 
     checkpoint_dir, run_dir = resolve_run(checkpoint)
-    model, tokenizer, config, state = trainer.load_trained(checkpoint_dir, model_and_tokenizer)
-    model = model.to(trainer.choose_device(device)).eval()
+    target = trainer.choose_device(device)
+    model, tokenizer, config, state = trainer.load_trained(checkpoint_dir, model_and_tokenizer, device=target)
+    model = model.to(target).eval()
     return model, tokenizer, config, state, checkpoint_dir, run_dir
 
 
