@@ -16,13 +16,15 @@ TERMS=(
   --cell "raw reconstruction_weight=1"
   --cell "term3-alpha1 reconstruction_weight=0 token_weighted_weight=1 token_weight_alpha=1"
   --cell "term3-alpha2 reconstruction_weight=0 token_weighted_weight=1 token_weight_alpha=2"
+  --cell "term3-alpha2-tokenview reconstruction_weight=0 token_weighted_weight=1 token_weight_alpha=2 encoder_view=token_weighted"
+  --cell "raw-alpha2-tokenview reconstruction_weight=1 token_weight_alpha=2 encoder_view=token_weighted"
 )
-# Not run for the README table yet (CPU time): term 4 and the term-5 ablation, term 3 at alpha 0.5, the encoder views.
+# Not run for the README table yet (CPU time): term 4 and the term-5 ablation, term 3 at alpha 0.5 and 1 with the token_weighted view.
 MORE=(
   --cell "term4 reconstruction_weight=0 normalized_concentration_corrected_token_weighted_weight=1"
   --cell "term5 reconstruction_weight=0 normalized_inverse_surprisal_token_weighted_weight=1"
   --cell "term3-alpha0.5 reconstruction_weight=0 token_weighted_weight=1 token_weight_alpha=0.5"
-  --cell "term3-alpha2-tokenview reconstruction_weight=0 token_weighted_weight=1 token_weight_alpha=2 encoder_view=token_weighted"
+  --cell "term3-alpha1-tokenview reconstruction_weight=0 token_weighted_weight=1 token_weight_alpha=1 encoder_view=token_weighted"
 )
 if [ "${ALL:-0}" = 1 ]; then TERMS+=("${MORE[@]}"); fi
 $D sweep --config benchmarks/thesis/base.yaml --output-dir "$OUT/two-factor" --seeds 0,1,2 --jobs 2 \
@@ -31,4 +33,9 @@ $D sweep --config benchmarks/thesis/base.yaml --output-dir "$OUT/style-in-conten
   --set "data.data=$OUT/data/style-in-content-train.jsonl" --eval-data "$OUT/data/style-in-content-heldout.jsonl" \
   --cell "raw reconstruction_weight=1" \
   --cell "default reconstruction_weight=1 token_weighted_weight=1 token_weight_alpha=1" \
-  --cell "term3-alpha2 reconstruction_weight=0 token_weighted_weight=1 token_weight_alpha=2"
+  --cell "term3-alpha2-tokenview reconstruction_weight=0 token_weighted_weight=1 token_weight_alpha=2 encoder_view=token_weighted"
+# Where the weights fall (the README's weight tables).
+for set in two-factor style-in-content; do .venv/bin/python benchmarks/thesis/weight_shares.py "$OUT/data/$set-heldout.jsonl"; done
+# The real-data row: the main job on the chatterbot corpus, evaluated on its validation split (labels = categories).
+$D train --config configs/default.yaml --output-dir "$OUT/chatterbot/default"
+$D eval "$OUT/chatterbot/default" --data validation
