@@ -145,6 +145,19 @@ def test_shares_sum_to_one_per_slot_and_every_code_is_a_group():
     assert by[0, 2]["codes"] == [2, 0]  # empty: the data's most common code in the other slot
 
 
+def test_code_zero_in_another_slot_is_a_code_not_none():
+    """A group whose members take code 0 in the other slot is generated under 0 there, even when the data's
+    most common code in that slot is another one (``0 or default`` read it as "none")."""
+    rows = [
+        _row([0, 0], [[0.9, 0.1], [0.8, 0.2]], "a"),
+        _row([1, 1], [[0.1, 0.9], [0.2, 0.8]], "b"),
+        _row([1, 1], [[0.2, 0.8], [0.1, 0.9]], "b"),
+    ]
+    by = {(g["slot"], g["code"]): g for g in discrete_groups(rows, codebook_size=2, count=1)}
+    assert by[0, 0]["codes"] == [0, 0] and by[1, 0]["codes"] == [0, 0]  # overall most common is 1 in both slots
+    assert by[0, 1]["codes"] == [1, 1]
+
+
 def test_label_distribution_by_hand():
     labels = [{"style": "polite", "topic": "x"}, {"style": "rude", "topic": "x"}, {"style": "polite", "topic": "y"}]
     dist = label_distribution(labels + [None])
