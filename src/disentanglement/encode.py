@@ -99,7 +99,7 @@ FORMATS = (".jsonl", ".parquet")
 def encode_examples(
     model: CVAEBase,
     examples: Sequence[Example],
-    cache: FeatureCache,
+    cache: FeatureCache | None,
     pad_token_id: int,
     *,
     pairs: Sequence[PromptResponse] | None = None,
@@ -113,7 +113,7 @@ def encode_examples(
     """One row per example, in order (keys in the module docstring).
 
     ``cache`` holds the frozen-pass features of ``examples`` (same indexing, as for
-    ``evaluation.evaluate``); ``pairs`` the raw pairs the examples were tokenised from (same order), for
+    ``evaluation.evaluate``; None: the frozen pass is run here, on the model's device); ``pairs`` the raw pairs the examples were tokenised from (same order), for
     the ``prompt`` and ``response`` texts (None without them). Each batch is scored by
     ``evaluation.score_batch`` in ``evaluate``'s order and random stream, so the numbers are ``evaluate``'s
     per example. Deterministic given ``seed``; the caller's random state and the model's mode are kept.
@@ -127,6 +127,10 @@ def encode_examples(
 
     if not examples:
         raise ValueError("encode needs at least one example")
+    if cache is None:
+        from .features import build_feature_cache
+
+        cache = build_feature_cache(model, examples, pad_token_id, batch_size, progress=progress)
     if len(cache) != len(examples):
         raise ValueError(f"the feature cache holds {len(cache)} examples, but {len(examples)} were given")
     if pairs is not None and len(pairs) != len(examples):
@@ -297,16 +301,13 @@ def _encode_to_file(
     _check_output(output)
     commands.check_data_option(checkpoint, data)
 
-    from .features import build_feature_cache
-
     model, tokenizer, config, _, _, _ = commands.load_checkpoint(checkpoint, model_and_tokenizer, device)
     examples, _ = commands.load_examples(data, config, tokenizer, max_examples, seed)
     pairs = raw_pairs(data, config, examples)
-    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, batch_size, progress=progress)
     rows = encode_examples(
         model,
         examples,
-        cache,
+        None,
         tokenizer.pad_token_id,
         pairs=pairs,
         iw_samples=iw_samples,
@@ -711,7 +712,6 @@ def encode_pairs(
         rows[0]["codes"], rows[0]["posterior"]   # discrete; continuous: rows[0]["mu"], rows[0]["logvar"]
     """
     from .data import PromptResponse, tokenize_pairs
-    from .features import build_feature_cache
 
     normalised: list[PromptResponse] = []
     for i, pair in enumerate(pairs):
@@ -731,11 +731,10 @@ def encode_pairs(
     if not normalised:
         raise ValueError("encode_pairs needs at least one pair")
     examples, _ = tokenize_pairs(normalised, tokenizer, config.data)
-    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, batch_size, progress=progress)
     return encode_examples(
         model,
         examples,
-        cache,
+        None,
         tokenizer.pad_token_id,
         pairs=normalised,
         iw_samples=iw_samples,

@@ -229,7 +229,6 @@ def explore(
     import torch
 
     from .encode import encode_examples, latent_vector
-    from .features import build_feature_cache
     from .generation import SamplingOptions, encode_prompts, generate_texts
     from .inspection import QUANTITIES, token_values
 
@@ -237,11 +236,10 @@ def explore(
     if not examples or len(pairs) != len(examples):
         raise ValueError(f"{len(pairs)} pairs for {len(examples)} examples; the explorer needs one pair per example")
     device = next(model.parameters()).device
-    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, batch_size, device, progress)
     rows = encode_examples(
         model,
         examples,
-        cache,
+        None,
         tokenizer.pad_token_id,
         pairs=pairs,
         iw_samples=1,
