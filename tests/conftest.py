@@ -111,3 +111,16 @@ def discrete_run(tmp_path_factory) -> TrainedRun:
 @pytest.fixture(scope="session")
 def continuous_run(tmp_path_factory) -> TrainedRun:
     return _train(tmp_path_factory.mktemp("continuous"), "continuous", 150, beta=0.001, encoder_lr=1e-2)
+
+
+@pytest.fixture
+def injected_loader(monkeypatch):
+    """``trainer.load_trained`` on a fresh tiny decoder, as the command line would load a real one."""
+    from disentanglement import trainer
+
+    original = trainer.load_trained
+    monkeypatch.setattr(
+        trainer,
+        "load_trained",
+        lambda checkpoint, _=None, **kwargs: original(checkpoint, model_and_tokenizer(), **kwargs),
+    )

@@ -225,13 +225,7 @@ def test_eval_generation_options_are_refused_before_the_model_loads(discrete_run
         run_eval(discrete_run.checkpoint, output=tmp_path / "e.json", progress=False, generation=True, **kwargs)
 
 
-def test_cli_eval_generation(discrete_run, tmp_path, monkeypatch, capsys):
-    original = trainer.load_trained
-    monkeypatch.setattr(
-        trainer,
-        "load_trained",
-        lambda checkpoint, _=None, **kwargs: original(checkpoint, model_and_tokenizer(), **kwargs),
-    )
+def test_cli_eval_generation(discrete_run, tmp_path, injected_loader, capsys):
     argv = ["eval", str(discrete_run.run_dir), "--output", str(tmp_path / "e.json"), "--no-progress", "--generation"]
     assert cli.main([*argv, "--generation-prompts", "2", "--generation-max-new-tokens", "40", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out

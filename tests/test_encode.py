@@ -285,17 +285,6 @@ def test_run_encode_parquet_equals_jsonl(discrete_run, tmp_path):
 # --------------------------------------------------------------------------- command line
 
 
-@pytest.fixture
-def injected_loader(monkeypatch):
-    """``trainer.load_trained`` on a fresh tiny decoder, as the command line would load a real one."""
-    original = trainer.load_trained
-    monkeypatch.setattr(
-        trainer,
-        "load_trained",
-        lambda checkpoint, _=None, **kwargs: original(checkpoint, model_and_tokenizer(), **kwargs),
-    )
-
-
 def parser():
     from disentanglement.cli import build_parser
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import NUM_FACTORS, hidden_factor_prompts, model_and_tokenizer
-from disentanglement import cli, trainer
+from disentanglement import cli
 from disentanglement.commands import eval_summary_lines, load_examples, resolve_run, run_eval
 from disentanglement.config import build_config
 from disentanglement.data import DataError, collate, make_hidden_factor_pairs, tokenize_pairs
@@ -301,17 +301,6 @@ def test_load_examples_splits_and_files(discrete_run):
     assert len(subset) == 7
     with pytest.raises(FileNotFoundError):
         load_examples("missing.jsonl", config, tok)
-
-
-@pytest.fixture
-def injected_loader(monkeypatch):
-    """``trainer.load_trained`` on a fresh tiny decoder, as the command line would load a real one."""
-    original = trainer.load_trained
-    monkeypatch.setattr(
-        trainer,
-        "load_trained",
-        lambda checkpoint, _=None, **kwargs: original(checkpoint, model_and_tokenizer(), **kwargs),
-    )
 
 
 def test_cli_eval(discrete_run, tmp_path, injected_loader, capsys):

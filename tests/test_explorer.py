@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import NUM_FACTORS, model_and_tokenizer
-from disentanglement import cli, trainer
+from disentanglement import cli
 from disentanglement.explorer import (
     cluster_groups,
     discrete_groups,
@@ -278,16 +278,6 @@ def test_factor_labels_are_distributed_per_factor(discrete_run, tmp_path):
                 table = section.split(f'data-factor="{factor}"')[1].split("</table>")[0]
                 cells = [c.split("</td>")[0] for c in table.split("<td>")[1:]]
                 assert sum(int(n) for n in cells[1::3]) == count
-
-
-@pytest.fixture
-def injected_loader(monkeypatch):
-    original = trainer.load_trained
-    monkeypatch.setattr(
-        trainer,
-        "load_trained",
-        lambda checkpoint, _=None, **kwargs: original(checkpoint, model_and_tokenizer(), **kwargs),
-    )
 
 
 def test_cli_explore(discrete_run, tmp_path, injected_loader, capsys):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import NUM_FACTORS, hidden_factor_prompts, model_and_tokenizer
-from disentanglement import cli, trainer
+from disentanglement import cli
 from disentanglement.config import build_config
 from disentanglement.data import Example, collate, detect_style
 from disentanglement.encode import (
@@ -191,16 +191,6 @@ def test_mode_errors(discrete, continuous):
         generate(model, tok, config, ["x"], mode="codes")
     with pytest.raises(ValueError, match="reference-response-b"):
         generate(model, tok, config, ["x"], mode="interpolate", reference_response="a")
-
-
-@pytest.fixture
-def injected_loader(monkeypatch):
-    original = trainer.load_trained
-    monkeypatch.setattr(
-        trainer,
-        "load_trained",
-        lambda checkpoint, _=None, **kwargs: original(checkpoint, model_and_tokenizer(), **kwargs),
-    )
 
 
 def test_cli_generate_text_and_json(discrete_run, continuous_run, tmp_path, injected_loader, capsys):

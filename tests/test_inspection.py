@@ -9,7 +9,7 @@ import math
 import pytest
 
 from conftest import model_and_tokenizer
-from disentanglement import cli, trainer
+from disentanglement import cli
 from disentanglement.commands import load_examples, run_inspect
 from disentanglement.inspection import QUANTITIES
 from disentanglement.report import read_metrics_jsonl
@@ -169,16 +169,6 @@ def test_continuous_inspection(continuous_run, tmp_path):
     assert all(v is not None and math.isfinite(v) for vals in sidecar["values"].values() for v in vals)
     names = {p.name for p in paths["plots"]}
     assert "code_label_heatmap.png" in names and "code_usage.png" not in names and "training_curves.png" in names
-
-
-@pytest.fixture
-def injected_loader(monkeypatch):
-    original = trainer.load_trained
-    monkeypatch.setattr(
-        trainer,
-        "load_trained",
-        lambda checkpoint, _=None, **kwargs: original(checkpoint, model_and_tokenizer(), **kwargs),
-    )
 
 
 def test_cli_inspect(discrete_run, tmp_path, injected_loader, capsys):
