@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import commands
 from .data import label_factors
-from .report import _colour, _format_value, _json_for_script, _scale, _token_text_html
+from .report import TOKEN_COLOUR_JS, _colour, _format_value, _json_for_script, _scale, _token_text_html
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -375,20 +375,15 @@ span.tok:hover { outline: 1px solid #333; }
 .gen { font-family: ui-monospace, Menlo, Consolas, monospace; white-space: pre-wrap; }
 """
 
-_JS = """
+_JS = (
+    """
 (function () {
   var data = JSON.parse(document.getElementById("explorer-data").textContent);
   var select = document.getElementById("quantity");
   var spans = document.querySelectorAll("span.tok");
-  function colour(v, sc) {
-    if (v === null || v === undefined) { return "#e6e6e6"; }
-    var s = sc.ref <= 0 ? 0 : Math.max(-1, Math.min(1, v / sc.ref));
-    if (!sc.signed) { s = Math.max(s, 0); }
-    var f = Math.round(255 * (1 - Math.abs(s)));
-    return s >= 0 ? "rgb(255," + f + "," + f + ")" : "rgb(" + f + "," + f + ",255)";
-  }
-  function fmt(v) { return v === null ? "n/a" : Number(v.toPrecision(4)).toString(); }
-  function update() {
+"""
+    + TOKEN_COLOUR_JS
+    + """  function update() {
     var key = select.value, sc = data.scales[key];
     for (var i = 0; i < spans.length; i++) {
       var e = Number(spans[i].getAttribute("data-e")), t = Number(spans[i].getAttribute("data-i"));
@@ -405,6 +400,7 @@ _JS = """
   update();
 })();
 """
+)
 
 
 def _esc(value: Any) -> str:

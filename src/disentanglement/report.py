@@ -105,20 +105,27 @@ span.tok { border-radius: 2px; padding: 0 0.5px; }
 span.tok:hover { outline: 1px solid #333; }
 """
 
-_JS = """
-(function () {
-  var data = JSON.parse(document.getElementById("token-data").textContent);
-  var select = document.getElementById("quantity");
-  var spans = document.querySelectorAll("#tokens span.tok");
-  function colour(v, sc) {
-    if (v === null) { return "#e6e6e6"; }
+#: The token colouring of :func:`_colour` in JavaScript (blue-white-red on a quantity's scale), shared by the
+#: inspect page and the explorer page.
+TOKEN_COLOUR_JS = """  function colour(v, sc) {
+    if (v === null || v === undefined) { return "#e6e6e6"; }
     var s = sc.ref <= 0 ? 0 : Math.max(-1, Math.min(1, v / sc.ref));
     if (!sc.signed) { s = Math.max(s, 0); }
     var f = Math.round(255 * (1 - Math.abs(s)));
     return s >= 0 ? "rgb(255," + f + "," + f + ")" : "rgb(" + f + "," + f + ",255)";
   }
   function fmt(v) { return v === null ? "n/a" : Number(v.toPrecision(4)).toString(); }
-  function update() {
+"""
+
+_JS = (
+    """
+(function () {
+  var data = JSON.parse(document.getElementById("token-data").textContent);
+  var select = document.getElementById("quantity");
+  var spans = document.querySelectorAll("#tokens span.tok");
+"""
+    + TOKEN_COLOUR_JS
+    + """  function update() {
     var key = select.value, vals = data.values[key], sc = data.scales[key];
     for (var i = 0; i < spans.length; i++) {
       spans[i].style.backgroundColor = colour(vals[Number(spans[i].getAttribute("data-i"))], sc);
@@ -133,6 +140,7 @@ _JS = """
   update();
 })();
 """
+)
 
 
 def render_token_html(
