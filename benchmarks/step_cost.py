@@ -108,6 +108,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from disentanglement import testing
 from disentanglement.config import ModelConfig, RunConfig, build_config
 from disentanglement.cvae_base import CVAEBase, FrozenFeatures
 from disentanglement.data import Batch, Example, collate
@@ -134,7 +135,6 @@ MEMORY_STEPS = 2  # steps per memory measurement (the first step's allocations c
 DEFAULT_REPEATS = {"tiny": 20, "embedded": 10}
 DEFAULT_WARMUP = {"tiny": 3, "embedded": 2}
 
-# The tiny model of the tests (tests/helpers.tiny_llama), built here so the script needs no tests/.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TINY_VOCAB = 1024
 TINY_PROMPT_RANGE = (8, 24)  # synthetic prompt lengths, inclusive
@@ -148,26 +148,8 @@ SCALING_VOCAB_LENGTH = 32
 
 # -- models and data ---------------------------------------------------------------------------------------
 def tiny_llama(vocab_size: int, seed: int = 0) -> nn.Module:
-    """A 2-layer LlamaForCausalLM (hidden 32, 2 heads), seeded, in eval mode (as tests/helpers.tiny_llama)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    return model.eval()
+    """The tests' tiny Llama (:func:`disentanglement.testing.tiny_llama`), with room for the scaling lengths."""
+    return testing.tiny_llama(vocab_size, seed, max_position_embeddings=512)
 
 
 def synthetic_examples(
