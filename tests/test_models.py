@@ -284,9 +284,9 @@ def test_lora_reference_is_the_adapter_free_model(tokenizer):
 
 def test_full_training_keeps_a_frozen_reference_copy(tokenizer):
     model, _ = make_model(tokenizer, decoder_training="full")
-    assert model.reference_model is not None and model.reference_model is not model.decoder
+    assert model.reference.copy is not None and model.reference.copy is not model.decoder
     assert all(p.requires_grad for p in model.decoder.parameters())
-    assert not any(p.requires_grad for p in model.reference_model.parameters())
+    assert not any(p.requires_grad for p in model.reference.copy.parameters())
     assert not any(n.startswith("reference") for n, _ in model.named_parameters())
 
 

@@ -17,7 +17,6 @@ it into ``P`` soft embeddings placed ``[z][x][y]`` (``prefix``) or ``[x][z][y]``
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
 from .data import Batch
 from .losses import apply_head, default_chunk_size, masked_token_nll_per_position, reconstruction_loss_stack
+from .reference import ZFreeReference, reference_hidden_states, unused_logits
 from .regularizers import beta_at, kl_objective, next_token_divergence
 from .token_weighting import (
     TokenWeighting,
@@ -165,16 +165,6 @@ class Decoded:
         return apply_head(self.head, self.hidden)
 
 
-def unused_logits(inputs: torch.Tensor) -> torch.Tensor:
-    """``logits_to_keep`` for a forward whose own logits are not used: position 0 as an index tensor.
-
-    The model's head then gets a contiguous ``[B, 1, H]`` copy. ``logits_to_keep=1`` gives it a strided
-    view instead, on which a linear layer runs as a batched matmul against its weight expanded over the
-    batch (for bf16 weights on the CPU a copy of the ``[V, H]`` weight per example: seconds per pass).
-    """
-    return torch.zeros(1, dtype=torch.long, device=inputs.device)
-
-
 def _pad_last(mask: torch.Tensor) -> torch.Tensor:
     """A ``[B, W-1]`` position mask extended to the ``[B, W]`` window (its last position predicts nothing)."""
     return F.pad(mask, (0, 1), value=False)
@@ -281,7 +271,7 @@ class CVAEBase(nn.Module):
         kl: KLConfig,
         divergence: DivergenceConfig | None = None,
         decoder_training: str = "frozen",
-        reference: nn.Module | None = None,
+        reference: ZFreeReference | None = None,
     ) -> None:
         super().__init__()
         self.decoder = decoder
@@ -292,12 +282,10 @@ class CVAEBase(nn.Module):
         self.decoder_training = decoder_training
         if decoder_training == "frozen":
             self.decoder.requires_grad_(False)
-        if decoder_training == "full" and reference is None:
-            raise ValueError("decoder_training='full' needs a frozen reference copy of the decoder")
-        # Kept outside the module tree: never in state_dict, parameters() or a data-parallel wrapper.
-        object.__setattr__(self, "reference_model", reference)
-        if reference is not None:
-            reference.requires_grad_(False).eval()
+        if decoder_training != "frozen" and reference is None:
+            raise ValueError(f"decoder_training={decoder_training!r} needs its z-free reference (models.build_cvae)")
+        # A plain attribute, not a submodule: its frozen copy (if any) stays outside the module tree.
+        object.__setattr__(self, "reference", reference if reference is not None else ZFreeReference(decoder))
         embeddings = decoder.get_input_embeddings()
         self.hidden_size = embeddings.weight.shape[1]
         self.num_latent_tokens = latent.latent_tokens
@@ -445,8 +433,7 @@ class CVAEBase(nn.Module):
     def _apply(self, fn, recurse=True):
         # Device and dtype moves reach the reference copy, which is kept outside the module tree.
         super()._apply(fn, recurse)
-        if self.reference_model is not None:
-            self.reference_model._apply(fn, recurse)
+        self.reference.apply(fn)
         return self
 
     def train(self, mode: bool = True) -> CVAEBase:
@@ -456,35 +443,14 @@ class CVAEBase(nn.Module):
         return self
 
     # -- the frozen pass -------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def reference_context(self):
-        """The z-free reference: the frozen decoder, the decoder without adapters, or a frozen copy."""
-        if self.reference_model is not None:
-            yield self.reference_model
-        elif self.decoder_training == "lora":
-            with self.decoder.disable_adapter():
-                yield self.decoder
-        else:
-            yield self.decoder
-
     @torch.no_grad()
     def frozen_pass(self, batch: Batch) -> FrozenFeatures:
         """One no-grad pass of the reference over ``[x][y]``: z-free NLL (last layer) and both heads'
         features (``hidden_states[encoder_layer]``; the response pool of the configured encoder view)."""
-        with self.reference_context() as reference:
-            was_training = reference.training
-            reference.eval()
-            try:
-                out = reference(
-                    input_ids=batch.input_ids,
-                    attention_mask=batch.attention_mask,
-                    output_hidden_states=True,
-                    logits_to_keep=unused_logits(batch.input_ids),  # the head runs below, on the window
-                )
-                head = reference.get_output_embeddings()
-            finally:
-                reference.train(was_training)
-            hidden = out.hidden_states[-1]  # [B, T, H], after the final norm
+        with self.reference.active() as reference:
+            hidden_states = reference_hidden_states(reference, batch.input_ids, batch.attention_mask)
+            hidden = hidden_states[-1]  # [B, T, H], after the final norm
+            head = reference.get_output_embeddings()  # inside the block: the adapter-free head too
             start = int((batch.prompt_lengths - 1).min())  # first position that predicts a response token
             window_args = (
                 hidden[:, start:],
@@ -500,7 +466,7 @@ class CVAEBase(nn.Module):
                 window = masked_token_nll_per_position(*window_args, head=head)
         zfree_nll = F.pad(window.float(), (start, 0))  # [B, T-1]
         if self.latent_cfg.encoder_layer != -1:
-            hidden = out.hidden_states[self.latent_cfg.encoder_layer]  # [B, T, H], the features' layer
+            hidden = hidden_states[self.latent_cfg.encoder_layer]  # [B, T, H], the features' layer
         hidden = hidden.float()
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         prior_features = hidden[rows, batch.prompt_lengths - 1]  # [B, H]

@@ -58,6 +58,7 @@ from .config import DataConfig, RunConfig
 from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary
 from .data import PromptResponse, collate, prompt_text_for_generation, tokenize_pairs
 from .metrics import distinct_n
+from .reference import eval_mode, reference_hidden_states
 from .shared_discrete_cvae import SharedDiscreteCVAE
 
 logger = logging.getLogger(__name__)
@@ -132,14 +133,9 @@ def prompt_features(model: CVAEBase, prompt_ids: Sequence[list[int]], pad_token_
     for row, seq in enumerate(prompt_ids):
         ids[row, : len(seq)] = torch.tensor(seq, device=device)
     attention = (torch.arange(ids.shape[1], device=device).unsqueeze(0) < lengths.unsqueeze(1)).long()
-    with model.reference_context() as reference:
-        was_training = reference.training
-        reference.eval()
-        try:
-            out = reference(input_ids=ids, attention_mask=attention, output_hidden_states=True)
-        finally:
-            reference.train(was_training)
-    hidden = out.hidden_states[model.latent_cfg.encoder_layer].float()  # the prior's layer, as in training
+    with model.reference.active() as reference:
+        hidden_states = reference_hidden_states(reference, ids, attention)
+    hidden = hidden_states[model.latent_cfg.encoder_layer].float()  # the prior's layer, as in training
     prior = hidden[torch.arange(len(prompt_ids), device=device), lengths - 1]  # [B, H]
     empty = prior.new_zeros(len(prompt_ids), 0)
     return FrozenFeatures(zfree_token_nll=empty, prior_features=prior, encoder_features=empty)
@@ -206,10 +202,8 @@ def generate_texts(
     """
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
-    was_training = model.training
-    model.eval()
     texts: list[str] = []
-    try:
+    with eval_mode(model):
         for start in range(0, len(prompt_ids), batch_size):
             chunk = list(prompt_ids[start : start + batch_size])
             embeds, attention = generation_inputs(model, chunk, vectors[start : start + batch_size], pad)
@@ -223,8 +217,6 @@ def generate_texts(
             for row in out.tolist():
                 cut = next((i for i, t in enumerate(row) if t in eos), len(row))
                 texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
-    finally:
-        model.train(was_training)
     return texts
 
 
@@ -502,6 +494,58 @@ def _check_steering(
     return steering
 
 
+def _resolve_mode(
+    mode: str | None, discrete: bool, traverse: int | None, attributes: Sequence[str], row: int | None
+) -> str:
+    """The generation mode: ``mode`` if given, else the one the steering options ask for."""
+    if mode is None:
+        if traverse is not None:
+            mode = "traverse"
+        elif attributes:
+            mode = "attribute"
+        elif row is not None and not discrete:
+            mode = "row"
+        else:
+            mode = "codes" if discrete else "prior"
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def _check_mode_inputs(
+    mode: str, discrete: bool, reference_response: str | None, reference_response_b: str | None
+) -> None:
+    """A clear error when ``mode`` does not fit the latent family or lacks its reference responses."""
+    if mode == "codes" and not discrete:
+        raise ValueError("mode 'codes' needs a discrete model; use prior, posterior or interpolate")
+    if mode == "interpolate" and discrete:
+        raise ValueError("mode 'interpolate' needs a continuous model")
+    if mode in ("posterior", "interpolate") and reference_response is None:
+        raise ValueError(f"mode {mode!r} needs --reference-response")
+    if mode == "interpolate" and reference_response_b is None:
+        raise ValueError("mode 'interpolate' needs --reference-response-b")
+
+
+def diversity(prompts: Sequence[str], generations: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``distinct_1`` and ``distinct_2`` of each prompt's responses (``per_prompt``) and their means."""
+    per_prompt = []
+    for p, prompt in enumerate(prompts):
+        mine = [g["text"] for g in generations if g["prompt_index"] == p]
+        per_prompt.append(
+            {
+                "prompt": prompt,
+                "responses": len(mine),
+                "distinct_1": distinct_n(mine, 1),
+                "distinct_2": distinct_n(mine, 2),
+            }
+        )
+    return {
+        "distinct_1": sum(d["distinct_1"] for d in per_prompt) / len(per_prompt),
+        "distinct_2": sum(d["distinct_2"] for d in per_prompt) / len(per_prompt),
+        "per_prompt": per_prompt,
+    }
+
+
 def generate(
     model: CVAEBase,
     tokenizer: Any,
@@ -544,28 +588,10 @@ def generate(
     sampling = sampling or SamplingOptions()
     discrete = model.is_discrete
     attributes = list(attributes or [])
-    if mode is None:
-        if traverse is not None:
-            mode = "traverse"
-        elif attributes:
-            mode = "attribute"
-        elif row is not None and not discrete:
-            mode = "row"
-        else:
-            mode = "codes" if discrete else "prior"
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = _resolve_mode(mode, discrete, traverse, attributes, row)
     steering = _check_steering(model, discrete, mode, latents, row, attributes, traverse, codes, code_examples)
-    if mode == "traverse":
-        offsets = traversal_offsets(*parse_range(traverse_range), steps)
-    if mode == "codes" and not discrete:
-        raise ValueError("mode 'codes' needs a discrete model; use prior, posterior or interpolate")
-    if mode == "interpolate" and discrete:
-        raise ValueError("mode 'interpolate' needs a continuous model")
-    if mode in ("posterior", "interpolate") and reference_response is None:
-        raise ValueError(f"mode {mode!r} needs --reference-response")
-    if mode == "interpolate" and reference_response_b is None:
-        raise ValueError("mode 'interpolate' needs --reference-response-b")
+    offsets = traversal_offsets(*parse_range(traverse_range), steps) if mode == "traverse" else []
+    _check_mode_inputs(mode, discrete, reference_response, reference_response_b)
     if num_samples < 1 or steps < 1 or max_combinations < 1:
         raise ValueError("num_samples, steps and max_combinations must be >= 1")
     if codes is not None and not isinstance(codes, str):
@@ -573,60 +599,53 @@ def generate(
     pad = tokenizer.pad_token_id
     prompt_ids = encode_prompts(prompts, tokenizer, config.data)
     device = _device(model)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-            torch.manual_seed(sampling.seed)
-            features = prompt_features(model, prompt_ids, pad)
-            posteriors = posteriors_b = None
-            if reference_response is not None and mode in ("posterior", "interpolate"):
-                posteriors = [
-                    reference_posterior(model, tokenizer, config.data, p, reference_response) for p in prompts
-                ]
-            if mode == "interpolate":
-                posteriors_b = [
-                    reference_posterior(model, tokenizer, config.data, p, reference_response_b) for p in prompts
-                ]
-            if discrete:
-                if steering.row_value is not None:
-                    codes = ",".join(map(str, steering.row_value))
-                parsed = parse_codes(codes, model.num_slots, model.codebook_size)
-                choices = _discrete_plan(
-                    model,
-                    features,
-                    mode,
-                    slot,
-                    parsed,
-                    all_combinations,
-                    max_combinations,
-                    num_samples,
-                    posteriors,
-                )
-                for choice in choices:
-                    choice.description.update(steering.row_description)
-            elif mode in STEERING_MODES:
-                row_mu = None if steering.row_value is None else torch.tensor(steering.row_value)
-                choices = _steering_plan(
-                    model,
-                    features,
-                    mode,
-                    row_mu,
-                    steering.row_description,
-                    steering.attributes,
-                    traverse,
-                    offsets if mode == "traverse" else [],
-                )
-            else:
-                choices = _continuous_plan(model, features, mode, num_samples, steps, posteriors, posteriors_b)
-            repeats = 1 if mode == "prior" else num_samples
-            rows = [(c, s) for c in choices for s in range(repeats)]
-            vectors = torch.stack([c.vector for c, _ in rows])
-            texts = generate_texts(
-                model, tokenizer, [prompt_ids[c.prompt_index] for c, _ in rows], vectors, sampling, batch_size
+    with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(sampling.seed)
+        features = prompt_features(model, prompt_ids, pad)
+        posteriors = posteriors_b = None
+        if reference_response is not None and mode in ("posterior", "interpolate"):
+            posteriors = [reference_posterior(model, tokenizer, config.data, p, reference_response) for p in prompts]
+        if mode == "interpolate":
+            posteriors_b = [
+                reference_posterior(model, tokenizer, config.data, p, reference_response_b) for p in prompts
+            ]
+        if discrete:
+            if steering.row_value is not None:
+                codes = ",".join(map(str, steering.row_value))
+            parsed = parse_codes(codes, model.num_slots, model.codebook_size)
+            choices = _discrete_plan(
+                model,
+                features,
+                mode,
+                slot,
+                parsed,
+                all_combinations,
+                max_combinations,
+                num_samples,
+                posteriors,
             )
-    finally:
-        model.train(was_training)
+            for choice in choices:
+                choice.description.update(steering.row_description)
+        elif mode in STEERING_MODES:
+            row_mu = None if steering.row_value is None else torch.tensor(steering.row_value)
+            choices = _steering_plan(
+                model,
+                features,
+                mode,
+                row_mu,
+                steering.row_description,
+                steering.attributes,
+                traverse,
+                offsets,
+            )
+        else:
+            choices = _continuous_plan(model, features, mode, num_samples, steps, posteriors, posteriors_b)
+        repeats = 1 if mode == "prior" else num_samples
+        rows = [(c, s) for c in choices for s in range(repeats)]
+        vectors = torch.stack([c.vector for c, _ in rows])
+        texts = generate_texts(
+            model, tokenizer, [prompt_ids[c.prompt_index] for c, _ in rows], vectors, sampling, batch_size
+        )
     generations = [
         {
             "prompt_index": c.prompt_index,
@@ -638,28 +657,13 @@ def generate(
         }
         for (c, s), text in zip(rows, texts, strict=True)
     ]
-    per_prompt = []
-    for p, prompt in enumerate(prompts):
-        mine = [g["text"] for g in generations if g["prompt_index"] == p]
-        per_prompt.append(
-            {
-                "prompt": prompt,
-                "responses": len(mine),
-                "distinct_1": distinct_n(mine, 1),
-                "distinct_2": distinct_n(mine, 2),
-            }
-        )
     result: dict[str, Any] = {
         "latent": "discrete" if discrete else "continuous",
         "mode": mode,
         "sampling": asdict(sampling),
         "prompts": list(prompts),
         "generations": generations,
-        "diversity": {
-            "distinct_1": sum(d["distinct_1"] for d in per_prompt) / len(per_prompt),
-            "distinct_2": sum(d["distinct_2"] for d in per_prompt) / len(per_prompt),
-            "per_prompt": per_prompt,
-        },
+        "diversity": diversity(prompts, generations),
     }
     if discrete and mode == "codes":
         result["slot"] = slot if slot is not None else (0 if codes is None and not all_combinations else None)
