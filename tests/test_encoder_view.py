@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from disentanglement.config import ConfigError, build_config
-from disentanglement.data import Example, collate, make_hidden_factor_pairs, tokenize_pairs
+from disentanglement.data import Example, collate, tokenize_pairs
 from disentanglement.features import (
     FEATURE_PASS_VERSION,
     build_feature_cache,
@@ -25,6 +25,7 @@ from disentanglement.features import (
 )
 from disentanglement.generation import prompt_features
 from disentanglement.models import build_cvae
+from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import token_weighting_from_base_nll
 from disentanglement.trainer import load_trained, make_optimizer, train
 from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer, train_and_read_metrics

@@ -11,9 +11,10 @@ import torch
 import disentanglement.features as features_module
 from disentanglement.config import build_config
 from disentanglement.cvae_base import FrozenFeatures
-from disentanglement.data import collate, make_hidden_factor_pairs, tokenize_pairs
+from disentanglement.data import collate, tokenize_pairs
 from disentanglement.features import build_feature_cache, feature_fingerprint, load_or_build_feature_cache
 from disentanglement.models import build_cvae
+from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import TokenWeighting
 from helpers import tiny_llama, tiny_tokenizer, train_and_read_metrics
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from disentanglement.config import ModelConfig, build_config
-from disentanglement.data import load_chatterbot, make_hidden_factor_pairs
+from disentanglement.data import load_chatterbot
 from disentanglement.evaluation import label_recovery
 from disentanglement.features import FeatureCache
 from disentanglement.lm import load_model_and_tokenizer
+from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import train
 
 LEARNING_SETTINGS = dict(

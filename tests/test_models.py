@@ -10,11 +10,12 @@ import torch.nn.functional as F
 
 from disentanglement.config import build_config
 from disentanglement.continuous_cvae import ContinuousCVAE
-from disentanglement.data import collate, make_hidden_factor_pairs, tokenize_pairs
+from disentanglement.data import collate, tokenize_pairs
 from disentanglement.losses import TERM_WEIGHT_FIELDS
 from disentanglement.models import build_cvae
 from disentanglement.regularizers import gaussian_kl
 from disentanglement.shared_discrete_cvae import SharedDiscreteCVAE
+from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import align_to_conditioned
 from disentanglement.trainer import make_optimizer
 from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer

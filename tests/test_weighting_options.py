@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from disentanglement.config import ConfigError, Scoring, build_config
-from disentanglement.data import collate, make_hidden_factor_pairs, tokenize_pairs
+from disentanglement.data import collate, tokenize_pairs
 from disentanglement.evaluation import score_batch
 from disentanglement.features import (
     build_feature_cache,
@@ -28,6 +28,7 @@ from disentanglement.features import (
 )
 from disentanglement.losses import masked_token_nll_per_position, token_weighted_reconstruction_loss
 from disentanglement.models import build_cvae
+from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import (
     TokenWeighting,
     token_weighting_from_base_nll,
