@@ -247,7 +247,8 @@ def test_token_weights_are_the_zfree_ones_unaligned(tokenizer, latent):
 @pytest.mark.parametrize("latent", ["discrete", "continuous"])
 def test_evaluation_scores_under_memory(tokenizer, latent):
     """The evaluation's per-token NLLs sit on the z-free positions; the discrete prior mixture's sequence
-    NLL (exact: every code) is ``-log sum_k p(k|x) p(y|x,k)`` computed here from the memory decoder directly."""
+    NLL (exact: every code) is ``-log sum_k p(k|x) p(y|x,k)``, and the importance-weighted bound (exact for
+    the nearest code) ``-log p(y|x,k*) - log p(k*|x)``, both computed here from the memory decoder directly."""
     model, _ = memory_model(tokenizer, latent=latent, codebook_size=3)
     batch = make_batch(tokenizer)
     features = model.frozen_pass(batch)
@@ -271,6 +272,14 @@ def test_evaluation_scores_under_memory(tokenizer, latent):
             log_prior = model.prior_log_probs(features)[:, 0].T  # [K, B]
         expected = -torch.logsumexp(log_prior - per_code, 0)
         torch.testing.assert_close(scores.prior_nll.sum(1).double(), expected.double(), rtol=1e-4, atol=1e-4)
+        # the importance-weighted bound is exact for the nearest code: -log p(y|x,k*) - log p(k*|x)
+        codes = scores.summary.codes[:, 0]
+        assert scores.iw_exact
+        rows = torch.arange(len(batch))
+        want = per_code[codes, rows] - log_prior[codes, rows]
+        torch.testing.assert_close(-scores.iw_log_weights[0], want.double(), rtol=1e-5, atol=1e-4)
+    else:  # reparameterised draws: each sample's sequence NLL is the memory decoder's under some z
+        assert scores.iw_sequence_nll.shape == (4, len(batch)) and torch.isfinite(scores.iw_log_weights).all()
 
 
 def test_memory_parameters_train_in_the_latent_group(tokenizer):
