@@ -319,6 +319,13 @@ def test_memory_is_refused_where_it_does_not_apply(tokenizer):
         build_cvae(config, cross)
     with pytest.raises(ConfigError, match="latent_placement"):
         build_config({"latent_placement": "memories"})
+    # activation checkpointing would drop the cache, and with it the memory
+    model, _ = memory_model(tokenizer, "gpt2")
+    batch = make_batch(tokenizer)
+    vector = torch.randn(len(batch), model.latent_vector_dim)
+    model.decoder.activation_checkpointing_enable()
+    with pytest.raises(ConfigError, match="checkpointing"):
+        model.decode(batch, vector)
 
 
 # --------------------------------------------------------------------------- generation

@@ -641,6 +641,13 @@ class CVAEBase(nn.Module):
         layer, built fresh: the forward appends to it), ``attention_mask [B, P + T]`` (``P`` leading ones)
         and the sequence's own ``position_ids [B, T]``, for ``[B, P, H]`` latent embeddings and ``[B, T]`` masks."""
         assert self.latent_memory is not None
+        if torch.is_grad_enabled() and getattr(self.decoder, "is_activation_checkpointing", False):
+            # transformers' checkpointed layers drop the cache when they run with gradients
+            raise ConfigError(
+                "latent_placement 'memory' cannot run with activation (gradient) checkpointing on the decoder: "
+                "its layers drop the past-key-value cache that holds the memory",
+                field="latent_placement",
+            )
         keys, values = self.latent_memory(latent_embeds)  # [Ly, B, Hkv, P, Dh] each
         return {
             "cache": memory_cache(keys.to(dtype), values.to(dtype), self.decoder),
