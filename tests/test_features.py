@@ -51,7 +51,7 @@ def test_cached_features_equal_a_fresh_frozen_pass(tokenizer, pairs):
         assert cache.response_nll[i].shape == (len(example.response_ids),)
 
 
-@pytest.mark.parametrize("placement", ["prefix", "between"])
+@pytest.mark.parametrize("placement", ["prefix", "between", "memory"])
 def test_cached_token_weighting_equals_the_models_own(tokenizer, pairs, placement):
     # The cache weights every example once per (alpha, eps); the model must get what it would compute itself.
     model, examples = setup(tokenizer, pairs, latent_placement=placement, token_weight_alpha=1.7)

@@ -47,7 +47,7 @@ def make_model(tokenizer, arch="llama", **overrides):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("latent", ["discrete", "continuous"])
-@pytest.mark.parametrize("placement", ["prefix", "between"])
+@pytest.mark.parametrize("placement", ["prefix", "between", "memory"])
 def test_forward_backward_every_combination(tokenizer, arch, latent, placement):
     extra = {"divergence_weight": 0.2} if latent == "discrete" else {}
     model, _ = make_model(tokenizer, arch, latent=latent, latent_placement=placement, **extra)
@@ -291,7 +291,7 @@ def test_full_training_keeps_a_frozen_reference_copy(tokenizer):
     assert not any(n.startswith("reference") for n, _ in model.named_parameters())
 
 
-@pytest.mark.parametrize("placement", ["prefix", "between"])
+@pytest.mark.parametrize("placement", ["prefix", "between", "memory"])
 def test_windowed_lm_head_equals_full_logits(tokenizer, placement):
     model, _ = make_model(tokenizer, latent_placement=placement)
     batch = make_batch(tokenizer)

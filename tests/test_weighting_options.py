@@ -218,7 +218,7 @@ def test_frozen_pass_gives_the_references_predictive_entropy(tokenizer, examples
     torch.testing.assert_close(features.encoder_features, surprisal.encoder_features, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("placement", ["prefix", "between"])
+@pytest.mark.parametrize("placement", ["prefix", "between", "memory"])
 def test_entropy_weights_from_the_cache_equal_the_models_own(tokenizer, examples, placement):
     model = model_for(
         tokenizer, token_weight_source="entropy", token_weight_interpolation=0.6, latent_placement=placement

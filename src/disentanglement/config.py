@@ -234,10 +234,19 @@ class LatentConfig:
     """The latent variable: family, size, injection and the discrete assignment recipe."""
 
     latent: Literal["discrete", "continuous"] = option("discrete", "Latent family.")
-    latent_placement: Literal["prefix", "between"] = option(
-        "prefix", "Where the latent embeddings go: 'prefix' = [z][x][y], 'between' = [x][z][y]."
+    latent_placement: Literal["prefix", "between", "memory"] = option(
+        "prefix",
+        "Where the latent embeddings go: 'prefix' = [z][x][y], 'between' = [x][z][y] (P soft input embeddings); "
+        "'memory' = P key/value memory slots in every attention layer (Optimus-style), given to the decoder as a "
+        "past-key-value cache in front of [x][y]: the per-slot latent embeddings are mapped by one learned linear "
+        "layer (trained at latent_lr) to a key and a value per layer, the sequence's positions are not shifted "
+        "(alignment offsets 0) and the attention mask gains P leading ones. Needs a decoder whose layers all use "
+        "full attention with a standard cache (Llama- or GPT-2-style; not sliding-window, linear-attention or "
+        "encoder-decoder models).",
     )
-    latent_tokens: int = option(4, "Number P of soft latent embeddings injected into the decoder.")
+    latent_tokens: int = option(
+        4, "Number P of soft latent embeddings injected into the decoder (memory slots for placement 'memory')."
+    )
     num_slots: int = option(1, "Discrete: number M of latent slots.")
     codebook_size: int = option(4, "Discrete: number K of codes in the shared codebook.")
     code_dim: int = option(64, "Discrete: dimension of each code of the shared codebook.")

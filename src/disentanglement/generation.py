@@ -3,7 +3,11 @@
 The decoder generates from ``inputs_embeds`` laid out as in training: ``[z][x]`` (``prefix``) or
 ``[x][z]`` (``between``), the response following. Batched prompts are LEFT-padded (pad
 embeddings first, attention mask 0 there), so that every row's last position is its last
-prompt (or latent) position; transformers derives position ids from the attention mask. The
+prompt (or latent) position; transformers derives position ids from the attention mask. With the
+``memory`` placement the decoder sees ``[x]`` alone and the latent as ``P`` key/value memory slots of
+every layer (:func:`memory_generate`, a KV-cached loop: the memory is the first ``P`` entries of the
+cache at every step, the attention mask has ``P`` leading ones, and the position ids are the
+sequence's own, continuing from its length as in training, not from ``P`` + its length). The
 prompt text is :func:`data.prompt_text_for_generation` (the chat template when the run used one),
 tokenised and truncated exactly as in training. Only the new tokens are decoded, up to the first
 end-of-sequence token.
@@ -52,11 +56,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from . import encode as encode_module
 from .config import DataConfig, RunConfig
 from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary
 from .data import PromptResponse, collate, prompt_text_for_generation, tokenize_pairs
+from .memory import memory_attention_mask, positions_from_mask
 from .metrics import distinct_n
 from .reference import eval_mode, reference_hidden_states
 from .shared_discrete_cvae import SharedDiscreteCVAE
@@ -154,18 +160,23 @@ def reference_posterior(
 def generation_inputs(
     model: CVAEBase, prompt_ids: Sequence[list[int]], vectors: torch.Tensor, pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``inputs_embeds [R, W, H]`` and ``attention_mask [R, W]`` for ``[z][x]`` or ``[x][z]``.
+    """Left-padded ``inputs_embeds [R, W, H]`` and ``attention_mask [R, W]`` for ``[z][x]`` or ``[x][z]``
+    (``[x]`` alone for the memory placement, whose latent goes to the cache).
 
     ``prompt_ids`` has one entry per row, ``vectors`` is ``[R, L]``.
     """
     device = _device(model)
     embed = model.decoder.get_input_embeddings()
     latent = model.latent_embeddings(vectors.to(device))  # [R, P, H]
+    placement = model.latent_cfg.latent_placement
     rows = []
     for row, ids in enumerate(prompt_ids):
         tokens = embed(torch.tensor(ids, device=device))  # [Tx, H]
         z = latent[row].to(tokens.dtype)
-        rows.append(torch.cat([z, tokens]) if model.latent_cfg.latent_placement == "prefix" else torch.cat([tokens, z]))
+        if placement == "memory":
+            rows.append(tokens)
+        else:
+            rows.append(torch.cat([z, tokens]) if placement == "prefix" else torch.cat([tokens, z]))
     width = max(r.shape[0] for r in rows)
     pad = embed(torch.tensor([pad_token_id], device=device))[0]  # [H]
     embeds = pad.expand(len(rows), width, -1).clone()
@@ -206,18 +217,83 @@ def generate_texts(
     with eval_mode(model):
         for start in range(0, len(prompt_ids), batch_size):
             chunk = list(prompt_ids[start : start + batch_size])
-            embeds, attention = generation_inputs(model, chunk, vectors[start : start + batch_size], pad)
-            out = model.decoder.generate(
-                inputs_embeds=embeds,
-                attention_mask=attention,
-                pad_token_id=pad,
-                eos_token_id=sorted(eos) or None,
-                **sampling.generate_kwargs(),
-            )
+            chunk_vectors = vectors[start : start + batch_size]
+            embeds, attention = generation_inputs(model, chunk, chunk_vectors, pad)
+            if model.latent_memory is not None:
+                out = memory_generate(model, embeds, attention, chunk_vectors, sampling, eos, pad)
+            else:
+                out = model.decoder.generate(
+                    inputs_embeds=embeds,
+                    attention_mask=attention,
+                    pad_token_id=pad,
+                    eos_token_id=sorted(eos) or None,
+                    **sampling.generate_kwargs(),
+                )
             for row in out.tolist():
                 cut = next((i for i, t in enumerate(row) if t in eos), len(row))
                 texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
     return texts
+
+
+@torch.no_grad()
+def memory_generate(
+    model: CVAEBase,
+    embeds: torch.Tensor,
+    attention: torch.Tensor,
+    vectors: torch.Tensor,
+    sampling: SamplingOptions,
+    eos: set[int],
+    pad: int,
+    use_cache: bool = True,
+) -> torch.Tensor:
+    """New token ids ``[R, S]`` (``S <= max_new_tokens``; ``pad`` after a row's end-of-sequence token) under
+    the memory placement, from the left-padded prompts ``embeds [R, W, H]``, ``attention [R, W]`` and the
+    latents ``vectors [R, L]``.
+
+    With ``use_cache`` the memory cache (``P`` slots per layer) is built once and the decoder's own keys
+    and values are appended to it: the first step runs the prompt, each later step the last token alone,
+    with ``P`` leading ones on the mask and position ids continuing from the sequence's length. Without it
+    every step recomputes the whole sequence under a fresh memory cache (the plain version, for tests).
+    Sampling as ``generate`` does it for :class:`SamplingOptions` (temperature, then top-p; no top-k).
+    """
+    decoder = model.decoder
+    embed = decoder.get_input_embeddings()
+    latent = model.latent_embeddings(vectors.to(embeds.device))  # [R, P, H]
+    P = model.num_latent_tokens
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature), TopPLogitsWarper(sampling.top_p)])
+    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=embeds.device)
+    unfinished = torch.ones(embeds.shape[0], dtype=torch.bool, device=embeds.device)
+    inputs, mask, cache = embeds, attention, None
+    tokens: list[torch.Tensor] = []
+    for _ in range(sampling.max_new_tokens):
+        positions = positions_from_mask(mask)  # [R, W + s], the sequence's own positions
+        if cache is None:
+            extra = model.memory_inputs(latent, mask, positions, inputs.dtype)
+            cache = extra["cache"]
+            step_inputs = inputs
+        else:  # the cache holds the memory and every earlier position: feed the last token only
+            extra = {
+                "cache": cache,
+                "attention_mask": memory_attention_mask(mask, P),
+                "position_ids": positions[:, -1:],
+            }
+            step_inputs = inputs[:, -1:]
+        logits = decoder(inputs_embeds=step_inputs, use_cache=True, logits_to_keep=1, **extra).logits[:, -1].float()
+        if not use_cache:
+            cache = None
+        if sampling.greedy:
+            next_tokens = logits.argmax(-1)
+        else:
+            probs = torch.softmax(warpers(None, logits), dim=-1)
+            next_tokens = torch.multinomial(probs, 1).squeeze(1)
+        next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad))
+        tokens.append(next_tokens)
+        unfinished &= ~torch.isin(next_tokens, eos_ids)
+        if not unfinished.any():
+            break
+        inputs = torch.cat([inputs, embed(next_tokens).unsqueeze(1).to(inputs.dtype)], dim=1)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+    return torch.stack(tokens, dim=1)
 
 
 # --------------------------------------------------------------------------- what to generate
