@@ -11,7 +11,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from disentanglement.config import ConfigError, build_config
+from disentanglement.config import ConfigError, Scoring, build_config
 from disentanglement.data import Example, collate, tokenize_pairs
 from disentanglement.evaluation import score_batch
 from disentanglement.generation import SamplingOptions, encode_prompts, generate, generation_inputs, memory_generate
@@ -254,7 +254,7 @@ def test_evaluation_scores_under_memory(tokenizer, latent):
     batch = make_batch(tokenizer)
     features = model.frozen_pass(batch)
     with torch.no_grad():
-        scores = score_batch(model, batch, features, iw_samples=4)
+        scores = score_batch(model, batch, features, Scoring(iw_samples=4))
     target = batch.target_mask[:, 1:].float()
     assert torch.equal(scores.target, target)
     torch.testing.assert_close(scores.zfree_nll, features.zfree_token_nll * target)
