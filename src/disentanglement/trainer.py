@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from collections import deque
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -39,6 +39,7 @@ import yaml
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from . import distributed
 from .checkpoints import (
     CheckpointContents,
     CheckpointError,
@@ -491,9 +492,13 @@ def train(
 ) -> TrainResult:
     """Train a CVAE as configured. ``model_and_tokenizer`` and ``pairs`` replace loading (tests).
 
-    One process at a time trains a run directory (:func:`run_lock`)."""
-    with run_lock(Path(config.train.output_dir)):
-        return _train(config, model_and_tokenizer, pairs, callbacks)
+    One process at a time trains a run directory (:func:`run_lock`). Under ``accelerate launch
+    --num_processes N`` the N processes train one run: the main process holds the lock and alone
+    writes the run directory (see :func:`_set_up` for what is shared and how)."""
+    state = distributed.process_state(cpu=choose_device(config.train.device).type == "cpu")
+    lock = run_lock(Path(config.train.output_dir)) if distributed.is_main(state) else nullcontext()
+    with lock:
+        return _train(config, model_and_tokenizer, pairs, callbacks, state)
 
 
 def _train(
@@ -501,21 +506,25 @@ def _train(
     model_and_tokenizer: tuple[Any, Any] | None,
     pairs: Sequence | None,
     callbacks: Sequence[Callable[[int, dict], None]],
+    state=None,
 ) -> TrainResult:
     """Checks, set-up, restore, then per step: optimizer step, validation, log, loss check, checkpoint."""
     tcfg = config.train
     output_dir = Path(tcfg.output_dir)
+    main = distributed.is_main(state)
     # Everything that can be wrong with the run directory, the checkpoint or the data fails before the model loads.
     resumed = _resume_source(config, output_dir)
-    to_remove = check_run_directory(output_dir, resumed, tcfg.resume, tcfg.overwrite)
+    # The main process checks (and later clears) the directory; the others would see its files appear.
+    to_remove = check_run_directory(output_dir, resumed, tcfg.resume, tcfg.overwrite) if main else []
     applied = check_resume_config(resumed.config, config, resumed.path) if resumed is not None else {}
     pairs = load_pairs(config.data) if pairs is None else pairs
 
     run = _set_up(config, output_dir, resumed, to_remove, model_and_tokenizer, pairs)
     progress = _start_or_restore(run, resumed, applied)
-    truncate_metrics(output_dir / METRICS_FILE, progress.step)
+    if main:
+        truncate_metrics(output_dir / METRICS_FILE, progress.step)
     run.prepared.train()
-    with _metrics_log(output_dir, tcfg, progress.step) as log:
+    with _metrics_log(output_dir, tcfg, progress.step, main) as log:
         while progress.step < tcfg.max_steps:
             record = _optimizer_step(run, progress)
             if record is None:  # a non-finite step, skipped
@@ -564,10 +573,15 @@ class _Training:
     c_base: float
     fingerprint: str
     init_features: FrozenFeatures | None  # the k-means sample (discrete k-means codebook only)
+    state: Any = None  # accelerate's state with several processes, else None (:mod:`distributed`)
 
     @property
     def device(self) -> torch.device:
         return self.accelerator.device
+
+    @property
+    def main(self) -> bool:
+        return distributed.is_main(self.state)
 
 
 @dataclass
@@ -594,11 +608,19 @@ def _set_up(
 
     In this order: everything that can fail does so before ``--overwrite`` removes the old run."""
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
     tcfg = config.train
     device = choose_device(tcfg.device)
-    accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision="bf16" if device.type == "cuda" else "no")
+    # Several processes: the heads' gradients are averaged by DDP. Options leave some heads out of a
+    # forward (e.g. the prior head of a term weighted 0), hence find_unused_parameters; buffers are not
+    # broadcast at each forward (the codebook's usage steps are merged across processes after each step).
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
+    accelerator = Accelerator(
+        cpu=device.type == "cpu", mixed_precision="bf16" if device.type == "cuda" else "no", kwargs_handlers=[ddp]
+    )
+    state = accelerator.state if accelerator.num_processes > 1 else None
+    main = accelerator.is_main_process
     set_seed(tcfg.seed)
     decoder, tokenizer = _decoder_and_tokenizer(config, model_and_tokenizer, device)
     data = prepare_data(config, tokenizer, pairs)
@@ -609,15 +631,19 @@ def _set_up(
     model = build_cvae(config, decoder).to(accelerator.device)
     fingerprint = feature_fingerprint(model, data.train + data.validation)  # the data, tokenizer and frozen model
     _check_fingerprint(resumed, fingerprint)
-    frozen = _frozen_pass(config, model, data, resumed, tokenizer.pad_token_id, accelerator.device, output_dir)
+    frozen = _frozen_pass(config, model, data, resumed, tokenizer.pad_token_id, accelerator.device, output_dir, state)
     c_base = _zfree_reference_scale(config, resumed, frozen.train, len(data.train))
     model.zfree_reference_scale = c_base
-    _remove(to_remove, output_dir)  # --overwrite: only now that everything before the first write has worked
-    _write_run_files(output_dir, config, data, c_base)
+    distributed.barrier(state)  # every process has checked the run directory before the main one writes to it
+    if main:
+        _remove(to_remove, output_dir)  # --overwrite: only now that everything before the first write has worked
+        _write_run_files(output_dir, config, data, c_base)
 
     init_features = _kmeans_sample(config, data, frozen.train, tokenizer.pad_token_id, accelerator.device)
     if resumed is None and init_features is not None:
-        model.initialize_from_data(init_features, tcfg.seed)
+        if main:  # k-means of the whole (gathered) frozen pass, on the main process, then broadcast
+            model.initialize_from_data(init_features, tcfg.seed)
+        distributed.broadcast_(state, model.data_dependent_state())
     optimizer = make_optimizer(model, config)
     scheduler = get_cosine_schedule_with_warmup(optimizer, tcfg.warmup_steps, tcfg.max_steps)
     prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -635,6 +661,7 @@ def _set_up(
         c_base=c_base,
         fingerprint=fingerprint,
         init_features=init_features,
+        state=state,
     )
 
 
@@ -679,8 +706,11 @@ def _frozen_pass(
     pad_id: int,
     device: torch.device,
     output_dir: Path,
+    state=None,
 ) -> _FrozenPass:
     """The frozen pass over train + validation, when the cache option, c_base or k-means need it.
+
+    With several processes (``state``) it is sharded across them and gathered: each holds all of it.
 
     The k-means start (fresh runs) and refreshes (first half of training) need the frozen features,
     with or without the cache option, so that a resumed run refreshes exactly as an uninterrupted one.
@@ -703,7 +733,8 @@ def _frozen_pass(
         cache_dir,
         batch_size=max(tcfg.batch_size, 16),
         device=device,
-        progress=tcfg.progress,
+        progress=tcfg.progress and distributed.is_main(state),
+        state=state,
     )
     n_train = len(data.train)
     train_cache = cache.subset(0, n_train)
@@ -776,10 +807,12 @@ def _optimizer_step(run: _Training, progress: _Progress) -> dict[str, float] | N
     progress.nonfinite = 0
     run.optimizer.step()
     run.scheduler.step()
+    run.model.merge_step_statistics(run.state)  # several processes: what the step saw on all of them
     run.model.post_step(progress.step)  # with the index of the step just taken, as its forward saw it
     progress.step += 1
     _refresh_codebook(run, progress.step)
-    record = _mean_records(records)
+    distributed.broadcast_(run.state, run.model.data_dependent_state())  # one codebook on every process
+    record = _mean_records(distributed.gather_objects(run.state, _mean_records(records)))  # averaged over processes
     record.update(step=progress.step, grad_norm=grad_norm)
     for group in run.optimizer.param_groups:
         record[f"lr_{group['name']}"] = group["lr"]
@@ -788,27 +821,47 @@ def _optimizer_step(run: _Training, progress: _Progress) -> dict[str, float] | N
 
 def _accumulate_gradients(run: _Training, progress: _Progress) -> tuple[list[dict[str, float]], bool]:
     """Forward and backward of each accumulated batch: ``(their scalars, whether every loss was finite)``;
-    stops at the first non-finite loss, logging its terms and examples."""
+    stops at the first non-finite loss, logging its terms and examples.
+
+    With ``N`` processes each accumulated batch is a global batch of ``N x batch_size`` examples taken
+    from the one data order, of which process ``r`` trains the ``r``-th slice; DDP averages the
+    gradients (each process's loss is the mean over its slice), so a step is the step of one process
+    with ``N x batch_size`` examples per batch."""
     tcfg = run.config.train
+    rank, size = distributed.rank_and_size(run.state)
     records = []
-    for _ in range(tcfg.gradient_accumulation_steps):
-        indices = progress.order.next_indices(tcfg.batch_size)
+    for micro in range(tcfg.gradient_accumulation_steps):
+        indices = progress.order.next_indices(tcfg.batch_size * size)[
+            rank * tcfg.batch_size : (rank + 1) * tcfg.batch_size
+        ]
         batch = collate([run.data.train[i] for i in indices], run.pad_id, indices=indices).to(run.device)
         features = batch_features(run.model, batch, run.frozen.steps)  # float32 frozen pass, as in the cache
-        with run.accelerator.autocast():
-            out = run.prepared(batch, features=features, step=progress.step)
-        if not torch.isfinite(out.loss):
-            bad = {k: v for k, v in out.scalars().items() if not math.isfinite(v)}
-            logger.warning(
-                "step %d: non-finite loss; non-finite terms %s; examples %s",
-                progress.step + 1,
-                bad,
-                [run.data.train[i].source for i in indices],
-            )
-            return records, False
-        run.accelerator.backward(out.loss / tcfg.gradient_accumulation_steps)
+        last = micro == tcfg.gradient_accumulation_steps - 1
+        # Several processes: gradients are averaged once, at the last accumulated batch.
+        with run.accelerator.no_sync(run.prepared) if not last else nullcontext():
+            with run.accelerator.autocast():
+                out = run.prepared(batch, features=features, step=progress.step)
+            if not _finite_everywhere(run, out.loss):
+                bad = {k: v for k, v in out.scalars().items() if not math.isfinite(v)}
+                logger.warning(
+                    "step %d: non-finite loss; non-finite terms %s; examples %s",
+                    progress.step + 1,
+                    bad,
+                    [run.data.train[i].source for i in indices],
+                )
+                return records, False
+            run.accelerator.backward(out.loss / tcfg.gradient_accumulation_steps)
         records.append(out.scalars())
     return records, True
+
+
+def _finite_everywhere(run: _Training, loss: torch.Tensor) -> bool:
+    """Whether the loss is finite in every process (so that all of them skip the same steps)."""
+    finite = bool(torch.isfinite(loss))
+    if run.state is None:
+        return finite
+    flags = torch.tensor([0.0 if finite else 1.0], device=run.device)
+    return float(run.accelerator.reduce(flags, "sum")) == 0.0
 
 
 def _skip_nonfinite_step(run: _Training, progress: _Progress, records: Sequence[dict[str, float]]) -> None:
@@ -831,7 +884,8 @@ def _skip_nonfinite_step(run: _Training, progress: _Progress, records: Sequence[
 def _refresh_codebook(run: _Training, step: int) -> None:
     """k-means refresh of the codebook every ``codebook_refresh_every`` steps of the first half of training."""
     every = _refresh_every(run.config)
-    if every and run.init_features is not None and step % every == 0 and step <= run.config.train.max_steps // 2:
+    due = every and run.init_features is not None and step % every == 0 and step <= run.config.train.max_steps // 2
+    if due and run.main:  # on the whole (gathered) frozen pass; the caller broadcasts the codebook
         run.model.refresh_from_data(run.init_features, run.config.train.seed + step)
 
 
@@ -890,9 +944,22 @@ class _MetricsLog:
         os.fsync(self.file.fileno())
 
 
+class _NoLog:
+    """The logs of a process other than the main one: it writes nothing."""
+
+    def write(self, record: dict[str, float]) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+
 @contextmanager
-def _metrics_log(output_dir: Path, tcfg: TrainConfig, step: int):
-    """Open the run's logs, appending after ``step``; closes them however training ends."""
+def _metrics_log(output_dir: Path, tcfg: TrainConfig, step: int, main: bool = True):
+    """Open the run's logs, appending after ``step``; closes them however training ends (none but the main process's)."""
+    if not main:
+        yield _NoLog()
+        return
     path = output_dir / METRICS_FILE
     writer = _tensorboard_writer(output_dir) if tcfg.tensorboard else None
     bar = tqdm(total=tcfg.max_steps, initial=step, desc="train", disable=not tcfg.progress, unit="step")
@@ -919,6 +986,10 @@ def _save(run: _Training, progress: _Progress, log: _MetricsLog) -> None:
         "loss_monitor": progress.monitor.state(),
         "frozen_pass_fingerprint": run.fingerprint,
     }
+    if not run.main:  # the main process writes the checkpoint; the others learn its path when it is complete
+        distributed.barrier(run.state)
+        progress.checkpoint = latest_checkpoint(run.output_dir)
+        return
     log.sync()
     try:
         checkpoint = save_checkpoint(
@@ -934,6 +1005,7 @@ def _save(run: _Training, progress: _Progress, log: _MetricsLog) -> None:
         raise _diverged(progress.step, f"{exc}; not saved", progress.checkpoint) from exc
     progress.checkpoint = checkpoint
     prune_checkpoints(run.output_dir, run.config.train.keep_checkpoints, protect=checkpoint)
+    distributed.barrier(run.state)
 
 
 def _restore(
