@@ -19,6 +19,11 @@ def launched_processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def is_main_process() -> bool:
+    """Whether this is the main process (``RANK`` 0, or no launcher), before any state exists."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def process_state(cpu: bool):
     """accelerate's ``PartialState`` (which starts the process group: gloo with ``cpu``, else NCCL on
     CUDA) when several processes were launched; None for one process."""

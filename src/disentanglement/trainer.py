@@ -26,6 +26,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
@@ -646,7 +647,9 @@ def _set_up(
         distributed.broadcast_(state, model.data_dependent_state())
     optimizer = make_optimizer(model, config)
     scheduler = get_cosine_schedule_with_warmup(optimizer, tcfg.warmup_steps, tcfg.max_steps)
-    prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    with warnings.catch_warnings():  # torch's FutureWarning for broadcast_buffers, whose meaning is the one wanted
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     return _Training(
         config=config,
         output_dir=output_dir,
