@@ -220,14 +220,19 @@ def validate(
     config: RunConfig,
     step: int,
     device: torch.device,
+    processes: int = 1,
 ) -> dict[str, float]:
-    """Mean of every logged scalar over the first ``eval_batches`` validation batches (posterior mean/argmax)."""
+    """Mean of every logged scalar over the first ``eval_batches`` validation batches (posterior mean/argmax).
+
+    A batch is the global batch, ``batch_size x processes`` examples. With several processes each of
+    them validates the same batches (few: ``eval_batches``), so that all log the same and draw the same
+    random numbers, as one process with the global batch does."""
     if not examples:
         return {}
     was_training = model.training
     model.eval()
     records = []
-    size = config.train.batch_size
+    size = config.train.batch_size * processes
     try:
         for start in range(0, min(len(examples), size * config.train.eval_batches), size):
             indices = list(range(start, min(start + size, len(examples))))
@@ -617,8 +622,13 @@ def _set_up(
     # forward (e.g. the prior head of a term weighted 0), hence find_unused_parameters; buffers are not
     # broadcast at each forward (the codebook's usage steps are merged across processes after each step).
     ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
+    # The schedule counts optimizer steps: accelerate would otherwise step it once per process per step
+    # (it assumes each process's data loader got N times shorter; here the data order is global).
     accelerator = Accelerator(
-        cpu=device.type == "cpu", mixed_precision="bf16" if device.type == "cuda" else "no", kwargs_handlers=[ddp]
+        cpu=device.type == "cpu",
+        mixed_precision="bf16" if device.type == "cuda" else "no",
+        kwargs_handlers=[ddp],
+        step_scheduler_with_optimizer=False,
     )
     state = accelerator.state if accelerator.num_processes > 1 else None
     main = accelerator.is_main_process
@@ -898,7 +908,10 @@ def _due(every: int, step: int, max_steps: int) -> bool:
 
 
 def _validate(run: _Training, step: int) -> dict[str, float]:
-    return validate(run.model, run.data.validation, run.frozen.validation, run.pad_id, run.config, step, run.device)
+    processes = distributed.rank_and_size(run.state)[1]
+    return validate(
+        run.model, run.data.validation, run.frozen.validation, run.pad_id, run.config, step, run.device, processes
+    )
 
 
 def _check_loss(progress: _Progress, record: dict[str, float]) -> None:
