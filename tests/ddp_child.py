@@ -4,6 +4,7 @@ watched from inside each process.
     python -m accelerate.commands.launch --cpu --num_processes 2 tests/ddp_child.py RECORD_DIR -- train ...
 
 Each process runs ``cli.main`` on the arguments after ``--`` and writes ``RECORD_DIR/rank<r>.pt``: the
+parameters that require gradients when the model goes to DDP (the ones in its gradient buckets), the
 codebook after its k-means start and after every step, the steps whose codebook a k-means refresh
 or a dead-code restart changed, the final trainable weights, and every file a process other than the
 main one opened for writing, renamed or created. ``DDP_KILL_AT_STEP=K``: the main process SIGKILLs
@@ -83,7 +84,8 @@ def _watch_model() -> None:
         record["model"] = real_build(config, decoder)
         return record["model"]
 
-    def make_optimizer(model, config):  # called right after the codebook's (broadcast) k-means start
+    def make_optimizer(model, config):  # called right after the codebook's (broadcast) k-means start, before prepare
+        record["trainable"] = sorted(name for name, p in model.named_parameters() if p.requires_grad)
         if isinstance(model, SharedDiscreteCVAE):
             record["start"] = model.codebook.detach().clone()
         return real_make_optimizer(model, config)
@@ -111,7 +113,8 @@ def main() -> int:
 
     def train(config, *args, **kwargs):
         def watch(step, metrics):
-            record["codebooks"][step] = record["model"].codebook.detach().clone()
+            if isinstance(record["model"], SharedDiscreteCVAE):
+                record["codebooks"][step] = record["model"].codebook.detach().clone()
             if kill_at and step == kill_at and RANK == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
 

@@ -168,6 +168,24 @@ def test_every_process_holds_the_same_codebook(two_processes):
         assert torch.equal(value, rank1["weights"][name]), name
 
 
+def test_the_frozen_decoder_is_not_in_ddp_and_lora_trains_alike_on_every_process(workspace, two_processes):
+    _, (rank0, _) = two_processes
+    assert rank0["trainable"] and not [n for n in rank0["trainable"] if n.startswith("decoder.")]
+    # LoRA with the continuous latent and accumulation: the adapters (and nothing else of the decoder)
+    # go to DDP, and both processes end with the same weights (each draws its own latent noise).
+    run_dir, record_dir = workspace.root / "lora", workspace.root / "lora-records"
+    lora = dict(decoder_training="lora", latent="continuous", gradient_accumulation_steps=2, max_steps=3, save_every=3)
+    done = launch(record_dir, workspace.args(run_dir, **lora))
+    assert done.returncode == 0, done.stderr[-4000:]
+    rank0, rank1 = records(record_dir)
+    decoder = [n for n in rank0["trainable"] if n.startswith("decoder.")]
+    assert decoder and all(".lora_" in n for n in decoder)
+    assert any(".lora_" in n for n in rank0["weights"])
+    for name, value in rank0["weights"].items():
+        assert torch.equal(value, rank1["weights"][name]), name
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3] and rank1["writes"] == []
+
+
 def test_only_the_main_process_writes(two_processes):
     run_dir, (_, rank1) = two_processes
     assert rank1["writes"] == []
@@ -225,3 +243,18 @@ def test_eval_across_two_processes_equals_one_process(workspace, two_processes):
     two = json.loads((workspace.root / "two.json").read_text())
     assert two == json.loads(json.dumps(one))
     assert two["examples"] == 40
+
+
+def test_resuming_with_another_number_of_processes_is_refused(workspace, two_processes, tmp_path):
+    import shutil
+
+    from disentanglement.config import ConfigError
+
+    run_dir, _ = two_processes
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    state = json.loads((copy / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
+    assert state["processes"] == PROCESSES
+    config = build_config(dict(workspace.values, output_dir=str(copy), batch_size=BATCH, resume="auto"))
+    with pytest.raises(ConfigError, match="trained with 2, .* --num_processes 2"):
+        train(config)

@@ -20,6 +20,7 @@ norm, which are applied from the resumed step on.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import math
@@ -632,6 +633,7 @@ def _set_up(
     )
     state = accelerator.state if accelerator.num_processes > 1 else None
     main = accelerator.is_main_process
+    _check_processes(resumed, accelerator.num_processes)
     set_seed(tcfg.seed)
     decoder, tokenizer = _decoder_and_tokenizer(config, model_and_tokenizer, device)
     data = prepare_data(config, tokenizer, pairs)
@@ -699,6 +701,18 @@ def _check_fingerprint(resumed: CheckpointContents | None, fingerprint: str) -> 
             "the fingerprint includes the decoder weights' dtype, so a run started in float32 resumes only "
             "with --dtype float32 (dtype: auto now chooses bf16 on CUDA and on CPUs with fast bf16); "
             "otherwise resuming would continue on other data: start a new run"
+        )
+
+
+def _check_processes(resumed: CheckpointContents | None, processes: int) -> None:
+    """A resumed run continues with its number of processes: the global batch is ``batch_size x processes``."""
+    if resumed is None:
+        return
+    before = int(resumed.trainer_state.get("processes", 1))
+    if before != processes:
+        raise ConfigError(
+            f"cannot resume {resumed.path} with {processes} process(es): the run was trained with {before}, and "
+            f"a step's global batch is batch_size x processes; launch it with --num_processes {before}"
         )
 
 
@@ -852,7 +866,7 @@ def _accumulate_gradients(run: _Training, progress: _Progress) -> tuple[list[dic
         last = micro == tcfg.gradient_accumulation_steps - 1
         # Several processes: gradients are averaged once, at the last accumulated batch.
         with run.accelerator.no_sync(run.prepared) if not last else nullcontext():
-            with run.accelerator.autocast():
+            with run.accelerator.autocast(), _process_noise(run, progress.step, micro):
                 out = run.prepared(batch, features=features, step=progress.step)
             if not _finite_everywhere(run, out.loss):
                 bad = {k: v for k, v in out.scalars().items() if not math.isfinite(v)}
@@ -866,6 +880,23 @@ def _accumulate_gradients(run: _Training, progress: _Progress) -> tuple[list[dic
             run.accelerator.backward(out.loss / tcfg.gradient_accumulation_steps)
         records.append(out.scalars())
     return records, True
+
+
+@contextmanager
+def _process_noise(run: _Training, step: int, micro: int):
+    """Several processes: the forward draws its random numbers (the continuous latent's sample, Gumbel
+    noise, dropout, the divergence term's other codes) from a generator seeded by the run's seed, the
+    step, the accumulated batch and the process, so that the processes' slices get independent noise
+    that a resumed run draws again; the global random state, which stays the same on every process
+    (dead-code restarts draw from it), is put back afterwards. One process: its random state, as before."""
+    if run.state is None:
+        yield
+        return
+    rank = run.state.process_index
+    digest = hashlib.blake2b(f"{run.config.train.seed}:{step}:{micro}:{rank}".encode(), digest_size=8).digest()
+    with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
+        torch.manual_seed(int.from_bytes(digest, "little") >> 1)
+        yield
 
 
 def _finite_everywhere(run: _Training, loss: torch.Tensor) -> bool:
@@ -1002,6 +1033,8 @@ def _save(run: _Training, progress: _Progress, log: _MetricsLog) -> None:
         "loss_monitor": progress.monitor.state(),
         "frozen_pass_fingerprint": run.fingerprint,
     }
+    if run.state is not None:  # several processes (a checkpoint without the key was trained by one)
+        trainer_state["processes"] = run.state.num_processes
     if not run.main:  # the main process writes the checkpoint; the others learn its path when it is complete
         distributed.barrier(run.state)
         progress.checkpoint = latest_checkpoint(run.output_dir)
