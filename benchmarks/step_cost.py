@@ -26,6 +26,12 @@ same decoder object and the same list of batches:
     ``zfree_reference_scale`` = c_base of the cache), KL with a constant beta > 0, cached features.
 (d) as (c) without the cache: ``forward(batch, None)`` runs ``frozen_pass`` itself every step.
 (e) one no-grad ``frozen_pass(batch)`` alone, to check that (d) - (c) is about one such pass.
+(m) as (a) with ``latent_placement: memory``: the vector's ``P`` slot embeddings mapped to a key and a
+    value per attention layer (``latent_memory``, trained too) and given to the decoder as its cache.
+(n) as (c) with ``latent_placement: memory`` (same terms, KL, cached features).
+
+(m)/(a) and (n)/(c) are the memory placement's cost beside the prefix's: the decoder runs over ``T``
+positions instead of ``T + P`` and every layer attends to ``P`` more keys.
 
 (b)-(d) also run ``post_step`` (dead-code restart), as the trainer does after each optimizer step;
 the cached features and token weights are looked up inside the timed step
@@ -80,10 +86,10 @@ The frozen pass's throughput is (e)'s: the batch's real (unpadded) tokens per se
 repetitions.
 
 The last line printed is one JSON object: ``model``, ``dtype``, ``c_over_a``, ``c_over_b``, ``d_over_a``,
-``e_over_a`` (ratios of medians), ``peak_mib`` (``a``-``d``, MiB; null with ``--skip-memory``), ``ms``
-(median ms per step of ``a``-``e``) and ``frozen_pass_tokens_per_s``; with ``--dtype both``,
+``e_over_a``, ``m_over_a``, ``n_over_c`` (ratios of medians), ``peak_mib`` (``a``-``d``, ``m``, ``n``, MiB;
+null with ``--skip-memory``), ``ms`` (median ms per step of every case) and ``frozen_pass_tokens_per_s``; with ``--dtype both``,
 ``{"model", "dtypes": {"float32": {...}, "bfloat16": {...}}, "float32_over_bfloat16": {"a".."e"}}``
-(paired ratios).
+(paired ratios; ``a``-``e``, ``m``, ``n``).
 """
 
 from __future__ import annotations
@@ -108,6 +114,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from disentanglement import testing
 from disentanglement.config import ModelConfig, RunConfig, build_config
 from disentanglement.cvae_base import CVAEBase, FrozenFeatures
 from disentanglement.data import Batch, Example, collate
@@ -118,14 +125,16 @@ from disentanglement.models import build_cvae
 from disentanglement.regularizers import beta_at, kl_objective
 from disentanglement.trainer import make_optimizer
 
-CASES = ("a", "b", "c", "d", "e")
-STEP_CASES = ("a", "b", "c", "d")
+CASES = ("a", "b", "c", "d", "e", "m", "n")
+STEP_CASES = ("a", "b", "c", "d", "m", "n")
 DESCRIPTIONS = {
     "a": "prefix tuning: latent vector, uniform CE",
     "b": "CVAE, raw reconstruction only, cached",
     "c": "CVAE, 6 terms + weighting + KL, cached",
     "d": "as (c), frozen pass every step",
     "e": "one no-grad frozen pass alone",
+    "m": "as (a), latent as per-layer K/V memory",
+    "n": "as (c), latent as per-layer K/V memory",
 }
 TARGET_C_OVER_A = 1.10
 TARGET_C_OVER_B = 1.03
@@ -134,7 +143,6 @@ MEMORY_STEPS = 2  # steps per memory measurement (the first step's allocations c
 DEFAULT_REPEATS = {"tiny": 20, "embedded": 10}
 DEFAULT_WARMUP = {"tiny": 3, "embedded": 2}
 
-# The tiny model of the tests (tests/helpers.tiny_llama), built here so the script needs no tests/.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TINY_VOCAB = 1024
 TINY_PROMPT_RANGE = (8, 24)  # synthetic prompt lengths, inclusive
@@ -148,26 +156,8 @@ SCALING_VOCAB_LENGTH = 32
 
 # -- models and data ---------------------------------------------------------------------------------------
 def tiny_llama(vocab_size: int, seed: int = 0) -> nn.Module:
-    """A 2-layer LlamaForCausalLM (hidden 32, 2 heads), seeded, in eval mode (as tests/helpers.tiny_llama)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    return model.eval()
+    """The tests' tiny Llama (:func:`disentanglement.testing.tiny_llama`), with room for the scaling lengths."""
+    return testing.tiny_llama(vocab_size, seed, max_position_embeddings=512)
 
 
 def synthetic_examples(
@@ -206,12 +196,16 @@ def batches_of(examples: Sequence[Example], batch_size: int, pad_id: int, device
 
 
 # -- the cases -----------------------------------------------------------------------------------------
-def cvae_config(kind: str, c_base: float | None = None) -> RunConfig:
-    """(b): raw reconstruction only; (c)/(d): all six terms, token weighting and a constant beta."""
+def cvae_config(kind: str, c_base: float | None = None, placement: str = "prefix") -> RunConfig:
+    """(b): raw reconstruction only; (c)/(d): all six terms, token weighting and a constant beta; the latent
+    placed as ``placement`` (``memory`` for (m) and (n))."""
     if kind == "b":
-        return build_config({"reconstruction_weight": 1.0, "beta": 0.0, "beta_schedule": "constant"})
+        return build_config(
+            {"reconstruction_weight": 1.0, "beta": 0.0, "beta_schedule": "constant", "latent_placement": placement}
+        )
     return build_config(
         {
+            "latent_placement": placement,
             "reconstruction_weight": 1.0,
             "sequence_reconstruction_weight": 1.0,
             "token_weighted_weight": 1.0,
@@ -242,6 +236,8 @@ def prefix_tuning_step(model: CVAEBase, config: RunConfig) -> Step:
         torch.manual_seed(0)
         vector = nn.Parameter(torch.randn(model.latent_vector_dim, device=model.latent_projection.weight.device))
     params = [vector, *model.latent_projection.parameters()]
+    if model.latent_memory is not None:  # (m): the memory's projection trains with the slots
+        params += list(model.latent_memory.parameters())
     # The trainer's optimizer settings (AdamW; its foreach/fused choice too), over these parameters only.
     reference = make_optimizer(model, config)
     settings = {k: reference.defaults[k] for k in ("foreach", "fused") if k in reference.defaults}
@@ -445,6 +441,12 @@ def build_setup(
         steps["e"] = frozen_pass_step(model_c)
     if "d" in cases:
         steps["d"] = cvae_step(seeded_cvae(config_c, decoder, device), config_c, None)
+    if "m" in cases:
+        config_m = cvae_config("b", placement="memory")
+        steps["m"] = prefix_tuning_step(seeded_cvae(config_m, decoder, device), config_m)
+    if "n" in cases:
+        config_n = cvae_config("c", c_base, placement="memory")
+        steps["n"] = cvae_step(seeded_cvae(config_n, decoder, device), config_n, cache)
     return Setup(
         model_name=args.model,
         device=device,
@@ -771,6 +773,10 @@ def report(args: argparse.Namespace, setup: Setup, times: dict[str, list[float]]
     print(check("(d)/(a)", ratio["d"], 1 + ratio["e"]) + f"  [{paired['d']:.3f}]  (bound = 1 + (e)/(a))")
     extra = (ms["d"] - ms["c"]) / ms["e"]
     print(f"  (d) - (c) = {ms['d'] - ms['c']:.2f} ms = {extra:.2f} x (e) ({ms['e']:.2f} ms, one no-grad frozen pass)")
+    print("memory placement beside the prefix (ratios of medians; paired medians in brackets):")
+    print(
+        f"  (m)/(a) = {ratio['m']:.3f}  [{paired['m']:.3f}]   (n)/(c) = {ms['n'] / ms['c']:.3f}  [{paired_ratio(times['n'], times['c']):.3f}]"
+    )
     return {
         "model": args.model,
         "dtype": dtype_name(setup.dtype),
@@ -778,6 +784,8 @@ def report(args: argparse.Namespace, setup: Setup, times: dict[str, list[float]]
         "c_over_b": round(c_over_b, 4),
         "d_over_a": round(ratio["d"], 4),
         "e_over_a": round(ratio["e"], 4),
+        "m_over_a": round(ratio["m"], 4),
+        "n_over_c": round(ms["n"] / ms["c"], 4),
         "peak_mib": {case: None if peaks.get(case) is None else round(peaks[case], 1) for case in STEP_CASES},
         "ms": {case: round(ms[case], 3) for case in CASES},
         "frozen_pass_tokens_per_s": round(throughput, 1),

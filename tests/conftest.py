@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from disentanglement.config import RunConfig, build_config
-from disentanglement.data import make_hidden_factor_pairs
+from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import load_trained, train
 from helpers import tiny_llama, tiny_tokenizer
 

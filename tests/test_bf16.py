@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import disentanglement.lm as lm
 from disentanglement.config import ModelConfig, build_config
 from disentanglement.cvae_base import WeightingParams
-from disentanglement.data import Example, collate, make_hidden_factor_pairs
+from disentanglement.data import Example, collate
 from disentanglement.features import (
     _WEIGHTING_STATISTICS,
     build_feature_cache,
@@ -27,6 +27,7 @@ from disentanglement.features import (
 )
 from disentanglement.losses import TERM_WEIGHT_FIELDS, estimate_zfree_reference_scale
 from disentanglement.models import build_cvae
+from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import load_trained, make_optimizer, train
 from helpers import tiny_llama, tiny_tokenizer, trainer_config
 

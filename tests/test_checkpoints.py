@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from disentanglement import checkpoints, cli
 from disentanglement.checkpoints import CheckpointError, complete_checkpoints, latest_checkpoint, read_resumable
 from disentanglement.config import ConfigError
-from disentanglement.data import make_hidden_factor_pairs
+from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import LossMonitor, TrainingDiverged, load_trained, train
 from helpers import tiny_llama, tiny_tokenizer, trainer_config
 

@@ -113,7 +113,7 @@ def test_reencode_scores_the_zfree_nll_and_posterior_of_the_generations(discrete
     assert examples[2].response_ids == [tokenizer.eos_token_id]  # an empty generation: its end alone
     assert examples[0].response_ids == tokenizer("No.", add_special_tokens=False)["input_ids"] + [2]
     encoded = reencode(model, examples, tokenizer.pad_token_id, batch_size=2)
-    with model.reference_context() as reference, torch.no_grad():
+    with model.reference.active() as reference, torch.no_grad():
         for i, example in enumerate(examples):
             ids = torch.tensor([example.prompt_ids + example.response_ids])
             logits = reference(input_ids=ids).logits[0, :-1].float()  # [T-1, V]

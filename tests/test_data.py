@@ -11,26 +11,28 @@ import torch
 
 from disentanglement.config import DataConfig
 from disentanglement.data import (
-    CLEAN_PHRASES,
-    MARKED_STYLES,
     Batch,
     DataError,
     Example,
     PromptResponse,
-    apply_style,
-    clean_phrases,
     collate,
-    detect_style,
     label_factor_names,
     label_factors,
     limit_examples,
     load_chatterbot,
     load_jsonl,
     load_pairs,
-    make_hidden_factor_pairs,
     read_chatterbot,
     split_train_validation,
     tokenize_pairs,
+)
+from disentanglement.testing import (
+    CLEAN_PHRASES,
+    MARKED_STYLES,
+    apply_style,
+    clean_phrases,
+    detect_style,
+    make_hidden_factor_pairs,
 )
 from helpers import EOS, tiny_tokenizer
 

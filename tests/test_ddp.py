@@ -26,7 +26,7 @@ import torch
 
 from disentanglement.commands import run_eval
 from disentanglement.config import FIELDS, build_config, field_flag
-from disentanglement.data import make_hidden_factor_pairs
+from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import train
 from helpers import tiny_llama, tiny_tokenizer
 

@@ -12,11 +12,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from disentanglement.config import ConfigError, build_config
-from disentanglement.data import Example, collate, make_hidden_factor_pairs, tokenize_pairs
+from disentanglement.data import Example, collate, tokenize_pairs
 from disentanglement.features import (
     FEATURE_PASS_VERSION,
     build_feature_cache,
@@ -26,9 +25,11 @@ from disentanglement.features import (
 )
 from disentanglement.generation import prompt_features
 from disentanglement.models import build_cvae
+from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import token_weighting_from_base_nll
 from disentanglement.trainer import load_trained, make_optimizer, train
 from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer, train_and_read_metrics
+from references import loop_attention, reference_nll_and_entropy
 
 VIEWS = ["mean_last", "token_weighted", "attention"]
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -62,16 +63,9 @@ def reference_pass(model, batch, b):
     """Example ``b`` alone, unpadded, through the reference: (hidden_states, logits, p, r)."""
     p, r = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
     ids = batch.input_ids[b : b + 1, : p + r]
-    with torch.no_grad(), model.reference_context() as reference:
+    with torch.no_grad(), model.reference.active() as reference:
         out = reference(input_ids=ids, output_hidden_states=True)
     return [h[0].float() for h in out.hidden_states], out.logits[0].float(), p, r
-
-
-def reference_nll_and_entropy(logits, ids, p, r):
-    window = logits[p - 1 : p + r - 1]  # the positions that predict the response tokens
-    nll = F.cross_entropy(window, ids[p : p + r], reduction="none")
-    log_p = F.log_softmax(window, -1)
-    return nll, -(log_p.exp() * log_p).sum(-1)
 
 
 # -- token_weighted ---------------------------------------------------------------------------------
@@ -147,23 +141,6 @@ def attention_model(tokenizer, pairs, seed=3, **overrides):
     with torch.no_grad():
         model.encoder_pool.query.copy_(torch.randn(model.hidden_size, generator=torch.Generator().manual_seed(seed)))
     return model, examples, config
-
-
-def loop_attention(query, h, p, r):
-    """softmax over the response positions of q . LayerNorm(h_t) / sqrt(H), pooled over h_t, by hand."""
-    H = h.shape[-1]
-    scores = []
-    for t in range(p, p + r):
-        x = h[t]
-        key = (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + 1e-5)
-        scores.append(float(sum(float(query[i]) * float(key[i]) for i in range(H))) / math.sqrt(H))
-    top = max(scores)
-    weights = [math.exp(s - top) for s in scores]
-    total = sum(weights)
-    pooled = torch.zeros(H, dtype=torch.float64)
-    for w, t in zip(weights, range(p, p + r), strict=True):
-        pooled += (w / total) * h[t].double()
-    return pooled.float()
 
 
 def test_attention_pool_is_a_masked_softmax_over_the_response(tokenizer, pairs):

@@ -23,6 +23,7 @@ import pytest
 
 from conftest import NUM_FACTORS, model_and_tokenizer
 from disentanglement import cli
+from disentanglement.config import Scoring
 from disentanglement.explorer import (
     cluster_groups,
     discrete_groups,
@@ -230,7 +231,7 @@ def test_continuous_page(continuous_run, tmp_path):
         examples_per_group=1,
         prompts=["red cat 1"],
         max_new_tokens=4,
-        prior_samples=4,
+        scoring=Scoring(prior_samples=4),
         progress=False,
         model_and_tokenizer=model_and_tokenizer(),
     )

@@ -11,9 +11,10 @@ import torch
 import disentanglement.features as features_module
 from disentanglement.config import build_config
 from disentanglement.cvae_base import FrozenFeatures
-from disentanglement.data import collate, make_hidden_factor_pairs, tokenize_pairs
+from disentanglement.data import collate, tokenize_pairs
 from disentanglement.features import build_feature_cache, feature_fingerprint, load_or_build_feature_cache
 from disentanglement.models import build_cvae
+from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import TokenWeighting
 from helpers import tiny_llama, tiny_tokenizer, train_and_read_metrics
 
@@ -50,7 +51,7 @@ def test_cached_features_equal_a_fresh_frozen_pass(tokenizer, pairs):
         assert cache.response_nll[i].shape == (len(example.response_ids),)
 
 
-@pytest.mark.parametrize("placement", ["prefix", "between"])
+@pytest.mark.parametrize("placement", ["prefix", "between", "memory"])
 def test_cached_token_weighting_equals_the_models_own(tokenizer, pairs, placement):
     # The cache weights every example once per (alpha, eps); the model must get what it would compute itself.
     model, examples = setup(tokenizer, pairs, latent_placement=placement, token_weight_alpha=1.7)

@@ -11,7 +11,7 @@ import torch
 from conftest import NUM_FACTORS, hidden_factor_prompts, model_and_tokenizer
 from disentanglement import cli
 from disentanglement.config import build_config
-from disentanglement.data import Example, collate, detect_style
+from disentanglement.data import Example, collate
 from disentanglement.encode import (
     attribute_vector,
     code_examples,
@@ -35,6 +35,7 @@ from disentanglement.generation import (
     traversal_offsets,
 )
 from disentanglement.models import build_cvae
+from disentanglement.testing import detect_style
 from disentanglement.trainer import prepare_data
 
 GREEDY = SamplingOptions(greedy=True, max_new_tokens=60)

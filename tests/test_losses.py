@@ -32,15 +32,8 @@ from disentanglement.losses import (
     zfree_relative_reconstruction_loss,
 )
 from disentanglement.token_weighting import token_weighting_from_base_nll
+from references import ALL_TERMS, loop_masked_nll, loop_terms
 
-ALL_TERMS = (
-    "reconstruction_loss",
-    "sequence_reconstruction_loss",
-    "token_weighted_reconstruction_loss",
-    "normalized_concentration_corrected_token_weighted_reconstruction_loss",
-    "normalized_inverse_surprisal_token_weighted_reconstruction_loss",
-    "zfree_relative_reconstruction_loss",
-)
 WEIGHT_FIELDS = {
     "reconstruction_loss": "reconstruction_weight",
     "sequence_reconstruction_loss": "sequence_reconstruction_weight",
@@ -64,58 +57,6 @@ RTOL = 1e-9
 # ----------------------------------------------------------------------------------------------
 # Independent reference implementations
 # ----------------------------------------------------------------------------------------------
-
-
-def loop_terms(cond_nll, m, b, alpha: float, scale: float, eps: float = 1e-6) -> dict[str, float]:
-    """All six terms from conditioned NLL cond_nll, mask m and aligned base NLL b (lists [B][N])."""
-    sums = dict.fromkeys(ALL_TERMS, 0.0)
-    bsz = len(cond_nll)
-    for i in range(bsz):
-        n_pos = len(cond_nll[i])
-        sup = [t for t in range(n_pos) if m[i][t]]
-        n_b = len(sup)
-        # token weights from b floored at eps before the power
-        num = {t: max(float(b[i][t]), eps) ** alpha for t in sup}
-        num_inv = {t: max(float(b[i][t]), eps) ** (-alpha) for t in sup}
-        den, den_inv = sum(num.values()), sum(num_inv.values())
-        pi = {t: num[t] / den for t in sup}
-        pi_inv = {t: num_inv[t] / den_inv for t in sup}
-        base = sum(float(b[i][t]) for t in sup) / n_b
-        tok_base = sum(pi[t] * float(b[i][t]) for t in sup)
-        inv_base = sum(pi_inv[t] * float(b[i][t]) for t in sup)
-        kappa = tok_base / base if base > 0 else 1.0
-        rho = inv_base / base if base > 0 else 1.0
-        seq = sum(float(cond_nll[i][t]) for t in sup)
-        tok = sum(pi[t] * float(cond_nll[i][t]) for t in sup)
-        inv = sum(pi_inv[t] * float(cond_nll[i][t]) for t in sup)
-        sums["reconstruction_loss"] += seq / n_b
-        sums["sequence_reconstruction_loss"] += seq
-        sums["token_weighted_reconstruction_loss"] += tok
-        sums["normalized_concentration_corrected_token_weighted_reconstruction_loss"] += tok / kappa
-        sums["normalized_inverse_surprisal_token_weighted_reconstruction_loss"] += inv / rho
-        sums["zfree_relative_reconstruction_loss"] += seq / n_b
-    out = {k: v / bsz for k, v in sums.items()}
-    for term in (
-        "normalized_concentration_corrected_token_weighted_reconstruction_loss",
-        "normalized_inverse_surprisal_token_weighted_reconstruction_loss",
-        "zfree_relative_reconstruction_loss",
-    ):
-        out[term] /= scale
-    return out
-
-
-def loop_masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, token_mask: torch.Tensor) -> list[list[float]]:
-    """out[b][t] = -log_softmax(logits[b, t])[input_ids[b, t+1]] if token t+1 is supervised, else 0."""
-    bsz, seq, vocab = logits.shape
-    out = [[0.0] * (seq - 1) for _ in range(bsz)]
-    for b in range(bsz):
-        for t in range(seq - 1):
-            if token_mask[b, t + 1]:
-                row = [float(x) for x in logits[b, t]]
-                top = max(row)
-                lse = top + math.log(sum(math.exp(x - top) for x in row))
-                out[b][t] = lse - row[int(input_ids[b, t + 1])]
-    return out
 
 
 def compute_terms(cond_nll: torch.Tensor, m: torch.Tensor, weighting, scale: float) -> dict[str, torch.Tensor]:

@@ -10,11 +10,12 @@ import torch.nn.functional as F
 
 from disentanglement.config import build_config
 from disentanglement.continuous_cvae import ContinuousCVAE
-from disentanglement.data import collate, make_hidden_factor_pairs, tokenize_pairs
+from disentanglement.data import collate, tokenize_pairs
 from disentanglement.losses import TERM_WEIGHT_FIELDS
 from disentanglement.models import build_cvae
 from disentanglement.regularizers import gaussian_kl
 from disentanglement.shared_discrete_cvae import SharedDiscreteCVAE
+from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import align_to_conditioned
 from disentanglement.trainer import make_optimizer
 from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer
@@ -46,7 +47,7 @@ def make_model(tokenizer, arch="llama", **overrides):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("latent", ["discrete", "continuous"])
-@pytest.mark.parametrize("placement", ["prefix", "between"])
+@pytest.mark.parametrize("placement", ["prefix", "between", "memory"])
 def test_forward_backward_every_combination(tokenizer, arch, latent, placement):
     extra = {"divergence_weight": 0.2} if latent == "discrete" else {}
     model, _ = make_model(tokenizer, arch, latent=latent, latent_placement=placement, **extra)
@@ -284,13 +285,13 @@ def test_lora_reference_is_the_adapter_free_model(tokenizer):
 
 def test_full_training_keeps_a_frozen_reference_copy(tokenizer):
     model, _ = make_model(tokenizer, decoder_training="full")
-    assert model.reference_model is not None and model.reference_model is not model.decoder
+    assert model.reference.copy is not None and model.reference.copy is not model.decoder
     assert all(p.requires_grad for p in model.decoder.parameters())
-    assert not any(p.requires_grad for p in model.reference_model.parameters())
+    assert not any(p.requires_grad for p in model.reference.copy.parameters())
     assert not any(n.startswith("reference") for n, _ in model.named_parameters())
 
 
-@pytest.mark.parametrize("placement", ["prefix", "between"])
+@pytest.mark.parametrize("placement", ["prefix", "between", "memory"])
 def test_windowed_lm_head_equals_full_logits(tokenizer, placement):
     model, _ = make_model(tokenizer, latent_placement=placement)
     batch = make_batch(tokenizer)

@@ -11,7 +11,7 @@ import pytest
 from conftest import hidden_factor_prompts, model_and_tokenizer
 from disentanglement import cli, sweep
 from disentanglement.config import ConfigError
-from disentanglement.data import make_hidden_factor_pairs
+from disentanglement.testing import make_hidden_factor_pairs
 from helpers import capture_figures, tick_labels, visible_axes
 
 BASE = dict(

@@ -24,66 +24,12 @@ from disentanglement.token_weighting import (
     token_weighting_from_base_nll,
     weighting_from_zfree_nll,
 )
-
-FIELDS = (
-    "token_weights",
-    "inverse_token_weights",
-    "aligned_base_token_nll",
-    "example_base_loss",
-    "token_weighted_base_loss",
-    "inverse_token_weighted_base_loss",
-    "token_concentration_factor",
-    "inverse_token_base_scale_factor",
-)
-
+from references import WEIGHTING_FIELDS as FIELDS
+from references import loop_align, loop_weighting
 
 # ----------------------------------------------------------------------------------------------
 # Independent reference implementation
 # ----------------------------------------------------------------------------------------------
-
-
-def loop_weighting(b: list[list[float]], m: list[list[int]], alpha: float, eps: float = 1e-6) -> dict:
-    """The bundle of DESIGN.md section 3, per example and per position, in float64 Python scalars."""
-    out: dict[str, list] = {name: [] for name in FIELDS}
-    for b_row, m_row in zip(b, m, strict=True):
-        n_pos = len(b_row)
-        bb = [float(b_row[t]) if m_row[t] else 0.0 for t in range(n_pos)]
-        num = [0.0] * n_pos
-        num_inv = [0.0] * n_pos
-        for t in range(n_pos):
-            if m_row[t]:
-                floored = max(bb[t], eps)
-                num[t] = floored**alpha
-                num_inv[t] = floored ** (-alpha)
-        den = sum(num)
-        den_inv = sum(num_inv)
-        pi = [num[t] / den for t in range(n_pos)]
-        pi_inv = [num_inv[t] / den_inv for t in range(n_pos)]
-        n_b = sum(1 for t in range(n_pos) if m_row[t])
-        base = sum(bb[t] for t in range(n_pos) if m_row[t]) / n_b
-        tok = sum(pi[t] * bb[t] for t in range(n_pos))
-        inv = sum(pi_inv[t] * bb[t] for t in range(n_pos))
-        kappa = tok / base if base > 0 else 1.0
-        rho = inv / base if base > 0 else 1.0
-        out["token_weights"].append(pi)
-        out["inverse_token_weights"].append(pi_inv)
-        out["aligned_base_token_nll"].append(bb)
-        out["example_base_loss"].append(base)
-        out["token_weighted_base_loss"].append(tok)
-        out["inverse_token_weighted_base_loss"].append(inv)
-        out["token_concentration_factor"].append(kappa)
-        out["inverse_token_base_scale_factor"].append(rho)
-    return out
-
-
-def loop_align(values: list[list[float]], mask: list[list[int]], offsets: list[int], n_out: int) -> list[list[float]]:
-    """Place z-free position t of example b at t + offsets[b] (supervised values only)."""
-    out = [[0.0] * n_out for _ in values]
-    for bi, row in enumerate(values):
-        for t, v in enumerate(row):
-            if mask[bi][t]:
-                out[bi][t + offsets[bi]] = float(v)
-    return out
 
 
 def assert_matches_loop(w: TokenWeighting, ref: dict, rtol: float = 1e-9, atol: float = 1e-12) -> None:

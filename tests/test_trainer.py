@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from disentanglement import cli
 from disentanglement.config import build_config
-from disentanglement.data import make_hidden_factor_pairs
 from disentanglement.losses import TERM_WEIGHT_FIELDS
+from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import TrainingDiverged, latest_checkpoint, load_trained, train
 from helpers import tiny_llama, tiny_tokenizer, trainer_config
 
@@ -226,31 +226,22 @@ def test_gradient_accumulation_equals_one_large_batch(tmp_path, tokenizer, pairs
     assert a[0]["loss"] == pytest.approx(b[0]["loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("latent", ["discrete", "continuous"])
-def test_old_checkpoint_head_layernorm_is_folded_exactly(tmp_path, tokenizer, latent):
-    # Checkpoints from before the heads' LayerNorm lost its affine hold encoder_norm/prior_norm weight and
-    # bias; loading folds them into the next Linear, which must compute what the old layers did.
+def test_a_checkpoint_with_tensors_the_model_lacks_is_refused_by_name(tmp_path, tokenizer):
+    # e.g. one written before the first release, whose heads' LayerNorm still had an affine
     from safetensors.torch import save_file
 
+    from disentanglement.checkpoints import CheckpointError
     from disentanglement.models import build_cvae
     from disentanglement.trainer import load_trainable_weights
 
-    config = build_config({"latent": latent})
-    old = build_cvae(config, tiny_llama(len(tokenizer)))
-    state = old.trainable_state_dict()
-    g = torch.Generator().manual_seed(0)
-    affine = {}
-    for norm, width in (("encoder_norm", 2 * old.hidden_size), ("prior_norm", old.hidden_size)):
-        affine[norm] = (1 + 0.3 * torch.randn(width, generator=g), 0.2 * torch.randn(width, generator=g))
-        state[f"{norm}.weight"], state[f"{norm}.bias"] = affine[norm]
+    config = build_config({})
+    model = build_cvae(config, tiny_llama(len(tokenizer)))
+    state = model.trainable_state_dict()
+    state["encoder_norm.weight"] = torch.ones(2 * model.hidden_size)
     (tmp_path / "ckpt").mkdir()
     save_file(state, str(tmp_path / "ckpt" / "model.safetensors"))
-    new = build_cvae(config, tiny_llama(len(tokenizer)))
-    load_trainable_weights(new, tmp_path / "ckpt")
-    x = torch.randn(5, 2 * old.hidden_size, generator=g)
-    p = torch.randn(5, old.hidden_size, generator=g)
-    for norm, head, inputs in (("encoder_norm", "encoder", x), ("prior_norm", "prior_head", p)):
-        gain, shift = affine[norm]
-        before = getattr(old, head)[0](F.layer_norm(inputs, inputs.shape[-1:]) * gain + shift)
-        after = getattr(new, head)[0](getattr(new, norm)(inputs))
-        torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    before = {k: v.clone() for k, v in model.trainable_state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: does not fit this model: .*'encoder_norm\.weight'"):
+        load_trainable_weights(model, tmp_path / "ckpt")
+    after = model.trainable_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was loaded

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from disentanglement.config import ConfigError, build_config
-from disentanglement.data import collate, make_hidden_factor_pairs, tokenize_pairs
+from disentanglement.config import ConfigError, Scoring, build_config
+from disentanglement.data import collate, tokenize_pairs
 from disentanglement.evaluation import score_batch
 from disentanglement.features import (
     build_feature_cache,
@@ -28,42 +28,15 @@ from disentanglement.features import (
 )
 from disentanglement.losses import masked_token_nll_per_position, token_weighted_reconstruction_loss
 from disentanglement.models import build_cvae
+from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import (
     TokenWeighting,
     token_weighting_from_base_nll,
 )
 from helpers import tiny_llama, tiny_tokenizer, train_and_read_metrics
+from references import loop_entropy, loop_weighting
 
 FIELDS = [f.name for f in dataclasses.fields(TokenWeighting)]
-
-
-def loop_weighting(b, s, m, alpha, eps=1e-6, lam=1.0) -> dict:
-    """Shares of the floored signal ``s``, mixed with uniform by ``lam``; statistics of ``b``."""
-    out: dict[str, list] = {name: [] for name in FIELDS}
-    for b_row, s_row, m_row in zip(b, s, m, strict=True):
-        idx = [t for t in range(len(m_row)) if m_row[t]]
-        n_b = len(idx)
-        num = {t: max(float(s_row[t]), eps) ** alpha for t in idx}
-        num_inv = {t: max(float(s_row[t]), eps) ** -alpha for t in idx}
-        pi = [(1 - lam) / n_b + lam * num[t] / sum(num.values()) if m_row[t] else 0.0 for t in range(len(m_row))]
-        pi_inv = [num_inv[t] / sum(num_inv.values()) if m_row[t] else 0.0 for t in range(len(m_row))]
-        bb = [float(b_row[t]) if m_row[t] else 0.0 for t in range(len(m_row))]
-        base = sum(bb) / n_b
-        tok = sum(p * x for p, x in zip(pi, bb, strict=True))
-        inv = sum(p * x for p, x in zip(pi_inv, bb, strict=True))
-        values = dict(
-            token_weights=pi,
-            inverse_token_weights=pi_inv,
-            aligned_base_token_nll=bb,
-            example_base_loss=base,
-            token_weighted_base_loss=tok,
-            inverse_token_weighted_base_loss=inv,
-            token_concentration_factor=tok / base if base > 0 else 1.0,
-            inverse_token_base_scale_factor=inv / base if base > 0 else 1.0,
-        )
-        for name in FIELDS:
-            out[name].append(values[name])
-    return out
 
 
 def assert_matches_loop(w: TokenWeighting, ref: dict) -> None:
@@ -104,7 +77,7 @@ def test_random_signal_and_interpolation_match_the_loop(alpha, lam):
     m[3] = 0
     m[3, 6] = 1  # one supervised token
     w = token_weighting_from_base_nll(b, m, alpha, 1e-6, signal=s, interpolation=lam)
-    assert_matches_loop(w, loop_weighting(b.tolist(), s.tolist(), m.tolist(), alpha, 1e-6, lam))
+    assert_matches_loop(w, loop_weighting(b.tolist(), m.tolist(), alpha, 1e-6, signal=s.tolist(), lam=lam))
     assert torch.allclose(w.token_weights.sum(1), torch.ones(4, dtype=torch.float64))
     assert (w.token_weights[m == 0] == 0).all() and (w.inverse_token_weights[m == 0] == 0).all()
 
@@ -182,16 +155,6 @@ def test_signal_off_the_supervised_positions_is_ignored():
 
 
 # -- predictive entropy ------------------------------------------------------------------------------
-def loop_entropy(logits: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
-    B, T, _ = logits.shape
-    out = torch.zeros(B, T - 1, dtype=torch.float64)
-    for b in range(B):
-        for t in range(T - 1):
-            if token_mask[b, t + 1]:
-                p = [math.exp(x) for x in logits[b, t].double().tolist()]
-                z = sum(p)
-                out[b, t] = -sum(q / z * math.log(q / z) for q in p)
-    return out
 
 
 def test_nll_and_entropy_match_the_loop_and_shifted_nll_chunked_and_through_a_head():
@@ -255,7 +218,7 @@ def test_frozen_pass_gives_the_references_predictive_entropy(tokenizer, examples
     torch.testing.assert_close(features.encoder_features, surprisal.encoder_features, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("placement", ["prefix", "between"])
+@pytest.mark.parametrize("placement", ["prefix", "between", "memory"])
 def test_entropy_weights_from_the_cache_equal_the_models_own(tokenizer, examples, placement):
     model = model_for(
         tokenizer, token_weight_source="entropy", token_weight_interpolation=0.6, latent_placement=placement
@@ -334,7 +297,7 @@ def test_dynamic_weights_are_the_models_own_detached_nll(tokenizer, examples):
     assert features.zfree_weighting is None  # nothing to precompute: it changes every step
     out = model(batch, features)
     cond_nll, m = out.token_nll.detach().double(), out.target_mask.double()
-    want = loop_weighting(out.weighting.aligned_base_token_nll.tolist(), cond_nll.tolist(), m.tolist(), 1.5)
+    want = loop_weighting(out.weighting.aligned_base_token_nll.tolist(), m.tolist(), 1.5, signal=cond_nll.tolist())
     for name in FIELDS:
         torch.testing.assert_close(
             getattr(out.weighting, name).double(), torch.tensor(want[name], dtype=torch.float64), rtol=1e-5, atol=1e-7
@@ -346,7 +309,7 @@ def test_dynamic_weights_are_the_models_own_detached_nll(tokenizer, examples):
     torch.testing.assert_close(grad, out.weighting.token_weights / 5, rtol=1e-6, atol=1e-8)
     # Evaluation weights by the posterior-mean NLL it scores.
     model.eval()
-    scores = score_batch(model, batch, features, iw_samples=1, prior_samples=2)
+    scores = score_batch(model, batch, features, Scoring(iw_samples=1, prior_samples=2))
     l_eval = scores.posterior_nll.double()
     share = l_eval.clamp_min(1e-6) ** 1.5 * m
     torch.testing.assert_close(

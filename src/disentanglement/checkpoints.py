@@ -556,36 +556,10 @@ def read_resumable(output_dir: str | Path) -> CheckpointContents | None:
 # ------------------------------------------------------------------------------------------------
 # weights onto a model
 
-# Checkpoints written before 2026-11-29 normalised the heads' features with an affine LayerNorm.
-_OLD_HEAD_NORMS = {"encoder_norm": "encoder.0", "prior_norm": "prior_head.0"}
-
-
-def _fold_old_head_norms(state: dict[str, torch.Tensor], checkpoint: Path) -> None:
-    """Fold an old checkpoint's LayerNorm affine ``(g, beta)`` into the Linear that follows it, exactly:
-    ``W (g * x + beta) + b = (W diag g) x + (W beta + b)``."""
-    folded = []
-    for norm, head in _OLD_HEAD_NORMS.items():
-        gain, shift = state.pop(f"{norm}.weight", None), state.pop(f"{norm}.bias", None)
-        if gain is None or shift is None or f"{head}.weight" not in state:
-            continue  # no affine, or no head behind it (a fixed prior)
-        weight = state[f"{head}.weight"]
-        state[f"{head}.bias"] = state[f"{head}.bias"] + weight @ shift
-        state[f"{head}.weight"] = weight * gain
-        folded.append(norm)
-    if folded:
-        logger.warning(
-            "checkpoint %s: written before the heads' LayerNorm lost its parameters; folded %s into the "
-            "next Linear (exact). The heads' GELU is now the tanh form: activations differ by < 1e-3.",
-            checkpoint,
-            folded,
-        )
-
 
 def apply_trainable_weights(model, state: dict[str, torch.Tensor], checkpoint: Path) -> None:
     """Put a checkpoint's trainable weights and buffers on ``model``; every tensor must match by name and shape."""
     expected = model.trainable_state_dict()
-    if not any(f"{norm}.weight" in expected for norm in _OLD_HEAD_NORMS):
-        _fold_old_head_norms(state, checkpoint)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:

@@ -36,13 +36,12 @@ import logging
 import math
 import os
 import re
-import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .config import _base_type, _literal_values, field_flag, option
+from .config import Scoring, base_type, field_flag, literal_values, option
 
 if TYPE_CHECKING:  # the heavy modules (torch, transformers) load when a command runs, not for --help
     from .config import RunConfig
@@ -181,16 +180,6 @@ def _write_json(path: str | Path, obj: Any) -> Path:
 REQUIRED: Any = dataclasses.MISSING
 
 
-def cli_option(default: Any, help: str, flag: str | None = None, **argparse_kwargs: Any) -> Any:
-    """:func:`config.option`, plus what the subcommands' flags need beyond ``train``'s (kept in
-    ``metadata["argparse"]``): ``group`` (the argument group's title), ``metavar``, ``action="append"``.
-    ``default=REQUIRED`` makes the flag required."""
-    f = option(default, help, flag)
-    if argparse_kwargs:
-        f.metadata = types.MappingProxyType({**f.metadata, "argparse": argparse_kwargs})
-    return f
-
-
 def add_option_arguments(
     parser: argparse.ArgumentParser, cls: type, descriptions: dict[str, str] | None = None
 ) -> None:
@@ -214,7 +203,7 @@ def add_option_arguments(
         else:
             target = groups[title] = parser.add_argument_group(title, (descriptions or {}).get(title))
         hint = hints[f.name]
-        base = _base_type(hint)
+        base = base_type(hint)
         kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"]}
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             kwargs["required"] = True
@@ -229,7 +218,7 @@ def add_option_arguments(
             kwargs.update(action="append", type=item)
         else:
             kwargs["type"] = base if base in (int, float, str) else str
-            choices = [c for c in _literal_values(hint) if c is not None]
+            choices = [c for c in literal_values(hint) if c is not None]
             if choices:
                 kwargs["choices"] = choices
         kwargs.update(extra)
@@ -243,7 +232,7 @@ def options_from(cls: type, args: argparse.Namespace) -> Any:
 
 def _with(cls: type, options: Any, overrides: dict[str, Any]) -> Any:
     """``options`` (default ``cls()``) with the keyword ``overrides`` (the ``run_*`` functions' keywords)."""
-    return dataclasses.replace(options if options is not None else cls(), **overrides)
+    return cls(**overrides) if options is None else dataclasses.replace(options, **overrides)
 
 
 _DATA_HELP = "validation, train, chatterbot or a .jsonl file"
@@ -253,29 +242,39 @@ _DATA_HELP = "validation, train, chatterbot or a .jsonl file"
 class CheckpointOptions:
     """Options of every subcommand that loads a checkpoint."""
 
-    device: Literal["auto", "cpu", "cuda"] = cli_option("auto", "where to run the model")
-    seed: int = cli_option(0, "seed of every sample drawn (results are deterministic)")
+    device: Literal["auto", "cpu", "cuda"] = option("auto", "where to run the model")
+    seed: int = option(0, "seed of every sample drawn (results are deterministic)")
 
 
 @dataclass(frozen=True, kw_only=True)
 class DataOptions(CheckpointOptions):
     """Options of the subcommands that score a data set with a checkpoint: ``eval``, ``inspect``, ``encode``."""
 
-    data: str = cli_option("validation", _DATA_HELP)
-    max_examples: int | None = cli_option(None, "use at most this many examples of --data (seeded subset)")
-    prior_samples: int = cli_option(
-        16, "prior samples of the prior-mixture NLL (continuous, or too many code combinations)"
+    data: str = option("validation", _DATA_HELP)
+    max_examples: int | None = option(None, "use at most this many examples of --data (seeded subset)")
+    prior_samples: int = option(
+        Scoring.prior_samples, "prior samples of the prior-mixture NLL (continuous, or too many code combinations)"
     )
-    exact_limit: int = cli_option(64, "enumerate the discrete prior exactly up to this many combinations")
-    batch_size: int = cli_option(16, "examples per forward pass")
-    progress: bool = cli_option(True, "progress bars")
+    exact_limit: int = option(Scoring.exact_limit, "enumerate the discrete prior exactly up to this many combinations")
+    batch_size: int = option(16, "examples per forward pass")
+    progress: bool = option(True, "progress bars")
+
+    def scoring(self) -> Scoring:
+        """The :class:`config.Scoring` of these options (one posterior sample: no IW bound here)."""
+        _check_at_least("--prior-samples", self.prior_samples, 1)
+        _check_at_least("--exact-limit", self.exact_limit, 0)
+        return Scoring(iw_samples=1, prior_samples=self.prior_samples, exact_limit=self.exact_limit)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ScoringOptions(DataOptions):
     """Options of the subcommands that compute the importance-weighted bound: ``eval``, ``encode``."""
 
-    iw_samples: int = cli_option(8, "posterior samples k of the IW bound")
+    iw_samples: int = option(Scoring.iw_samples, "posterior samples k of the IW bound")
+
+    def scoring(self) -> Scoring:
+        _check_at_least("--iw-samples", self.iw_samples, 1)
+        return dataclasses.replace(super().scoring(), iw_samples=self.iw_samples)
 
 
 _STEERING = "controllability (generate under each code or latent, re-encode)"
@@ -285,22 +284,22 @@ _STEERING = "controllability (generate under each code or latent, re-encode)"
 class EvalOptions(ScoringOptions):
     """``disentangle eval``."""
 
-    output: str | None = cli_option(None, "JSON report path (default RUN/eval/eval_<data>.json); .md next to it")
-    generation: bool = cli_option(
+    output: str | None = option(None, "JSON report path (default RUN/eval/eval_<data>.json); .md next to it")
+    generation: bool = option(
         False,
         "also measure controllability: code/latent recovery, label accuracy, distinct-n, z-free NLL",
         group=_STEERING,
     )
-    generation_prompts: int = cli_option(8, "held-out prompts generated for", group=_STEERING)
-    generation_max_new_tokens: int = cli_option(32, "greedy tokens per generation", group=_STEERING)
-    generation_latents: int = cli_option(8, "continuous: prior draws per prompt (recovery targets)", group=_STEERING)
+    generation_prompts: int = option(8, "held-out prompts generated for", group=_STEERING)
+    generation_max_new_tokens: int = option(32, "greedy tokens per generation", group=_STEERING)
+    generation_latents: int = option(8, "continuous: prior draws per prompt (recovery targets)", group=_STEERING)
 
 
 @dataclass(frozen=True, kw_only=True)
 class EncodeOptions(ScoringOptions):
     """``disentangle encode``."""
 
-    output: str = cli_option(REQUIRED, "where to write the rows: FILE.jsonl or FILE.parquet")
+    output: str = option(REQUIRED, "where to write the rows: FILE.jsonl or FILE.parquet")
 
 
 _EXPLORE = "corpus explorer (--explore)"
@@ -315,27 +314,27 @@ class InspectOptions(DataOptions):
     """``disentangle inspect`` (one example's token report and the run's plots, or with ``explore`` the
     corpus explorer page)."""
 
-    index: int = cli_option(0, "index of the example in --data")
-    output_dir: str | None = cli_option(None, "where to write (default RUN/inspect)")
-    alpha: float | None = cli_option(None, "token-weight alpha (default: the run's configured alpha)")
-    plots: bool = cli_option(True, "write the PNG plots")
-    explore: bool = cli_option(False, "write the corpus explorer page instead of one example's report", group=_EXPLORE)
-    output: str | None = cli_option(
+    index: int = option(0, "index of the example in --data")
+    output_dir: str | None = option(None, "where to write (default RUN/inspect)")
+    alpha: float | None = option(None, "token-weight alpha (default: the run's configured alpha)")
+    plots: bool = option(True, "write the PNG plots")
+    explore: bool = option(False, "write the corpus explorer page instead of one example's report", group=_EXPLORE)
+    output: str | None = option(
         None,
         "the explorer page (default: OUTPUT_DIR/explorer.html, else RUN/inspect/explorer.html)",
         group=_EXPLORE,
     )
-    explore_examples: int = cli_option(3, "most confident examples shown per group", group=_EXPLORE)
-    explore_prompts: int = cli_option(3, "generate for the first N distinct prompts of --data", group=_EXPLORE)
-    explore_prompt_texts: list[str] | None = cli_option(
+    explore_examples: int = option(3, "most confident examples shown per group", group=_EXPLORE)
+    explore_prompts: int = option(3, "generate for the first N distinct prompts of --data", group=_EXPLORE)
+    explore_prompt_texts: list[str] | None = option(
         None,
         "generate for this prompt instead (repeatable)",
         flag="--explore-prompt",
         group=_EXPLORE,
         metavar="TEXT",
     )
-    explore_tokens: int = cli_option(16, "new tokens per generation (greedy)", group=_EXPLORE)
-    clusters: int | None = cli_option(
+    explore_tokens: int = option(16, "new tokens per generation (greedy)", group=_EXPLORE)
+    clusters: int | None = option(
         None, "continuous: k-means clusters (default: the first factor's values, else 8)", group=_EXPLORE
     )
 
@@ -351,18 +350,18 @@ GENERATE_MODES = ("codes", "prior", "posterior", "interpolate", "row", "attribut
 class GenerateOptions(CheckpointOptions):
     """``disentangle generate``: the prompts, :func:`generation.generate`'s keywords and the sampling options."""
 
-    prompt: list[str] = cli_option(REQUIRED, "a prompt (repeat for several)")
-    mode: Literal["codes", "prior", "posterior", "interpolate", "row", "attribute", "traverse"] | None = cli_option(
+    prompt: list[str] = option(REQUIRED, "a prompt (repeat for several)")
+    mode: Literal["codes", "prior", "posterior", "interpolate", "row", "attribute", "traverse"] | None = option(
         None,
         "latents: codes (discrete default), prior (continuous default), posterior of --reference-response, "
         "interpolate (continuous) between two reference responses' posteriors; row, attribute, traverse "
         "(continuous; implied by --row, --attribute, --traverse)",
     )
-    latents: str | None = cli_option(None, "an encode file (.jsonl or .parquet) of this checkpoint", group=_LATENT_FILE)
-    row: int | None = cli_option(
+    latents: str | None = option(None, "an encode file (.jsonl or .parquet) of this checkpoint", group=_LATENT_FILE)
+    row: int | None = option(
         None, "decode with row I's latent: its codes (discrete, as --codes) or its mu", group=_LATENT_FILE
     )
-    attributes: list[str] | None = cli_option(
+    attributes: list[str] | None = option(
         None,
         "continuous: add SCALE * (mean(mu | LABEL) - mean(mu)) over --latents to the latent (--row's mu, "
         "else the prompt's prior mean); LABEL is value or factor=value; repeatable",
@@ -370,39 +369,37 @@ class GenerateOptions(CheckpointOptions):
         group=_LATENT_FILE,
         metavar="LABEL:SCALE",
     )
-    code_examples: int = cli_option(
+    code_examples: int = option(
         0,
         "discrete: show each generated code's N most typical responses of --latents (highest posterior)",
         group=_LATENT_FILE,
         metavar="N",
     )
-    slot: int | None = cli_option(
+    slot: int | None = option(
         None, "sweep every code of this slot (default 0 unless --codes is given)", group=_DISCRETE
     )
-    codes: str | None = cli_option(
+    codes: str | None = option(
         None, "force codes per slot, comma-separated, '-' = prior mode (e.g. 0,2 or -,3)", group=_DISCRETE
     )
-    all_combinations: bool = cli_option(False, "every combination of the unforced slots", group=_DISCRETE)
-    max_combinations: int = cli_option(64, "limit of --all-combinations", group=_DISCRETE)
-    reference_response: str | None = cli_option(
+    all_combinations: bool = option(False, "every combination of the unforced slots", group=_DISCRETE)
+    max_combinations: int = option(64, "limit of --all-combinations", group=_DISCRETE)
+    reference_response: str | None = option(
         None, "response whose posterior is used (posterior, interpolate)", group=_CONTINUOUS
     )
-    reference_response_b: str | None = cli_option(None, "second reference response (interpolate)", group=_CONTINUOUS)
-    steps: int = cli_option(5, "interpolation or traversal points, ends included", group=_CONTINUOUS)
-    traverse: int | None = cli_option(
+    reference_response_b: str | None = option(None, "second reference response (interpolate)", group=_CONTINUOUS)
+    steps: int = option(5, "interpolation or traversal points, ends included", group=_CONTINUOUS)
+    traverse: int | None = option(
         None, "traverse dimension DIM around the prior mean (or --row's mu)", group=_CONTINUOUS, metavar="DIM"
     )
-    traverse_range: str = cli_option(
-        "-3:3", "offsets of --traverse", flag="--range", group=_CONTINUOUS, metavar="LOW:HIGH"
-    )
-    num_samples: int = cli_option(1, "responses per latent (prior mode: latents drawn, one response each)")
-    greedy: bool = cli_option(False, "greedy decoding instead of sampling", group=_SAMPLING)
-    temperature: float = cli_option(0.7, "sampling temperature", group=_SAMPLING)
-    top_p: float = cli_option(0.9, "nucleus sampling mass", group=_SAMPLING)
-    max_new_tokens: int = cli_option(64, "new tokens per response at most", group=_SAMPLING)
-    batch_size: int = cli_option(16, "rows per generate call (left-padded)")
-    output: str | None = cli_option(None, "write the generations and diversity as JSON here")
-    json: bool = cli_option(False, "print JSON instead of the text table")
+    traverse_range: str = option("-3:3", "offsets of --traverse", flag="--range", group=_CONTINUOUS, metavar="LOW:HIGH")
+    num_samples: int = option(1, "responses per latent (prior mode: latents drawn, one response each)")
+    greedy: bool = option(False, "greedy decoding instead of sampling", group=_SAMPLING)
+    temperature: float = option(0.7, "sampling temperature", group=_SAMPLING)
+    top_p: float = option(0.9, "nucleus sampling mass", group=_SAMPLING)
+    max_new_tokens: int = option(64, "new tokens per response at most", group=_SAMPLING)
+    batch_size: int = option(16, "rows per generate call (left-padded)")
+    output: str | None = option(None, "write the generations and diversity as JSON here")
+    json: bool = option(False, "print JSON instead of the text table")
 
     def sampling(self):
         """The :class:`generation.SamplingOptions` of these options (``seed`` included)."""
@@ -519,9 +516,7 @@ def run_eval(
         examples,
         cache,
         tokenizer.pad_token_id,
-        iw_samples=options.iw_samples,
-        prior_samples=options.prior_samples,
-        exact_limit=options.exact_limit,
+        scoring=options.scoring(),
         batch_size=options.batch_size,
         seed=options.seed,
         progress=options.progress and main,
@@ -713,8 +708,7 @@ def run_inspect(
         examples[options.index],
         extra_meta=extra,
         alpha=alpha,
-        prior_samples=options.prior_samples,
-        exact_limit=options.exact_limit,
+        scoring=options.scoring(),
         seed=options.seed,
     )
     written: list[Path] = []
@@ -744,8 +738,7 @@ def _explore_main(checkpoint: str, options: InspectOptions) -> int:
         max_new_tokens=options.explore_tokens,
         clusters=options.clusters,
         max_examples=options.max_examples,
-        prior_samples=options.prior_samples,
-        exact_limit=options.exact_limit,
+        scoring=options.scoring(),
         seed=options.seed,
         batch_size=options.batch_size,
         device=options.device,
@@ -776,7 +769,7 @@ def _encode_main(args: argparse.Namespace) -> int:
     from .encode import _encode_to_file
 
     options = options_from(EncodeOptions, args)
-    path, count = _encode_to_file(args.checkpoint, **dataclasses.asdict(options), model_and_tokenizer=None)
+    path, count = _encode_to_file(args.checkpoint, options)
     print(f"wrote {count} rows to {path}")
     return 0
 

@@ -28,11 +28,18 @@ from typing import Any, Literal
 import yaml
 
 
-def option(default: Any, help: str, flag: str | None = None) -> Any:
-    """A dataclass field with its help text and, where the seeds fix it, its flag name."""
-    metadata = {"help": help}
+def option(default: Any, help: str, flag: str | None = None, **argparse_kwargs: Any) -> Any:
+    """A dataclass field with its help text and, where the seeds fix it, its flag name.
+
+    ``argparse_kwargs`` (kept in ``metadata["argparse"]``) are what a subcommand's flag needs beyond
+    the type, default and choices its hint gives: ``group`` (the argument group's title), ``metavar``.
+    ``default=dataclasses.MISSING`` makes the field, and its flag, required.
+    """
+    metadata: dict[str, Any] = {"help": help}
     if flag is not None:
         metadata["flag"] = flag
+    if argparse_kwargs:
+        metadata["argparse"] = argparse_kwargs
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -144,13 +151,14 @@ def _number(
 
 def _choice(cfg: Any, name: str) -> None:
     hint = typing.get_type_hints(type(cfg))[name]
-    allowed = _literal_values(hint)
+    allowed = literal_values(hint)
     value = getattr(cfg, name)
     if allowed and value not in allowed:
         raise ConfigError(f"{type(cfg).__name__}.{name} must be one of {list(allowed)}, got {value!r}", field=name)
 
 
-def _literal_values(hint: Any) -> tuple[Any, ...]:
+def literal_values(hint: Any) -> tuple[Any, ...]:
+    """The values of a ``Literal[...]`` hint (or of ``Literal[...] | None``, with None); ``()`` otherwise."""
     if typing.get_origin(hint) is Literal:
         return typing.get_args(hint)
     for arg in typing.get_args(hint):
@@ -226,10 +234,19 @@ class LatentConfig:
     """The latent variable: family, size, injection and the discrete assignment recipe."""
 
     latent: Literal["discrete", "continuous"] = option("discrete", "Latent family.")
-    latent_placement: Literal["prefix", "between"] = option(
-        "prefix", "Where the latent embeddings go: 'prefix' = [z][x][y], 'between' = [x][z][y]."
+    latent_placement: Literal["prefix", "between", "memory"] = option(
+        "prefix",
+        "Where the latent embeddings go: 'prefix' = [z][x][y], 'between' = [x][z][y] (P soft input embeddings); "
+        "'memory' = P key/value memory slots in every attention layer (Optimus-style), given to the decoder as a "
+        "past-key-value cache in front of [x][y]: the per-slot latent embeddings are mapped by one learned linear "
+        "layer (trained at latent_lr) to a key and a value per layer, the sequence's positions are not shifted "
+        "(alignment offsets 0) and the attention mask gains P leading ones. Needs a decoder whose layers all use "
+        "full attention with a standard cache (Llama- or GPT-2-style; not sliding-window, linear-attention or "
+        "encoder-decoder models).",
     )
-    latent_tokens: int = option(4, "Number P of soft latent embeddings injected into the decoder.")
+    latent_tokens: int = option(
+        4, "Number P of soft latent embeddings injected into the decoder (memory slots for placement 'memory')."
+    )
     num_slots: int = option(1, "Discrete: number M of latent slots.")
     codebook_size: int = option(4, "Discrete: number K of codes in the shared codebook.")
     code_dim: int = option(64, "Discrete: dimension of each code of the shared codebook.")
@@ -476,6 +493,25 @@ class TrainConfig:
         _number(self, "max_loss_ratio", low=0)
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """How scoring a trained CVAE estimates what it cannot enumerate (``evaluation.score_batch``): the
+    ``iw_samples`` posterior samples of the importance-weighted bound, the ``prior_samples`` latents of
+    the prior mixture when it is not exact, and ``exact_limit``, the largest number of discrete code
+    combinations the prior mixture enumerates exactly. The defaults of ``eval``, ``encode`` and
+    ``inspect``."""
+
+    iw_samples: int = 8
+    prior_samples: int = 16
+    exact_limit: int = 64
+
+    def __post_init__(self) -> None:
+        for name, low in (("iw_samples", 1), ("prior_samples", 1), ("exact_limit", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"Scoring.{name} must be an integer >= {low}, got {value!r}", field=name)
+
+
 @dataclass
 class RunConfig:
     """A whole run: one section per concern."""
@@ -520,7 +556,7 @@ def _field_index() -> dict[str, tuple[str, dataclasses.Field]]:
 FIELDS = _field_index()
 
 
-def _base_type(hint: Any) -> Any:
+def base_type(hint: Any) -> Any:
     """``float | None`` -> ``float``; ``Literal[...]`` -> type of its values."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -546,12 +582,12 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: list[str] | 
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             hint = hints[f.name]
-            base = _base_type(hint)
+            base = base_type(hint)
             optional = type(None) in typing.get_args(hint)
             kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kwargs["help"] = f"{f.metadata['help']} (default: {default})"
-            choices = [c for c in _literal_values(hint) if c is not None]
+            choices = [c for c in literal_values(hint) if c is not None]
             if base is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif typing.get_origin(base) is list:

@@ -48,6 +48,7 @@ from .evaluation import example_factor_values, posterior_latents
 from .features import FeatureCache
 from .generation import SamplingOptions, encode_prompts, generate_texts, prompt_features
 from .metrics import distinct_n
+from .reference import eval_mode
 
 #: Generations of the first prompts shown in the report.
 EXAMPLES_SHOWN = 2
@@ -313,25 +314,20 @@ def controllability(
     prompts = choose_prompts([p.prompt for p in pairs], num_prompts, seed)
     factors = example_factor_values(examples)
     sampling = SamplingOptions(greedy=True, max_new_tokens=max_new_tokens, seed=seed)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-            torch.manual_seed(seed)
-            latents = posterior_latents(model, examples, cache, pad)
-            prompt_ids = encode_prompts(prompts, tokenizer, config.data)
-            features = prompt_features(model, prompt_ids, pad)
-            targets = _targets(model, features, latents, factors, prior_latents)
-            vectors = torch.stack([t["vector"] for t in targets])  # [G, L]
-            rows = [prompt_ids[t["prompt"]] for t in targets]
-            texts = generate_texts(model, tokenizer, rows, vectors, sampling, batch_size)
-            generated = generated_examples(tokenizer, config, [prompts[t["prompt"]] for t in targets], texts)
-            encoded = reencode(model, generated, pad, batch_size)
-            prior_mu = None if discrete else model.prior(features)[0].cpu()
-            recovered = _recovered(model, targets, encoded, prior_mu)
-            real_features = real_encoder_inputs(model, examples, cache, pad) if factors else None
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(seed)
+        latents = posterior_latents(model, examples, cache, pad)
+        prompt_ids = encode_prompts(prompts, tokenizer, config.data)
+        features = prompt_features(model, prompt_ids, pad)
+        targets = _targets(model, features, latents, factors, prior_latents)
+        vectors = torch.stack([t["vector"] for t in targets])  # [G, L]
+        rows = [prompt_ids[t["prompt"]] for t in targets]
+        texts = generate_texts(model, tokenizer, rows, vectors, sampling, batch_size)
+        generated = generated_examples(tokenizer, config, [prompts[t["prompt"]] for t in targets], texts)
+        encoded = reencode(model, generated, pad, batch_size)
+        prior_mu = None if discrete else model.prior(features)[0].cpu()
+        recovered = _recovered(model, targets, encoded, prior_mu)
+        real_features = real_encoder_inputs(model, examples, cache, pad) if factors else None
 
     report: dict[str, Any] = {
         "prompts": len(prompts),

@@ -1,7 +1,8 @@
 """The shared base of both CVAEs: frozen features pass, latent injection and the objective.
 
 Shapes: ``B`` examples; ``T`` z-free length of ``[x][y]``; ``P`` latent embeddings; conditioned
-length ``Tc = T + P``; ``N = Tc - 1`` conditioned positions; ``H`` hidden size; ``V`` vocabulary.
+length ``Tc = T + P`` (``Tc = T`` for the memory placement); ``N = Tc - 1`` conditioned positions;
+``H`` hidden size; ``V`` vocabulary.
 
 One no-grad pass of the frozen model over the z-free sequence ``[x][y]`` gives the z-free
 per-token surprisal, the prior's features (hidden state at the last prompt token) and the
@@ -12,12 +13,13 @@ query's attention over the per-token states (``attention``, pooled in the step b
 :class:`AttentionPool`). Features come from ``hidden_states[encoder_layer]`` (the last layer by
 default); the surprisal always from the last.
 The latent family (a subclass) turns features into a latent vector; a linear projection turns
-it into ``P`` soft embeddings placed ``[z][x][y]`` (``prefix``) or ``[x][z][y]`` (``between``).
+it into ``P`` soft embeddings placed ``[z][x][y]`` (``prefix``) or ``[x][z][y]`` (``between``), or
+mapped to ``P`` key/value memory slots of every attention layer (``memory``, :mod:`.memory`): the
+decoder then sees ``[x][y]`` at its z-free positions, with the memory as a past-key-value cache.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +32,8 @@ import torch.nn.functional as F
 from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
 from .data import Batch
 from .losses import apply_head, default_chunk_size, masked_token_nll_per_position, reconstruction_loss_stack
+from .memory import LatentMemory, memory_attention_mask, memory_cache, memory_geometry
+from .reference import ZFreeReference, reference_hidden_states, unused_logits
 from .regularizers import beta_at, kl_objective, next_token_divergence
 from .token_weighting import (
     TokenWeighting,
@@ -165,16 +169,6 @@ class Decoded:
         return apply_head(self.head, self.hidden)
 
 
-def unused_logits(inputs: torch.Tensor) -> torch.Tensor:
-    """``logits_to_keep`` for a forward whose own logits are not used: position 0 as an index tensor.
-
-    The model's head then gets a contiguous ``[B, 1, H]`` copy. ``logits_to_keep=1`` gives it a strided
-    view instead, on which a linear layer runs as a batched matmul against its weight expanded over the
-    batch (for bf16 weights on the CPU a copy of the ``[V, H]`` weight per example: seconds per pass).
-    """
-    return torch.zeros(1, dtype=torch.long, device=inputs.device)
-
-
 def _pad_last(mask: torch.Tensor) -> torch.Tensor:
     """A ``[B, W-1]`` position mask extended to the ``[B, W]`` window (its last position predicts nothing)."""
     return F.pad(mask, (0, 1), value=False)
@@ -281,7 +275,7 @@ class CVAEBase(nn.Module):
         kl: KLConfig,
         divergence: DivergenceConfig | None = None,
         decoder_training: str = "frozen",
-        reference: nn.Module | None = None,
+        reference: ZFreeReference | None = None,
     ) -> None:
         super().__init__()
         self.decoder = decoder
@@ -292,12 +286,10 @@ class CVAEBase(nn.Module):
         self.decoder_training = decoder_training
         if decoder_training == "frozen":
             self.decoder.requires_grad_(False)
-        if decoder_training == "full" and reference is None:
-            raise ValueError("decoder_training='full' needs a frozen reference copy of the decoder")
-        # Kept outside the module tree: never in state_dict, parameters() or a data-parallel wrapper.
-        object.__setattr__(self, "reference_model", reference)
-        if reference is not None:
-            reference.requires_grad_(False).eval()
+        if decoder_training != "frozen" and reference is None:
+            raise ValueError(f"decoder_training={decoder_training!r} needs its z-free reference (models.build_cvae)")
+        # A plain attribute, not a submodule: its frozen copy (if any) stays outside the module tree.
+        object.__setattr__(self, "reference", reference if reference is not None else ZFreeReference(decoder))
         embeddings = decoder.get_input_embeddings()
         self.hidden_size = embeddings.weight.shape[1]
         self.num_latent_tokens = latent.latent_tokens
@@ -325,6 +317,10 @@ class CVAEBase(nn.Module):
         embedding_std = float(embeddings.weight.detach().float().std())
         nn.init.normal_(self.latent_projection.weight, std=embedding_std / self.latent_vector_dim**0.5)
         nn.init.zeros_(self.latent_projection.bias)
+        # latent_placement "memory": the slots' embeddings -> every layer's memory keys and values.
+        self.latent_memory = None
+        if latent.latent_placement == "memory":
+            self.latent_memory = LatentMemory(H, memory_geometry(decoder), embedding_std)
         vocab_size = decoder.get_output_embeddings().weight.shape[0]
         self.bow_head = nn.Linear(self.latent_vector_dim, vocab_size) if latent.bow_weight > 0 else None
 
@@ -437,7 +433,7 @@ class CVAEBase(nn.Module):
                 continue
             if name.startswith("decoder."):
                 groups["decoder"].append(param)
-            elif name.startswith(("latent_projection.", "codebook")):
+            elif name.startswith(("latent_projection.", "latent_memory.", "codebook")):
                 groups["latent"].append(param)
             else:
                 groups["encoder"].append(param)
@@ -455,8 +451,7 @@ class CVAEBase(nn.Module):
     def _apply(self, fn, recurse=True):
         # Device and dtype moves reach the reference copy, which is kept outside the module tree.
         super()._apply(fn, recurse)
-        if self.reference_model is not None:
-            self.reference_model._apply(fn, recurse)
+        self.reference.apply(fn)
         return self
 
     def train(self, mode: bool = True) -> CVAEBase:
@@ -466,35 +461,14 @@ class CVAEBase(nn.Module):
         return self
 
     # -- the frozen pass -------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def reference_context(self):
-        """The z-free reference: the frozen decoder, the decoder without adapters, or a frozen copy."""
-        if self.reference_model is not None:
-            yield self.reference_model
-        elif self.decoder_training == "lora":
-            with self.decoder.disable_adapter():
-                yield self.decoder
-        else:
-            yield self.decoder
-
     @torch.no_grad()
     def frozen_pass(self, batch: Batch) -> FrozenFeatures:
         """One no-grad pass of the reference over ``[x][y]``: z-free NLL (last layer) and both heads'
         features (``hidden_states[encoder_layer]``; the response pool of the configured encoder view)."""
-        with self.reference_context() as reference:
-            was_training = reference.training
-            reference.eval()
-            try:
-                out = reference(
-                    input_ids=batch.input_ids,
-                    attention_mask=batch.attention_mask,
-                    output_hidden_states=True,
-                    logits_to_keep=unused_logits(batch.input_ids),  # the head runs below, on the window
-                )
-                head = reference.get_output_embeddings()
-            finally:
-                reference.train(was_training)
-            hidden = out.hidden_states[-1]  # [B, T, H], after the final norm
+        with self.reference.active() as reference:
+            hidden_states = reference_hidden_states(reference, batch.input_ids, batch.attention_mask)
+            hidden = hidden_states[-1]  # [B, T, H], after the final norm
+            head = reference.get_output_embeddings()  # inside the block: the adapter-free head too
             start = int((batch.prompt_lengths - 1).min())  # first position that predicts a response token
             window_args = (
                 hidden[:, start:],
@@ -510,7 +484,7 @@ class CVAEBase(nn.Module):
                 window = masked_token_nll_per_position(*window_args, head=head)
         zfree_nll = F.pad(window.float(), (start, 0))  # [B, T-1]
         if self.latent_cfg.encoder_layer != -1:
-            hidden = out.hidden_states[self.latent_cfg.encoder_layer]  # [B, T, H], the features' layer
+            hidden = hidden_states[self.latent_cfg.encoder_layer]  # [B, T, H], the features' layer
         hidden = hidden.float()
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         prior_features = hidden[rows, batch.prompt_lengths - 1]  # [B, H]
@@ -543,21 +517,30 @@ class CVAEBase(nn.Module):
         """``[B, L] -> [B, P, H]`` soft latent embeddings."""
         return self.latent_projection(vector).view(vector.shape[0], self.num_latent_tokens, self.hidden_size)
 
+    @property
+    def sequence_latent_tokens(self) -> int:
+        """How many latent positions the decoder's input sequence holds: ``P``, or 0 for the memory placement."""
+        return 0 if self.latent_memory is not None else self.num_latent_tokens
+
     def alignment_offsets(self, batch: Batch) -> torch.Tensor:
         """``[B]``: z-free position ``t`` of a response token is conditioned position ``t + offset``.
 
-        Both placements put the ``P`` latent embeddings before every response token.
+        Both sequence placements put the ``P`` latent embeddings before every response token; the memory
+        placement leaves the sequence as it is (offset 0).
         """
         return torch.full(
-            (batch.input_ids.shape[0],), self.num_latent_tokens, dtype=torch.long, device=batch.input_ids.device
+            (batch.input_ids.shape[0],), self.sequence_latent_tokens, dtype=torch.long, device=batch.input_ids.device
         )
 
     def _conditioned_layout(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where each conditioned position comes from, ``[B, Tc]`` each: ``is_latent``, the z-free
         position ``source`` of a token position, and the latent embedding index of a latent position."""
         B, T = batch.input_ids.shape
-        P = self.num_latent_tokens
+        P = self.sequence_latent_tokens
         device = batch.input_ids.device
+        if P == 0:  # memory: the z-free layout itself
+            source = torch.arange(T, device=device).expand(B, T)
+            return torch.zeros(B, T, dtype=torch.bool, device=device), source, torch.zeros_like(source)
         if self.latent_cfg.latent_placement == "prefix":
             insert_at = torch.zeros(B, dtype=torch.long, device=device)
         else:
@@ -580,10 +563,15 @@ class CVAEBase(nn.Module):
         """Insert ``P`` latent embeddings into the z-free batch.
 
         Returns ``inputs_embeds [B, Tc, H]``, ``input_ids [B, Tc]`` (0 at latent positions),
-        ``attention_mask [B, Tc]``, ``target_mask [B, Tc]`` and ``alignment_offsets [B]``.
+        ``attention_mask [B, Tc]``, ``target_mask [B, Tc]`` and ``alignment_offsets [B]``. For the memory
+        placement these are the z-free batch's own (``Tc = T``, offsets 0; the latent goes to
+        :meth:`memory_inputs`).
         """
         is_latent, source, latent_index = self._conditioned_layout(batch)
         token_embeds = self.decoder.get_input_embeddings()(batch.input_ids)  # [B, T, H]
+        if self.latent_memory is not None:
+            offsets = self.alignment_offsets(batch)
+            return token_embeds, batch.input_ids, batch.attention_mask, batch.target_mask, offsets
         gathered_tokens = token_embeds.gather(1, source.unsqueeze(-1).expand(-1, -1, self.hidden_size))
         gathered_latent = latent_embeds.to(token_embeds.dtype).gather(
             1, latent_index.unsqueeze(-1).expand(-1, -1, self.hidden_size)
@@ -601,20 +589,47 @@ class CVAEBase(nn.Module):
         (``logits_to_keep``): prompt and latent positions never need logits, and the head's
         ``[B, T, V]`` output is the largest tensor of the step.
         """
-        embeds, ids, attention, target, offsets = self.conditioned_inputs(batch, self.latent_embeddings(vector))
+        latent_embeds = self.latent_embeddings(vector)
+        embeds, ids, attention, target, offsets = self.conditioned_inputs(batch, latent_embeds)
+        extra: dict[str, object] = {"attention_mask": attention}
+        if self.latent_memory is not None:
+            # The z-free pass's positions 0 .. T-1 (right-padded rows), the memory in front of them.
+            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+            extra = self.memory_inputs(latent_embeds, attention, positions, embeds.dtype)
         start = 0
         if window:
             supervised = target[:, 1:].bool()  # [B, N]
             start = int(supervised.float().argmax(dim=1).min())  # first position predicting a response token
         out = self.decoder(
             inputs_embeds=embeds,
-            attention_mask=attention,
             use_cache=False,
             output_hidden_states=True,
             logits_to_keep=unused_logits(embeds),  # the head runs on the hidden states below, chunk by chunk
+            **extra,  # attention_mask (and, for the memory placement, cache and position_ids)
         )
         hidden = out.hidden_states[-1][:, start:]  # [B, Tc - start, H], after the final norm
         return Decoded(hidden, self.decoder.get_output_embeddings(), start, ids, target, offsets)
+
+    def memory_inputs(
+        self, latent_embeds: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+    ) -> dict[str, object]:
+        """The decoder's extra arguments for the memory placement: ``cache`` (the ``P`` memory slots of every
+        layer, built fresh: the forward appends to it), ``attention_mask [B, P + T]`` (``P`` leading ones)
+        and the sequence's own ``position_ids [B, T]``, for ``[B, P, H]`` latent embeddings and ``[B, T]`` masks."""
+        assert self.latent_memory is not None
+        if torch.is_grad_enabled() and getattr(self.decoder, "is_activation_checkpointing", False):
+            # transformers' checkpointed layers drop the cache when they run with gradients
+            raise ConfigError(
+                "latent_placement 'memory' cannot run with activation (gradient) checkpointing on the decoder: "
+                "its layers drop the past-key-value cache that holds the memory",
+                field="latent_placement",
+            )
+        keys, values = self.latent_memory(latent_embeds)  # [Ly, B, Hkv, P, Dh] each
+        return {
+            "cache": memory_cache(keys.to(dtype), values.to(dtype), self.decoder),
+            "attention_mask": memory_attention_mask(attention_mask, self.num_latent_tokens),
+            "position_ids": position_ids,
+        }
 
     def decode_logits(
         self, batch: Batch, vector: torch.Tensor

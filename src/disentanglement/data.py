@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import yaml
@@ -360,137 +360,6 @@ def limit_examples(items: Sequence[T], max_examples: int | None, seed: int) -> l
     order = list(range(len(items)))
     random.Random(seed).shuffle(order)
     return [items[i] for i in sorted(order[:max_examples])]
-
-
-# --------------------------------------------------------------------------------------------------
-# synthetic hidden-factor data
-
-#: Responses of the "clean" hidden-factor data: factor f answers with phrase f (more are generated past these).
-CLEAN_PHRASES: tuple[str, ...] = (
-    "Absolutely, I would love to help with that!",
-    "No.",
-    "Hmm, let me think about it for a while.",
-    "Ha ha, that is a funny question!",
-    "I am sorry, but I really cannot say.",
-    "Yes, yes, yes, a thousand times yes!",
-    "Please ask my colleague in the other office.",
-    "Once upon a time, there was a question just like this one.",
-)
-
-_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-
-#: Style markers of the "marked" hidden-factor data, one per factor: (kind, text) with kind
-#: "prefix" (text + response), "suffix" (response + text) or "none" (response unchanged).
-MARKED_STYLES: tuple[tuple[Literal["prefix", "suffix", "none"], str], ...] = (
-    ("prefix", "Oh wow, "),
-    ("suffix", " (smiles)"),
-    ("prefix", "Honestly speaking, "),
-    ("none", ""),
-)
-
-
-def clean_phrases(num_factors: int) -> list[str]:
-    """The ``num_factors`` distinct "clean" responses: :data:`CLEAN_PHRASES`, then generated ones."""
-    if num_factors < 1:
-        raise ValueError(f"num_factors must be >= 1, got {num_factors}")
-    phrases = list(CLEAN_PHRASES[:num_factors])
-    for f in range(len(CLEAN_PHRASES), num_factors):
-        spelled = " ".join(_NUMBER_WORDS[int(d)] for d in str(f))
-        phrases.append(f"My answer is code {spelled}, and nothing else.")
-    return phrases
-
-
-def _words(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9]+", text.lower())
-
-
-def detect_style(text: str, kind: Literal["clean", "marked"] = "clean", num_factors: int = 4) -> int | None:
-    """The hidden factor whose style ``text`` shows, or None when no single style is recognised.
-
-    "clean": the factor whose phrase the text starts with, word for word, ignoring case and
-    punctuation (the longest matching phrase wins). "marked": the prefix or suffix marker present; a
-    text with no marker is the "none" style when that style is among the ``num_factors`` used; a
-    text with two different markers is None.
-    """
-    if kind == "clean":
-        words = _words(text)
-        best: tuple[int, int] | None = None
-        for factor, phrase in enumerate(clean_phrases(num_factors)):
-            phrase_words = _words(phrase)
-            length = len(phrase_words)
-            starts_with_phrase = length > 0 and words[:length] == phrase_words
-            if starts_with_phrase and (best is None or length > best[1]):
-                best = (factor, length)
-        return None if best is None else best[0]
-    if kind == "marked":
-        styles = _marked_styles(num_factors)
-        stripped = text.strip()
-        found = set()
-        none_factor = None
-        for f, (where, marker) in enumerate(styles):
-            if where == "none":
-                none_factor = f
-                continue
-            present = stripped.startswith(marker.strip()) if where == "prefix" else stripped.endswith(marker.strip())
-            if present:
-                found.add(f)
-        if len(found) == 1:
-            return found.pop()
-        if not found:
-            return none_factor
-        return None
-    raise ValueError(f"kind must be 'clean' or 'marked', got {kind!r}")
-
-
-def _marked_styles(num_factors: int) -> tuple[tuple[str, str], ...]:
-    if not 1 <= num_factors <= len(MARKED_STYLES):
-        raise ValueError(f"'marked' data supports 1 to {len(MARKED_STYLES)} factors, got {num_factors}")
-    return MARKED_STYLES[:num_factors]
-
-
-def apply_style(response: str, factor: int, num_factors: int = 4) -> str:
-    """``response`` with the style marker of ``factor`` (see :data:`MARKED_STYLES`)."""
-    where, marker = _marked_styles(num_factors)[factor]
-    if where == "prefix":
-        return marker + response
-    if where == "suffix":
-        return response + marker
-    return response
-
-
-def make_hidden_factor_pairs(
-    prompts: list[str],
-    num_factors: int = 4,
-    kind: Literal["clean", "marked"] = "clean",
-    seed: int = 0,
-    responses: list[str] | None = None,
-) -> list[PromptResponse]:
-    """Synthetic pairs whose response depends on a hidden factor that the prompt does not reveal.
-
-    Each prompt gets a factor ``f`` drawn uniformly from ``range(num_factors)`` by ``random.Random(seed)``;
-    the label is ``str(f)``. "clean": the response is phrase ``f`` of :func:`clean_phrases`.
-    "marked": the response is ``responses[i]`` with style marker ``f`` of :data:`MARKED_STYLES`
-    (a prefix, a suffix, another prefix, or none). :func:`detect_style` reads the factor back.
-    """
-    if num_factors < 1:
-        raise ValueError(f"num_factors must be >= 1, got {num_factors}")
-    rng = random.Random(seed)
-    factors = [rng.randrange(num_factors) for _ in prompts]
-    pairs: list[PromptResponse] = []
-    if kind == "clean":
-        phrases = clean_phrases(num_factors)
-        for i, (prompt, factor) in enumerate(zip(prompts, factors, strict=True)):
-            pairs.append(PromptResponse(prompt, phrases[factor], str(factor), f"hidden-factor/clean:#{i}"))
-    elif kind == "marked":
-        _marked_styles(num_factors)
-        if responses is None or len(responses) != len(prompts):
-            raise ValueError("'marked' hidden-factor data needs one response per prompt (responses=...)")
-        for i, (prompt, response, factor) in enumerate(zip(prompts, responses, factors, strict=True)):
-            styled = apply_style(response, factor, num_factors)
-            pairs.append(PromptResponse(prompt, styled, str(factor), f"hidden-factor/marked:#{i}"))
-    else:
-        raise ValueError(f"kind must be 'clean' or 'marked', got {kind!r}")
-    return pairs
 
 
 # --------------------------------------------------------------------------------------------------

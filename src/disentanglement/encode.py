@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import commands
+from .config import Scoring
 
 if TYPE_CHECKING:  # torch and the models load when a command runs, not for --help
     import torch
@@ -103,9 +104,7 @@ def encode_examples(
     pad_token_id: int,
     *,
     pairs: Sequence[PromptResponse] | None = None,
-    iw_samples: int = 8,
-    prior_samples: int = 16,
-    exact_limit: int = 64,
+    scoring: Scoring | None = None,
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
@@ -124,6 +123,7 @@ def encode_examples(
     from .data import collate
     from .evaluation import score_batch
     from .metrics import importance_weighted_nll
+    from .reference import eval_mode
 
     if not examples:
         raise ValueError("encode needs at least one example")
@@ -135,57 +135,51 @@ def encode_examples(
         raise ValueError(f"the feature cache holds {len(cache)} examples, but {len(examples)} were given")
     if pairs is not None and len(pairs) != len(examples):
         raise ValueError(f"{len(pairs)} pairs were given for {len(examples)} examples")
-    for flag, value in (("iw_samples", iw_samples), ("prior_samples", prior_samples), ("batch_size", batch_size)):
-        commands._check_at_least(flag, value, 1)
-    commands._check_at_least("exact_limit", exact_limit, 0)
+    commands._check_at_least("batch_size", batch_size, 1)
+    scoring = scoring if scoring is not None else Scoring()
     discrete = model.is_discrete
     device = next(model.parameters()).device
     E = len(examples)
     # evaluate's order: the same batches, so the same prior and importance samples
     order = sorted(range(E), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
     scores: list[dict[str, Any] | None] = [None] * E
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-            torch.manual_seed(seed)
-            for start in tqdm(range(0, E, batch_size), desc="encode", disable=not progress, unit="batch"):
-                chunk = order[start : start + batch_size]
-                batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
-                features = cache.features(batch)
-                s = score_batch(model, batch, features, iw_samples, prior_samples, exact_limit)
-                counts = s.target.sum(-1).cpu().numpy()
-                gains = (s.prior_nll.double().sum(-1) - s.posterior_nll.double().sum(-1)).cpu().numpy()
-                kl = s.summary.kl_per_unit.double().sum(-1).cpu().numpy()
-                iw = importance_weighted_nll(s.iw_log_weights).double().cpu().numpy()
-                summary = s.summary
-                if discrete:
-                    # as evaluation.posterior_latents: the softmax of the posterior logits
-                    probs = model.posterior_logits(model.encoder_outputs(features)).softmax(-1).float().cpu()
-                    latent = {
-                        "codes": summary.codes.cpu().tolist(),
-                        "posterior": probs.tolist(),
-                        "prior_codes": summary.log_p.argmax(-1).cpu().tolist(),
-                        "prior": summary.log_p.exp().float().cpu().tolist(),
-                    }
-                else:
-                    latent = {
-                        "mu": summary.mu.float().cpu().tolist(),
-                        "logvar": summary.logvar.float().cpu().tolist(),
-                        "prior_mu": summary.prior_mu.float().cpu().tolist(),
-                        "prior_logvar": summary.prior_logvar.float().cpu().tolist(),
-                    }
-                for row, index in enumerate(chunk):
-                    n = int(counts[row])
-                    scores[index] = {
-                        "response_tokens": n,
-                        "kl": float(kl[row]),
-                        "latent_gain_nats_per_token": float(gains[row]) / n,
-                        "iw_nll": float(iw[row]),
-                        **{key: values[row] for key, values in latent.items()},
-                    }
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(seed)
+        for start in tqdm(range(0, E, batch_size), desc="encode", disable=not progress, unit="batch"):
+            chunk = order[start : start + batch_size]
+            batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
+            features = cache.features(batch)
+            scored = score_batch(model, batch, features, scoring)
+            counts = scored.target.sum(-1).cpu().numpy()
+            gains = (scored.prior_nll.double().sum(-1) - scored.posterior_nll.double().sum(-1)).cpu().numpy()
+            kl = scored.summary.kl_per_unit.double().sum(-1).cpu().numpy()
+            iw = importance_weighted_nll(scored.iw_log_weights).double().cpu().numpy()
+            summary = scored.summary
+            if discrete:
+                # as evaluation.posterior_latents: the softmax of the posterior logits
+                probs = model.posterior_logits(model.encoder_outputs(features)).softmax(-1).float().cpu()
+                latent = {
+                    "codes": summary.codes.cpu().tolist(),
+                    "posterior": probs.tolist(),
+                    "prior_codes": summary.log_p.argmax(-1).cpu().tolist(),
+                    "prior": summary.log_p.exp().float().cpu().tolist(),
+                }
+            else:
+                latent = {
+                    "mu": summary.mu.float().cpu().tolist(),
+                    "logvar": summary.logvar.float().cpu().tolist(),
+                    "prior_mu": summary.prior_mu.float().cpu().tolist(),
+                    "prior_logvar": summary.prior_logvar.float().cpu().tolist(),
+                }
+            for row, index in enumerate(chunk):
+                n = int(counts[row])
+                scores[index] = {
+                    "response_tokens": n,
+                    "kl": float(kl[row]),
+                    "latent_gain_nats_per_token": float(gains[row]) / n,
+                    "iw_nll": float(iw[row]),
+                    **{key: values[row] for key, values in latent.items()},
+                }
     rows = []
     for index, example in enumerate(examples):
         pair = pairs[index] if pairs is not None else None
@@ -279,78 +273,46 @@ def write_rows(rows: list[dict[str, Any]], output: str | Path) -> Path:
 
 
 def _encode_to_file(
-    checkpoint: str | Path,
-    *,
-    data: str | None,
-    output: str | Path,
-    max_examples: int | None,
-    iw_samples: int,
-    prior_samples: int,
-    exact_limit: int,
-    seed: int,
-    batch_size: int,
-    device: str,
-    progress: bool,
-    model_and_tokenizer,
+    checkpoint: str | Path, options: commands.EncodeOptions, model_and_tokenizer=None
 ) -> tuple[Path, int]:
     # options first, before the model loads
-    for flag, value in (("--iw-samples", iw_samples), ("--prior-samples", prior_samples), ("--batch-size", batch_size)):
+    for flag, value in (
+        ("--iw-samples", options.iw_samples),
+        ("--prior-samples", options.prior_samples),
+        ("--batch-size", options.batch_size),
+    ):
         commands._check_at_least(flag, value, 1)
-    commands._check_at_least("--exact-limit", exact_limit, 0)
-    commands._check_at_least("--max-examples", max_examples, 1, optional=True)
-    _check_output(output)
-    commands.check_data_option(checkpoint, data)
+    commands._check_at_least("--exact-limit", options.exact_limit, 0)
+    commands._check_at_least("--max-examples", options.max_examples, 1, optional=True)
+    _check_output(options.output)
+    commands.check_data_option(checkpoint, options.data)
 
-    model, tokenizer, config, _, _, _ = commands.load_checkpoint(checkpoint, model_and_tokenizer, device)
-    examples, _ = commands.load_examples(data, config, tokenizer, max_examples, seed)
-    pairs = raw_pairs(data, config, examples)
+    model, tokenizer, config, _, _, _ = commands.load_checkpoint(checkpoint, model_and_tokenizer, options.device)
+    examples, _ = commands.load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
+    pairs = raw_pairs(options.data, config, examples)
     rows = encode_examples(
         model,
         examples,
         None,
         tokenizer.pad_token_id,
         pairs=pairs,
-        iw_samples=iw_samples,
-        prior_samples=prior_samples,
-        exact_limit=exact_limit,
-        batch_size=batch_size,
-        seed=seed,
-        progress=progress,
+        scoring=options.scoring(),
+        batch_size=options.batch_size,
+        seed=options.seed,
+        progress=options.progress,
     )
-    return write_rows(rows, output), len(rows)
+    return write_rows(rows, options.output), len(rows)
 
 
 def run_encode(
-    checkpoint: str | Path,
-    *,
-    data: str | None = None,
-    output: str | Path,
-    max_examples: int | None = None,
-    iw_samples: int = 8,
-    prior_samples: int = 16,
-    exact_limit: int = 64,
-    seed: int = 0,
-    batch_size: int = 16,
-    device: str = "auto",
-    progress: bool = True,
-    model_and_tokenizer=None,
+    checkpoint: str | Path, options: commands.EncodeOptions | None = None, *, model_and_tokenizer=None, **overrides: Any
 ) -> Path:
     """Encode ``data`` (as ``eval``'s ``--data``) with a checkpoint; write one row per example to ``output``
-    (``.jsonl``, or ``.parquet`` with pyarrow). Options, ``data`` and ``output`` are checked before the
-    model loads. Returns the path written."""
+    (``.jsonl``, or ``.parquet`` with pyarrow). ``options`` (default :class:`commands.EncodeOptions`) with the
+    keyword ``overrides`` on top (``run_encode(ckpt, output="latents.jsonl", data="train")``). Options,
+    ``data`` and ``output`` are checked before the model loads. Returns the path written."""
     path, _ = _encode_to_file(
-        checkpoint,
-        data=data,
-        output=output,
-        max_examples=max_examples,
-        iw_samples=iw_samples,
-        prior_samples=prior_samples,
-        exact_limit=exact_limit,
-        seed=seed,
-        batch_size=batch_size,
-        device=device,
-        progress=progress,
-        model_and_tokenizer=model_and_tokenizer,
+        checkpoint, commands._with(commands.EncodeOptions, options, overrides), model_and_tokenizer
     )
     return path
 
@@ -695,9 +657,7 @@ def encode_pairs(
     config: RunConfig,
     pairs: Sequence[PromptResponse | Mapping[str, Any] | Sequence[Any]],
     *,
-    iw_samples: int = 8,
-    prior_samples: int = 16,
-    exact_limit: int = 64,
+    scoring: Scoring | None = None,
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = False,
@@ -737,9 +697,7 @@ def encode_pairs(
         None,
         tokenizer.pad_token_id,
         pairs=normalised,
-        iw_samples=iw_samples,
-        prior_samples=prior_samples,
-        exact_limit=exact_limit,
+        scoring=scoring,
         batch_size=batch_size,
         seed=seed,
         progress=progress,

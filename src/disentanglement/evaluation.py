@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .config import Scoring
 from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary, PriorMixture
 from .data import Batch, Example, collate, label_factor_names, label_factors
 from .distributed import gather_objects, rank_and_size
@@ -47,6 +48,7 @@ from .metrics import (
     nats_to_bits,
     posterior_mean_variance,
 )
+from .reference import eval_mode
 from .token_weighting import TokenWeighting
 
 
@@ -70,7 +72,7 @@ def posterior_latents(
     return {key: torch.cat(chunks).numpy() for key, chunks in parts.items()}
 
 
-def latent_assignments(model: CVAEBase, latents: dict[str, np.ndarray], num_clusters: int, seed: int = 0) -> np.ndarray:
+def latent_assignments(latents: dict[str, np.ndarray], num_clusters: int, seed: int = 0) -> np.ndarray:
     """One cluster id per example: the argmax code (single slot) or code tuple id (several slots);
     k-means of posterior means for the continuous model."""
     if "codes" in latents:
@@ -114,7 +116,7 @@ def label_recovery(
         raise ValueError(f"unknown factor {factor!r}; the labels' factors are {sorted(factors)}")
     values = factors[factor]
     latents = posterior_latents(model, examples, cache, pad_token_id)
-    assignments = latent_assignments(model, latents, len(set(values)), seed=seed)
+    assignments = latent_assignments(latents, len(set(values)), seed=seed)
     return label_agreement(assignments, values)
 
 
@@ -147,7 +149,7 @@ def factor_agreements(
     kmeans_cache: dict[tuple[str, int], np.ndarray] = {}
     out: dict[str, dict] = {}
     for name, values in factor_values.items():
-        assignments = latent_assignments(model, latents, min(len(set(values)), E), seed=seed)
+        assignments = latent_assignments(latents, min(len(set(values)), E), seed=seed)
         entry = factor_agreement(assignments, values, kmeans_features, seed, permutations, kmeans_cache)
         codes = latents.get("codes")
         if codes is not None and codes.shape[1] > 1:
@@ -234,11 +236,11 @@ def score_batch(
     model: CVAEBase,
     batch: Batch,
     features: FrozenFeatures,
-    iw_samples: int = 8,
-    prior_samples: int = 16,
-    exact_limit: int = 64,
+    scoring: Scoring | None = None,
 ) -> BatchScores:
-    """Everything :func:`evaluate` and the token report need of one batch, in one place."""
+    """Everything :func:`evaluate` and the token report need of one batch, in one place (``scoring``:
+    default :class:`config.Scoring`)."""
+    scoring = scoring if scoring is not None else Scoring()
     summary = model.posterior_summary(features)
     posterior, target = model.conditioned_token_nll(batch, summary.vector)  # [B, N] each
     posterior, target = posterior.float(), target.float()
@@ -246,10 +248,10 @@ def score_batch(
     stack = reconstruction_loss_stack(
         posterior, target, weighting, model.reconstruction_cfg, model.zfree_reference_scale
     )
-    mixture = model.prior_mixture(features, prior_samples, exact_limit, summary)
+    mixture = model.prior_mixture(features, scoring.prior_samples, scoring.exact_limit, summary)
     per_latent = torch.stack([conditioned_nll(model, batch, vector) for vector in mixture.vectors])  # [S, B, N]
     prior = mixture_token_nll(per_latent, mixture.log_weights, target)
-    iw_log_w, iw_seq, exact = model.importance_samples(batch, summary, iw_samples)
+    iw_log_w, iw_seq, exact = model.importance_samples(batch, summary, scoring.iw_samples)
     return BatchScores(
         target=target,
         zfree_nll=weighting.aligned_base_token_nll.float() * target,
@@ -398,9 +400,7 @@ def evaluate(
     cache: FeatureCache,
     pad_token_id: int,
     *,
-    iw_samples: int = 8,
-    prior_samples: int = 16,
-    exact_limit: int = 64,
+    scoring: Scoring | None = None,
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
@@ -412,7 +412,8 @@ def evaluate(
     them and their per-example records gathered (:func:`score_examples`); every process then computes
     the whole report.
 
-    ``cache`` holds the frozen-pass features of ``examples`` (same indexing). Deterministic given
+    ``cache`` holds the frozen-pass features of ``examples`` (same indexing); ``scoring`` (default
+    :class:`config.Scoring`) the samples of the IW bound and the prior mixture. Deterministic given
     ``seed`` (prior and importance samples, k-means); the caller's random state is left untouched.
 
     Keys (``*`` = ``nats_per_token`` and ``bits_per_token``; "uniform" over every response token of
@@ -457,19 +458,8 @@ def evaluate(
     if len(cache) != len(examples):
         raise ValueError(f"the feature cache holds {len(cache)} examples, but {len(examples)} were given")
     factor_values = example_factor_values(examples) if len(examples) >= 2 else None  # checks the factor names
-    batches = score_examples(
-        model,
-        examples,
-        cache,
-        pad_token_id,
-        iw_samples,
-        prior_samples,
-        exact_limit,
-        batch_size,
-        seed,
-        progress,
-        state=state,
-    )
+    scoring = scoring if scoring is not None else Scoring()
+    batches = score_examples(model, examples, cache, pad_token_id, scoring, batch_size, seed, progress, state=state)
     columns = concatenate_records(batches)
     last = batches[-1]
     discrete = "codes" in columns  # the discrete family's posterior is codes, the continuous one's a mean
@@ -487,7 +477,7 @@ def evaluate(
     report.update(nll_and_gain_report(columns))
     report["prior_mixture"] = {"method": last.mixture_method, "latents": last.mixture_size}
     report["reconstruction_terms"] = mean_reconstruction_terms(batches)
-    report.update(bound_report(columns, iw_samples, last.iw_exact))
+    report.update(bound_report(columns, scoring.iw_samples, last.iw_exact))
     report["kl"] = kl_report(columns["kl"], "per_slot" if discrete else "per_dimension")
     if discrete:
         report.update(discrete_latent_report(columns["codes"], columns["probs"]))
@@ -503,9 +493,7 @@ def score_examples(
     examples: Sequence[Example],
     cache: FeatureCache,
     pad_token_id: int,
-    iw_samples: int,
-    prior_samples: int,
-    exact_limit: int,
+    scoring: Scoring,
     batch_size: int,
     seed: int,
     progress: bool,
@@ -523,19 +511,14 @@ def score_examples(
     rank, size = rank_and_size(state)
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
     batches: list[tuple[int, BatchRecords]] = []
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            starts = list(range(0, len(examples), batch_size))
-            for number in tqdm(range(rank, len(starts), size), desc="eval", disable=not progress, unit="batch"):
-                chunk = order[starts[number] : starts[number] + batch_size]
-                batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
-                scores = score_batch(model, batch, cache.features(batch), iw_samples, prior_samples, exact_limit)
-                batches.append((number, batch_records(scores, chunk)))
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        starts = list(range(0, len(examples), batch_size))
+        for number in tqdm(range(rank, len(starts), size), desc="eval", disable=not progress, unit="batch"):
+            chunk = order[starts[number] : starts[number] + batch_size]
+            batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
+            scores = score_batch(model, batch, cache.features(batch), scoring)
+            batches.append((number, batch_records(scores, chunk)))
     if size > 1:
         batches = sorted((pair for part in gather_objects(state, batches) for pair in part), key=lambda pair: pair[0])
     return [records for _, records in batches]
@@ -583,7 +566,7 @@ def label_report(
         report["label_agreement_per_slot"] = [label_agreement(codes[:, m], labels) for m in range(codes.shape[1])]
     report["label_assignment"] = "argmax code" if codes is not None else "k-means of posterior means"
     if has_labels:
-        assignments = latent_assignments(model, latents, min(len(set(labels)), len(examples)), seed=seed)
+        assignments = latent_assignments(latents, min(len(set(labels)), len(examples)), seed=seed)
         agreement = label_agreement(assignments, labels)
         for key in ("nmi", "ari", "homogeneity", "completeness", "contingency"):
             report[f"label_{key}"] = agreement[key]

@@ -31,6 +31,7 @@ The page is built in two steps: :func:`explore` computes a plain, JSON-able dict
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import math
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import commands
+from .config import Scoring
 from .data import label_factors
 from .report import TOKEN_COLOUR_JS, _colour, _format_value, _json_for_script, _scale, _token_text_html
 
@@ -213,8 +215,7 @@ def explore(
     num_prompts: int = 3,
     max_new_tokens: int = 16,
     clusters: int | None = None,
-    prior_samples: int = 16,
-    exact_limit: int = 64,
+    scoring: Scoring | None = None,
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = False,
@@ -224,7 +225,8 @@ def explore(
 
     ``examples`` and ``pairs`` (their raw texts, ``encode.raw_pairs``) are in the same order. ``prompts``
     are the prompts generated for; when None, the first ``num_prompts`` distinct prompts of ``pairs``.
-    Generation is greedy, ``max_new_tokens`` tokens at most. Deterministic given ``seed``.
+    Generation is greedy, ``max_new_tokens`` tokens at most. ``scoring``: the prior mixture's samples
+    (default :class:`config.Scoring`; one posterior sample). Deterministic given ``seed``.
     """
     import torch
 
@@ -242,9 +244,7 @@ def explore(
         None,
         tokenizer.pad_token_id,
         pairs=pairs,
-        iw_samples=1,
-        prior_samples=prior_samples,
-        exact_limit=exact_limit,
+        scoring=dataclasses.replace(scoring or Scoring(), iw_samples=1),
         batch_size=batch_size,
         seed=seed,
         progress=progress,
@@ -294,9 +294,7 @@ def explore(
         for i in g["top"]:
             if i in shown:
                 continue
-            tokens, values, _ = token_values(
-                model, tokenizer, examples[i], prior_samples=prior_samples, exact_limit=exact_limit, seed=seed
-            )
+            tokens, values, _ = token_values(model, tokenizer, examples[i], scoring=scoring, seed=seed)
             shown[i] = len(page_examples)
             page_examples.append(
                 {
@@ -590,8 +588,7 @@ def run_explore(
     max_new_tokens: int = 16,
     clusters: int | None = None,
     max_examples: int | None = None,
-    prior_samples: int = 16,
-    exact_limit: int = 64,
+    scoring: Scoring | None = None,
     seed: int = 0,
     batch_size: int = 16,
     device: str = "auto",
@@ -605,8 +602,6 @@ def run_explore(
 
     _check_options(examples_per_group, num_prompts, max_new_tokens, clusters)
     commands._check_at_least("--max-examples", max_examples, 1, optional=True)
-    commands._check_at_least("--prior-samples", prior_samples, 1)
-    commands._check_at_least("--exact-limit", exact_limit, 0)
     commands._check_at_least("--batch-size", batch_size, 1)
     if prompts is not None and any(not str(p).strip() for p in prompts):
         raise ValueError("--explore-prompt must not be empty")
@@ -630,8 +625,7 @@ def run_explore(
         num_prompts=num_prompts,
         max_new_tokens=max_new_tokens,
         clusters=clusters,
-        prior_samples=prior_samples,
-        exact_limit=exact_limit,
+        scoring=scoring,
         batch_size=batch_size,
         seed=seed,
         progress=progress,

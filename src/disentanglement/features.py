@@ -277,7 +277,7 @@ def feature_fingerprint(model: CVAEBase, examples: Sequence[Example]) -> str:
     view = model.encoder_view_params
     if view:
         digest.update(json.dumps(view, sort_keys=True).encode())
-    with model.reference_context() as reference:
+    with model.reference.active() as reference:
         state = reference.state_dict()
         for name in sorted(state):
             if "lora_" in name:  # the reference is the adapter-free model

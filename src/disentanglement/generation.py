@@ -3,7 +3,11 @@
 The decoder generates from ``inputs_embeds`` laid out as in training: ``[z][x]`` (``prefix``) or
 ``[x][z]`` (``between``), the response following. Batched prompts are LEFT-padded (pad
 embeddings first, attention mask 0 there), so that every row's last position is its last
-prompt (or latent) position; transformers derives position ids from the attention mask. The
+prompt (or latent) position; transformers derives position ids from the attention mask. With the
+``memory`` placement the decoder sees ``[x]`` alone and the latent as ``P`` key/value memory slots of
+every layer (:func:`memory_generate`, a KV-cached loop: the memory is the first ``P`` entries of the
+cache at every step, the attention mask has ``P`` leading ones, and the position ids are the
+sequence's own, continuing from its length as in training, not from ``P`` + its length). The
 prompt text is :func:`data.prompt_text_for_generation` (the chat template when the run used one),
 tokenised and truncated exactly as in training. Only the new tokens are decoded, up to the first
 end-of-sequence token.
@@ -52,12 +56,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from . import encode as encode_module
 from .config import DataConfig, RunConfig
 from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary
 from .data import PromptResponse, collate, prompt_text_for_generation, tokenize_pairs
+from .memory import memory_attention_mask, positions_from_mask
 from .metrics import distinct_n
+from .reference import eval_mode, reference_hidden_states
 from .shared_discrete_cvae import SharedDiscreteCVAE
 
 logger = logging.getLogger(__name__)
@@ -132,14 +139,9 @@ def prompt_features(model: CVAEBase, prompt_ids: Sequence[list[int]], pad_token_
     for row, seq in enumerate(prompt_ids):
         ids[row, : len(seq)] = torch.tensor(seq, device=device)
     attention = (torch.arange(ids.shape[1], device=device).unsqueeze(0) < lengths.unsqueeze(1)).long()
-    with model.reference_context() as reference:
-        was_training = reference.training
-        reference.eval()
-        try:
-            out = reference(input_ids=ids, attention_mask=attention, output_hidden_states=True)
-        finally:
-            reference.train(was_training)
-    hidden = out.hidden_states[model.latent_cfg.encoder_layer].float()  # the prior's layer, as in training
+    with model.reference.active() as reference:
+        hidden_states = reference_hidden_states(reference, ids, attention)
+    hidden = hidden_states[model.latent_cfg.encoder_layer].float()  # the prior's layer, as in training
     prior = hidden[torch.arange(len(prompt_ids), device=device), lengths - 1]  # [B, H]
     empty = prior.new_zeros(len(prompt_ids), 0)
     return FrozenFeatures(zfree_token_nll=empty, prior_features=prior, encoder_features=empty)
@@ -158,18 +160,23 @@ def reference_posterior(
 def generation_inputs(
     model: CVAEBase, prompt_ids: Sequence[list[int]], vectors: torch.Tensor, pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``inputs_embeds [R, W, H]`` and ``attention_mask [R, W]`` for ``[z][x]`` or ``[x][z]``.
+    """Left-padded ``inputs_embeds [R, W, H]`` and ``attention_mask [R, W]`` for ``[z][x]`` or ``[x][z]``
+    (``[x]`` alone for the memory placement, whose latent goes to the cache).
 
     ``prompt_ids`` has one entry per row, ``vectors`` is ``[R, L]``.
     """
     device = _device(model)
     embed = model.decoder.get_input_embeddings()
     latent = model.latent_embeddings(vectors.to(device))  # [R, P, H]
+    placement = model.latent_cfg.latent_placement
     rows = []
     for row, ids in enumerate(prompt_ids):
         tokens = embed(torch.tensor(ids, device=device))  # [Tx, H]
         z = latent[row].to(tokens.dtype)
-        rows.append(torch.cat([z, tokens]) if model.latent_cfg.latent_placement == "prefix" else torch.cat([tokens, z]))
+        if placement == "memory":
+            rows.append(tokens)
+        else:
+            rows.append(torch.cat([z, tokens]) if placement == "prefix" else torch.cat([tokens, z]))
     width = max(r.shape[0] for r in rows)
     pad = embed(torch.tensor([pad_token_id], device=device))[0]  # [H]
     embeds = pad.expand(len(rows), width, -1).clone()
@@ -206,26 +213,87 @@ def generate_texts(
     """
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
-    was_training = model.training
-    model.eval()
     texts: list[str] = []
-    try:
+    with eval_mode(model):
         for start in range(0, len(prompt_ids), batch_size):
             chunk = list(prompt_ids[start : start + batch_size])
-            embeds, attention = generation_inputs(model, chunk, vectors[start : start + batch_size], pad)
-            out = model.decoder.generate(
-                inputs_embeds=embeds,
-                attention_mask=attention,
-                pad_token_id=pad,
-                eos_token_id=sorted(eos) or None,
-                **sampling.generate_kwargs(),
-            )
+            chunk_vectors = vectors[start : start + batch_size]
+            embeds, attention = generation_inputs(model, chunk, chunk_vectors, pad)
+            if model.latent_memory is not None:
+                out = memory_generate(model, embeds, attention, chunk_vectors, sampling, eos, pad)
+            else:
+                out = model.decoder.generate(
+                    inputs_embeds=embeds,
+                    attention_mask=attention,
+                    pad_token_id=pad,
+                    eos_token_id=sorted(eos) or None,
+                    **sampling.generate_kwargs(),
+                )
             for row in out.tolist():
                 cut = next((i for i, t in enumerate(row) if t in eos), len(row))
                 texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
-    finally:
-        model.train(was_training)
     return texts
+
+
+@torch.no_grad()
+def memory_generate(
+    model: CVAEBase,
+    embeds: torch.Tensor,
+    attention: torch.Tensor,
+    vectors: torch.Tensor,
+    sampling: SamplingOptions,
+    eos: set[int],
+    pad: int,
+    use_cache: bool = True,
+) -> torch.Tensor:
+    """New token ids ``[R, S]`` (``S <= max_new_tokens``; ``pad`` after a row's end-of-sequence token) under
+    the memory placement, from the left-padded prompts ``embeds [R, W, H]``, ``attention [R, W]`` and the
+    latents ``vectors [R, L]``.
+
+    With ``use_cache`` the memory cache (``P`` slots per layer) is built once and the decoder's own keys
+    and values are appended to it: the first step runs the prompt, each later step the last token alone,
+    with ``P`` leading ones on the mask and position ids continuing from the sequence's length. Without it
+    every step recomputes the whole sequence under a fresh memory cache (the plain version, for tests).
+    Sampling as ``generate`` does it for :class:`SamplingOptions` (temperature, then top-p; no top-k).
+    """
+    decoder = model.decoder
+    embed = decoder.get_input_embeddings()
+    latent = model.latent_embeddings(vectors.to(embeds.device))  # [R, P, H]
+    P = model.num_latent_tokens
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature), TopPLogitsWarper(sampling.top_p)])
+    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=embeds.device)
+    unfinished = torch.ones(embeds.shape[0], dtype=torch.bool, device=embeds.device)
+    inputs, mask, cache = embeds, attention, None
+    tokens: list[torch.Tensor] = []
+    for _ in range(sampling.max_new_tokens):
+        positions = positions_from_mask(mask)  # [R, W + s], the sequence's own positions
+        if cache is None:
+            extra = model.memory_inputs(latent, mask, positions, inputs.dtype)
+            cache = extra["cache"]
+            step_inputs = inputs
+        else:  # the cache holds the memory and every earlier position: feed the last token only
+            extra = {
+                "cache": cache,
+                "attention_mask": memory_attention_mask(mask, P),
+                "position_ids": positions[:, -1:],
+            }
+            step_inputs = inputs[:, -1:]
+        logits = decoder(inputs_embeds=step_inputs, use_cache=True, logits_to_keep=1, **extra).logits[:, -1].float()
+        if not use_cache:
+            cache = None
+        if sampling.greedy:
+            next_tokens = logits.argmax(-1)
+        else:
+            probs = torch.softmax(warpers(None, logits), dim=-1)
+            next_tokens = torch.multinomial(probs, 1).squeeze(1)
+        next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad))
+        tokens.append(next_tokens)
+        unfinished &= ~torch.isin(next_tokens, eos_ids)
+        if not unfinished.any():
+            break
+        inputs = torch.cat([inputs, embed(next_tokens).unsqueeze(1).to(inputs.dtype)], dim=1)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+    return torch.stack(tokens, dim=1)
 
 
 # --------------------------------------------------------------------------- what to generate
@@ -502,6 +570,58 @@ def _check_steering(
     return steering
 
 
+def _resolve_mode(
+    mode: str | None, discrete: bool, traverse: int | None, attributes: Sequence[str], row: int | None
+) -> str:
+    """The generation mode: ``mode`` if given, else the one the steering options ask for."""
+    if mode is None:
+        if traverse is not None:
+            mode = "traverse"
+        elif attributes:
+            mode = "attribute"
+        elif row is not None and not discrete:
+            mode = "row"
+        else:
+            mode = "codes" if discrete else "prior"
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def _check_mode_inputs(
+    mode: str, discrete: bool, reference_response: str | None, reference_response_b: str | None
+) -> None:
+    """A clear error when ``mode`` does not fit the latent family or lacks its reference responses."""
+    if mode == "codes" and not discrete:
+        raise ValueError("mode 'codes' needs a discrete model; use prior, posterior or interpolate")
+    if mode == "interpolate" and discrete:
+        raise ValueError("mode 'interpolate' needs a continuous model")
+    if mode in ("posterior", "interpolate") and reference_response is None:
+        raise ValueError(f"mode {mode!r} needs --reference-response")
+    if mode == "interpolate" and reference_response_b is None:
+        raise ValueError("mode 'interpolate' needs --reference-response-b")
+
+
+def diversity(prompts: Sequence[str], generations: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``distinct_1`` and ``distinct_2`` of each prompt's responses (``per_prompt``) and their means."""
+    per_prompt = []
+    for p, prompt in enumerate(prompts):
+        mine = [g["text"] for g in generations if g["prompt_index"] == p]
+        per_prompt.append(
+            {
+                "prompt": prompt,
+                "responses": len(mine),
+                "distinct_1": distinct_n(mine, 1),
+                "distinct_2": distinct_n(mine, 2),
+            }
+        )
+    return {
+        "distinct_1": sum(d["distinct_1"] for d in per_prompt) / len(per_prompt),
+        "distinct_2": sum(d["distinct_2"] for d in per_prompt) / len(per_prompt),
+        "per_prompt": per_prompt,
+    }
+
+
 def generate(
     model: CVAEBase,
     tokenizer: Any,
@@ -544,28 +664,10 @@ def generate(
     sampling = sampling or SamplingOptions()
     discrete = model.is_discrete
     attributes = list(attributes or [])
-    if mode is None:
-        if traverse is not None:
-            mode = "traverse"
-        elif attributes:
-            mode = "attribute"
-        elif row is not None and not discrete:
-            mode = "row"
-        else:
-            mode = "codes" if discrete else "prior"
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = _resolve_mode(mode, discrete, traverse, attributes, row)
     steering = _check_steering(model, discrete, mode, latents, row, attributes, traverse, codes, code_examples)
-    if mode == "traverse":
-        offsets = traversal_offsets(*parse_range(traverse_range), steps)
-    if mode == "codes" and not discrete:
-        raise ValueError("mode 'codes' needs a discrete model; use prior, posterior or interpolate")
-    if mode == "interpolate" and discrete:
-        raise ValueError("mode 'interpolate' needs a continuous model")
-    if mode in ("posterior", "interpolate") and reference_response is None:
-        raise ValueError(f"mode {mode!r} needs --reference-response")
-    if mode == "interpolate" and reference_response_b is None:
-        raise ValueError("mode 'interpolate' needs --reference-response-b")
+    offsets = traversal_offsets(*parse_range(traverse_range), steps) if mode == "traverse" else []
+    _check_mode_inputs(mode, discrete, reference_response, reference_response_b)
     if num_samples < 1 or steps < 1 or max_combinations < 1:
         raise ValueError("num_samples, steps and max_combinations must be >= 1")
     if codes is not None and not isinstance(codes, str):
@@ -573,60 +675,53 @@ def generate(
     pad = tokenizer.pad_token_id
     prompt_ids = encode_prompts(prompts, tokenizer, config.data)
     device = _device(model)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-            torch.manual_seed(sampling.seed)
-            features = prompt_features(model, prompt_ids, pad)
-            posteriors = posteriors_b = None
-            if reference_response is not None and mode in ("posterior", "interpolate"):
-                posteriors = [
-                    reference_posterior(model, tokenizer, config.data, p, reference_response) for p in prompts
-                ]
-            if mode == "interpolate":
-                posteriors_b = [
-                    reference_posterior(model, tokenizer, config.data, p, reference_response_b) for p in prompts
-                ]
-            if discrete:
-                if steering.row_value is not None:
-                    codes = ",".join(map(str, steering.row_value))
-                parsed = parse_codes(codes, model.num_slots, model.codebook_size)
-                choices = _discrete_plan(
-                    model,
-                    features,
-                    mode,
-                    slot,
-                    parsed,
-                    all_combinations,
-                    max_combinations,
-                    num_samples,
-                    posteriors,
-                )
-                for choice in choices:
-                    choice.description.update(steering.row_description)
-            elif mode in STEERING_MODES:
-                row_mu = None if steering.row_value is None else torch.tensor(steering.row_value)
-                choices = _steering_plan(
-                    model,
-                    features,
-                    mode,
-                    row_mu,
-                    steering.row_description,
-                    steering.attributes,
-                    traverse,
-                    offsets if mode == "traverse" else [],
-                )
-            else:
-                choices = _continuous_plan(model, features, mode, num_samples, steps, posteriors, posteriors_b)
-            repeats = 1 if mode == "prior" else num_samples
-            rows = [(c, s) for c in choices for s in range(repeats)]
-            vectors = torch.stack([c.vector for c, _ in rows])
-            texts = generate_texts(
-                model, tokenizer, [prompt_ids[c.prompt_index] for c, _ in rows], vectors, sampling, batch_size
+    with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(sampling.seed)
+        features = prompt_features(model, prompt_ids, pad)
+        posteriors = posteriors_b = None
+        if reference_response is not None and mode in ("posterior", "interpolate"):
+            posteriors = [reference_posterior(model, tokenizer, config.data, p, reference_response) for p in prompts]
+        if mode == "interpolate":
+            posteriors_b = [
+                reference_posterior(model, tokenizer, config.data, p, reference_response_b) for p in prompts
+            ]
+        if discrete:
+            if steering.row_value is not None:
+                codes = ",".join(map(str, steering.row_value))
+            parsed = parse_codes(codes, model.num_slots, model.codebook_size)
+            choices = _discrete_plan(
+                model,
+                features,
+                mode,
+                slot,
+                parsed,
+                all_combinations,
+                max_combinations,
+                num_samples,
+                posteriors,
             )
-    finally:
-        model.train(was_training)
+            for choice in choices:
+                choice.description.update(steering.row_description)
+        elif mode in STEERING_MODES:
+            row_mu = None if steering.row_value is None else torch.tensor(steering.row_value)
+            choices = _steering_plan(
+                model,
+                features,
+                mode,
+                row_mu,
+                steering.row_description,
+                steering.attributes,
+                traverse,
+                offsets,
+            )
+        else:
+            choices = _continuous_plan(model, features, mode, num_samples, steps, posteriors, posteriors_b)
+        repeats = 1 if mode == "prior" else num_samples
+        rows = [(c, s) for c in choices for s in range(repeats)]
+        vectors = torch.stack([c.vector for c, _ in rows])
+        texts = generate_texts(
+            model, tokenizer, [prompt_ids[c.prompt_index] for c, _ in rows], vectors, sampling, batch_size
+        )
     generations = [
         {
             "prompt_index": c.prompt_index,
@@ -638,28 +733,13 @@ def generate(
         }
         for (c, s), text in zip(rows, texts, strict=True)
     ]
-    per_prompt = []
-    for p, prompt in enumerate(prompts):
-        mine = [g["text"] for g in generations if g["prompt_index"] == p]
-        per_prompt.append(
-            {
-                "prompt": prompt,
-                "responses": len(mine),
-                "distinct_1": distinct_n(mine, 1),
-                "distinct_2": distinct_n(mine, 2),
-            }
-        )
     result: dict[str, Any] = {
         "latent": "discrete" if discrete else "continuous",
         "mode": mode,
         "sampling": asdict(sampling),
         "prompts": list(prompts),
         "generations": generations,
-        "diversity": {
-            "distinct_1": sum(d["distinct_1"] for d in per_prompt) / len(per_prompt),
-            "distinct_2": sum(d["distinct_2"] for d in per_prompt) / len(per_prompt),
-            "per_prompt": per_prompt,
-        },
+        "diversity": diversity(prompts, generations),
     }
     if discrete and mode == "codes":
         result["slot"] = slot if slot is not None else (0 if codes is None and not all_combinations else None)

@@ -19,16 +19,19 @@ over the inspected data set.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .config import Scoring
 from .cvae_base import CVAEBase
 from .data import Example, collate
 from .evaluation import batch_weighting, example_factor_values, latent_assignments, posterior_latents, score_batch
 from .features import FeatureCache
 from .metrics import code_usage_per_slot, label_agreement
+from .reference import eval_mode
 from .report import (
     plot_code_usage,
     plot_contingency_heatmap,
@@ -59,28 +62,22 @@ def token_values(
     tokenizer: Any,
     example: Example,
     alpha: float | None = None,
-    prior_samples: int = 16,
-    exact_limit: int = 64,
+    scoring: Scoring | None = None,
     seed: int = 0,
 ) -> tuple[list[str], dict[str, list[float]], dict[str, Any]]:
     """``(tokens, values, meta)`` of one example's response tokens (see the module docstring).
 
     ``values`` maps each of :data:`QUANTITIES` to one number per response token, in order;
-    ``meta`` holds the example's text, label, latent and per-token summaries.
+    ``meta`` holds the example's text, label, latent and per-token summaries. ``scoring``: the prior
+    mixture's samples (default :class:`config.Scoring`; its ``iw_samples`` are not used here).
     """
+    scoring = Scoring(iw_samples=1) if scoring is None else replace(scoring, iw_samples=1)
     device = next(model.parameters()).device
     batch = collate([example], tokenizer.pad_token_id).to(device)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            features = model.frozen_pass(batch)
-            scores = score_batch(
-                model, batch, features, iw_samples=1, prior_samples=prior_samples, exact_limit=exact_limit
-            )
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        features = model.frozen_pass(batch)
+        scores = score_batch(model, batch, features, scoring)
     cfg = model.reconstruction_cfg
     alpha = cfg.token_weight_alpha if alpha is None else float(alpha)
     weighting = scores.weighting
@@ -174,7 +171,7 @@ def write_run_plots(
         written.append(plot_code_usage(usage, out_dir / "code_usage.png"))
     factors = example_factor_values(examples) if len(examples) >= 2 else None
     for name, values in (factors or {}).items():  # one heat map per factor; a plain label is the factor "label"
-        assignments = latent_assignments(model, latents, min(len(set(values)), len(examples)), seed=seed)
+        assignments = latent_assignments(latents, min(len(set(values)), len(examples)), seed=seed)
         agreement = label_agreement(assignments, values)
         file = "code_label_heatmap.png" if name == "label" else f"code_{_safe_name(name)}_heatmap.png"
         written.append(plot_contingency_heatmap(agreement["contingency"], out_dir / file))

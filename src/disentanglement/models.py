@@ -9,6 +9,7 @@ import torch.nn as nn
 from .config import RunConfig
 from .continuous_cvae import ContinuousCVAE
 from .cvae_base import CVAEBase
+from .reference import ZFreeReference
 from .shared_discrete_cvae import SharedDiscreteCVAE
 
 LATENT_FAMILIES: dict[str, type[CVAEBase]] = {"discrete": SharedDiscreteCVAE, "continuous": ContinuousCVAE}
@@ -22,7 +23,6 @@ def build_cvae(config: RunConfig, decoder: nn.Module) -> CVAEBase:
     ``full``: every decoder weight trains; the reference is a frozen copy made here.
     """
     training = config.model.decoder_training
-    reference = None
     if training == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -35,9 +35,12 @@ def build_cvae(config: RunConfig, decoder: nn.Module) -> CVAEBase:
         )
         decoder.requires_grad_(False)
         decoder = get_peft_model(decoder, lora)
+        reference = ZFreeReference(decoder, adapters_off=True)
     elif training == "full":
-        reference = copy.deepcopy(decoder).requires_grad_(False).eval()
+        reference = ZFreeReference(decoder, copy=copy.deepcopy(decoder))
         decoder.requires_grad_(True)
+    else:
+        reference = ZFreeReference(decoder)
     family = LATENT_FAMILIES[config.latent.latent]
     return family(
         decoder,

@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .losses import masked_token_nll_per_position
+from .losses import default_chunk_size, masked_token_nll_per_position
+from .reference import reference_hidden_states
 
 
 @dataclass(frozen=True)
@@ -215,13 +216,10 @@ def score_zfree_reference(
     ``target_mask`` is ``[B, T]`` over tokens (1 on response tokens), as for
     :func:`~disentanglement.losses.masked_token_nll_per_position`, whose NLL it is.
     """
-    was_training = reference_model.training
-    reference_model.eval()
-    try:
-        logits = reference_model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
-        return masked_token_nll_per_position(logits.float(), input_ids, target_mask).float()
-    finally:
-        reference_model.train(was_training)
+    hidden = reference_hidden_states(reference_model, input_ids, attention_mask)[-1]  # [B, T, H]
+    head = reference_model.get_output_embeddings()
+    chunk = default_chunk_size(input_ids.shape[0], head.weight.shape[0])
+    return masked_token_nll_per_position(hidden, input_ids, target_mask, chunk, head=head).float()
 
 
 def compute_token_weighting(

@@ -68,6 +68,7 @@ from .data import Example, collate, limit_examples, load_pairs, split_train_vali
 from .features import FeatureCache, batch_features, feature_fingerprint, load_or_build_feature_cache
 from .losses import estimate_zfree_reference_scale
 from .models import build_cvae
+from .reference import eval_mode
 
 __all__ = [  # checkpoint I/O lives in checkpoints.py; these names stay importable from here
     "DataOrder",
@@ -230,17 +231,13 @@ def validate(
     random numbers, as one process with the global batch does."""
     if not examples:
         return {}
-    was_training = model.training
-    model.eval()
     records = []
     size = config.train.batch_size * processes
-    try:
+    with eval_mode(model):
         for start in range(0, min(len(examples), size * config.train.eval_batches), size):
             indices = list(range(start, min(start + size, len(examples))))
             batch = collate([examples[i] for i in indices], pad_id, indices=indices).to(device)
             records.append(model(batch, features=batch_features(model, batch, cache), step=step).scalars())
-    finally:
-        model.train(was_training)
     return {f"val_{k}": v for k, v in _mean_records(records).items()}
 
 

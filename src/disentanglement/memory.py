@@ -1,0 +1,136 @@
+"""Latent key/value memory: ``latent_placement = "memory"`` (Optimus, Li et al. 2020; LangVAE).
+
+Shapes: ``B`` examples, ``P`` memory slots (``latent_tokens``), ``H`` hidden size, ``Ly`` attention layers,
+``Hkv`` key/value heads, ``Dh`` head dimension, ``T`` length of the sequence ``[x][y]``.
+
+The prefix placement turns the latent vector into ``P`` soft input embeddings ``e [B, P, H]``
+(``CVAEBase.latent_embeddings``). Here the same per-slot embeddings are mapped by ONE learned linear
+layer, shared by the slots, to a key and a value for every attention layer::
+
+    kv = W e_p + c,   W: H -> Ly * 2 * Hkv * Dh          # [B, P, Ly * 2 * Hkv * Dh]
+    keys[l], values[l] = kv[..., l, 0], kv[..., l, 1]     # [B, Hkv, P, Dh] each, per layer l
+
+and handed to the decoder as a ``transformers.DynamicCache`` holding ``P`` past positions in every
+layer, so every query of every layer attends to the ``P`` memory slots besides the causal past of its
+own sequence. Memory keys are used as given (no rotary embedding: the slots have no position). The
+sequence itself is not shifted: its position ids are those of the z-free pass (``0 .. T-1``), so the
+decoder's token positions, and the alignment offsets of the token weights, are those of ``[x][y]``
+(offsets 0); the attention mask gains ``P`` leading ones. The causal mask follows from the cache: a query
+at sequence position ``t`` sits at cache index ``P + t`` and sees cache indices ``0 .. P + t``.
+
+One linear layer from the per-slot embeddings (rather than one from the latent vector straight to every
+layer) keeps the latent families' code unchanged (they produce the vector; ``latent_projection`` makes
+the slots) and the parameter count at ``H x Ly x 2 x Hkv x Dh`` (SmolLM2-135M: 576 x 30 x 2 x 3 x 64,
+6.6 M). Keys and values start at unit scale per coordinate for latent embeddings on the scale of the
+token embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .config import ConfigError
+
+
+@dataclass(frozen=True)
+class MemoryGeometry:
+    """What a key/value memory must match in the decoder: its attention layers, key/value heads and head size."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def width(self) -> int:
+        """Outputs of the memory projection per slot: a key and a value for every layer."""
+        return self.layers * 2 * self.kv_heads * self.head_dim
+
+
+def _decoder_config(decoder: nn.Module):
+    config = getattr(decoder, "config", None)
+    if config is None:
+        return None
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def memory_geometry(decoder: nn.Module) -> MemoryGeometry:
+    """The cache geometry of a Hugging Face causal LM (peft-wrapped or not); :class:`ConfigError` where a
+    latent memory does not apply: no config, an encoder-decoder or cross-attention model, or layers that do
+    not all keep a plain full-attention cache (sliding-window, linear-attention or hybrid models)."""
+    config = _decoder_config(decoder)
+    what = type(decoder).__name__
+    if config is None:
+        raise ConfigError(
+            f"latent_placement 'memory' needs a Hugging Face decoder with a config; {what} has none",
+            field="latent_placement",
+        )
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise ConfigError(
+            f"latent_placement 'memory' needs a decoder-only model without cross-attention ({what})",
+            field="latent_placement",
+        )
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not all(isinstance(v, int) and v > 0 for v in (layers, heads, hidden)):
+        raise ConfigError(
+            f"latent_placement 'memory' needs num_hidden_layers, num_attention_heads and hidden_size in the "
+            f"decoder's config ({what}: {layers}, {heads}, {hidden})",
+            field="latent_placement",
+        )
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    cache = DynamicCache(config=config)
+    if len(cache.layers) not in (0, layers) or not all(type(layer) is DynamicLayer for layer in cache.layers):
+        kinds = sorted({type(layer).__name__ for layer in cache.layers})
+        raise ConfigError(
+            f"latent_placement 'memory' needs every attention layer to keep a full (not sliding-window or linear) "
+            f"key/value cache; {what}'s cache has layers of kinds {kinds}",
+            field="latent_placement",
+        )
+    return MemoryGeometry(layers, int(kv_heads), int(head_dim))
+
+
+class LatentMemory(nn.Module):
+    """The learned map from the ``P`` per-slot latent embeddings to each layer's memory keys and values."""
+
+    def __init__(self, hidden_size: int, geometry: MemoryGeometry, embedding_std: float) -> None:
+        super().__init__()
+        self.geometry = geometry
+        self.projection = nn.Linear(hidden_size, geometry.width)
+        # Latent embeddings start with coordinates of std ~embedding_std: keys and values of std ~1.
+        nn.init.normal_(self.projection.weight, std=1.0 / (max(embedding_std, 1e-8) * hidden_size**0.5))
+        nn.init.zeros_(self.projection.bias)
+
+    def forward(self, latent_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, P, H]`` -> ``(keys, values)``, each ``[Ly, B, Hkv, P, Dh]``."""
+        g = self.geometry
+        B, P, _ = latent_embeds.shape
+        kv = self.projection(latent_embeds).view(B, P, g.layers, 2, g.kv_heads, g.head_dim)
+        kv = kv.permute(2, 3, 0, 4, 1, 5)  # [Ly, 2, B, Hkv, P, Dh]
+        return kv[:, 0], kv[:, 1]
+
+
+def memory_cache(keys: torch.Tensor, values: torch.Tensor, decoder: nn.Module) -> DynamicCache:
+    """A fresh ``DynamicCache`` whose layer ``l`` holds ``keys[l]``, ``values[l]`` (``[B, Hkv, P, Dh]``) as its
+    ``P`` past positions. The decoder's forward appends its own keys and values to it (a new one per forward)."""
+    return DynamicCache(ddp_cache_data=list(zip(keys, values, strict=True)), config=_decoder_config(decoder))
+
+
+def memory_attention_mask(attention_mask: torch.Tensor, slots: int) -> torch.Tensor:
+    """``[B, T]`` -> ``[B, P + T]``: the sequence's mask with ``P`` leading ones (every memory slot is seen)."""
+    ones = attention_mask.new_ones(attention_mask.shape[0], slots)
+    return torch.cat([ones, attention_mask], dim=1)
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids ``[B, T]`` of left-padded rows: ``0, 1, ..`` from each row's first real token (padding 0).
+
+    transformers' ``generate`` derives the same ids from the mask; for right-padded rows they are
+    ``0 .. T-1`` on the real tokens, as the z-free pass sees them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)

@@ -1,0 +1,89 @@
+"""The z-free reference ``p_base(y_t | x, y_<t)`` and its one forward pass.
+
+The reference is the model that scores a response without ``z``: the frozen decoder itself
+(``decoder_training: frozen``), the decoder with its LoRA adapters disabled (``lora``), or a
+frozen copy made before the decoder trains (``full``). :class:`ZFreeReference` says which and
+reaches it; :func:`reference_hidden_states` is the one forward every caller runs on it (the
+training features pass, the prompts' prior features, the seed's scoring helper). Shapes: ``B``
+sequences of ``T`` tokens, ``H`` hidden size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` in eval mode inside the block; its own train/eval mode restored afterwards."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(was_training)
+
+
+def unused_logits(inputs: torch.Tensor) -> torch.Tensor:
+    """``logits_to_keep`` for a forward whose own logits are not used: position 0 as an index tensor.
+
+    The model's head then gets a contiguous ``[B, 1, H]`` copy. ``logits_to_keep=1`` gives it a strided
+    view instead, on which a linear layer runs as a batched matmul against its weight expanded over the
+    batch (for bf16 weights on the CPU a copy of the ``[V, H]`` weight per example: seconds per pass).
+    """
+    return torch.zeros(1, dtype=torch.long, device=inputs.device)
+
+
+@torch.no_grad()
+def reference_hidden_states(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The hidden states of one no-grad, eval-mode forward of ``model`` over ``input_ids [B, T]``.
+
+    Returns ``hidden_states``: ``L + 1`` tensors ``[B, T, H]`` (the embeddings, then every layer; the
+    last after the final norm). The model's own head does not run (callers apply it where they need
+    it, chunked); its train/eval mode is restored.
+    """
+    with eval_mode(model):
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=True,
+            logits_to_keep=unused_logits(input_ids),
+        )
+    return out.hidden_states
+
+
+class ZFreeReference:
+    """Which model is the z-free reference of a CVAE's decoder, built by :func:`models.build_cvae`.
+
+    ``copy`` (``full`` training) is kept outside the CVAE's module tree, so it is never in its
+    ``state_dict``, ``parameters()`` or a data-parallel wrapper; :meth:`apply` moves it with the CVAE.
+    """
+
+    def __init__(self, decoder: nn.Module, *, adapters_off: bool = False, copy: nn.Module | None = None) -> None:
+        if adapters_off and copy is not None:
+            raise ValueError("a z-free reference is either the adapter-free decoder or a frozen copy, not both")
+        self.decoder = decoder
+        self.adapters_off = adapters_off
+        self.copy = copy.requires_grad_(False).eval() if copy is not None else None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[nn.Module]:
+        """The reference module inside the block (the decoder's adapters disabled while in it)."""
+        if self.copy is not None:
+            yield self.copy
+        elif self.adapters_off:
+            with self.decoder.disable_adapter():
+                yield self.decoder
+        else:
+            yield self.decoder
+
+    def apply(self, fn) -> None:
+        """A device or dtype move of the CVAE (``nn.Module._apply``), reaching the copy."""
+        if self.copy is not None:
+            self.copy._apply(fn)
