@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from disentanglement.commands import run_eval
 from disentanglement.config import FIELDS, build_config, field_flag
@@ -74,14 +75,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(record_dir: Path, argv: list[str], **env) -> subprocess.CompletedProcess:
+def launch(record_dir: Path, argv: list[str], timeout: float = 600, **env) -> subprocess.CompletedProcess:
     """``accelerate launch`` two CPU processes of ``ddp_child.py RECORD_DIR -- ARGV``."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(PROCESSES)]
     command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     command += ["--main_process_port", str(_free_port()), str(TESTS / "ddp_child.py"), str(record_dir), "--", *argv]
     child_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS)]), **env)
     child_env.pop("CUDA_VISIBLE_DEVICES", None)
-    return subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=timeout)
 
 
 def records(record_dir: Path) -> list[dict]:
@@ -150,7 +151,12 @@ def test_two_processes_train_what_one_process_trains_with_the_global_batch(two_p
     assert rank0["weights"].keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(rank0["weights"][name], value, rtol=RTOL, atol=ATOL, msg=name)
-    # c_base from the sharded and gathered frozen pass equals the one-process value.
+    # The sharded and gathered frozen pass is the one-process pass, bit for bit; so is c_base.
+    caches = [
+        load_file(str(d / "feature_cache" / "frozen_pass.safetensors")) for d in (run_dir, one_process.output_dir)
+    ]
+    assert caches[0].keys() == caches[1].keys()
+    assert all(torch.equal(caches[0][k], caches[1][k]) for k in caches[1])
     stats = [json.loads((d / "data_stats.json").read_text()) for d in (run_dir, one_process.output_dir)]
     assert stats[0]["zfree_reference_scale"] == stats[1]["zfree_reference_scale"]
 
@@ -258,3 +264,13 @@ def test_resuming_with_another_number_of_processes_is_refused(workspace, two_pro
     config = build_config(dict(workspace.values, output_dir=str(copy), batch_size=BATCH, resume="auto"))
     with pytest.raises(ConfigError, match="trained with 2, .* --num_processes 2"):
         train(config)
+
+
+def test_nonfinite_steps_stop_every_process_alike(workspace):
+    # Every process skips the same steps (the loss's finiteness is agreed on), so none waits for the
+    # others in a collective: both stop with the divergence error, well within the timeout.
+    run_dir = workspace.root / "diverged"
+    blow_up = dict(encoder_lr=1e30, latent_lr=1e30, max_grad_norm=1e30, warmup_steps=0, max_nonfinite_steps=2)
+    done = launch(workspace.root / "diverged-records", workspace.args(run_dir, **blow_up), timeout=180)
+    assert done.returncode != 0
+    assert done.stderr.count("consecutive non-finite") >= PROCESSES, done.stderr[-4000:]
