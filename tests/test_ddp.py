@@ -81,7 +81,7 @@ def launch(record_dir: Path, argv: list[str], timeout: float = 600, **env) -> su
     command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     command += ["--main_process_port", str(_free_port()), str(TESTS / "ddp_child.py"), str(record_dir), "--", *argv]
     child_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS)]), **env)
-    child_env.pop("CUDA_VISIBLE_DEVICES", None)
+    child_env["CUDA_VISIBLE_DEVICES"] = ""  # CPU processes, also on a machine with GPUs
     return subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -616,9 +616,11 @@ def _set_up(
 
     tcfg = config.train
     device = choose_device(tcfg.device)
-    # Several processes: the heads' gradients are averaged by DDP. Options leave some heads out of a
-    # forward (e.g. the prior head of a term weighted 0), hence find_unused_parameters; buffers are not
-    # broadcast at each forward (the codebook's usage steps are merged across processes after each step).
+    # Several processes: the trainable parameters' gradients are averaged by DDP (a frozen decoder has
+    # requires_grad off already, so it is in no gradient bucket). find_unused_parameters, so that an option
+    # that leaves a head out of some forward cannot stop DDP (in the configurations tested none is; it
+    # costs one graph traversal per backward). Buffers are not broadcast at each forward: the codebook's
+    # usage steps are merged across processes after each step (merge_step_statistics).
     ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
     # The schedule counts optimizer steps: accelerate would otherwise step it once per process per step
     # (it assumes each process's data loader got N times shorter; here the data order is global).
