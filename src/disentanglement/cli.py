@@ -94,6 +94,10 @@ def _run_train(args: argparse.Namespace) -> int:
     from .trainer import train
 
     result = train(config)
+    from .distributed import is_main_process
+
+    if not is_main_process():
+        return 0
     print(f"metrics:    {result.output_dir / 'metrics.jsonl'}")
     print(f"checkpoint: {result.checkpoint}")
     print(f"c_base:     {result.zfree_reference_scale:.4f} nats/token (z-free reference scale)")
@@ -131,8 +135,10 @@ def _attach_negative_values(argv: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+    from .distributed import is_main_process
+
+    logging.basicConfig(  # under a launcher with several processes, the others say only what goes wrong
+        level=logging.DEBUG if args.verbose else logging.INFO if is_main_process() else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )

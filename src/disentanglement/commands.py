@@ -62,15 +62,16 @@ def resolve_run(checkpoint: str | Path) -> tuple[Path, Path]:
     return resolve(checkpoint)
 
 
-def load_checkpoint(checkpoint: str | Path, model_and_tokenizer=None, device: str = "auto"):
-    """``(model, tokenizer, config, trainer_state, checkpoint_dir, run_dir)``, the model in eval mode on ``device``.
+def load_checkpoint(checkpoint: str | Path, model_and_tokenizer=None, device: str = "auto", state=None):
+    """``(model, tokenizer, config, trainer_state, checkpoint_dir, run_dir)``, the model in eval mode on ``device``
+    (several processes, ``state``: on this process's device).
 
     Loads through ``trainer.load_trained`` (looked up at call time, so tests can replace it).
     """
     from . import trainer
 
     checkpoint_dir, run_dir = resolve_run(checkpoint)
-    target = trainer.choose_device(device)
+    target = trainer.choose_device(device) if state is None else state.device
     model, tokenizer, config, state = trainer.load_trained(checkpoint_dir, model_and_tokenizer, device=target)
     model = model.to(target).eval()
     return model, tokenizer, config, state, checkpoint_dir, run_dir
@@ -497,11 +498,19 @@ def run_eval(
         Path(options.output) if options.output is not None else run_dir / "eval" / f"eval_{_slug(options.data)}.json"
     )
     check_writable_target(json_path, "--output")
+    # Under ``accelerate launch --num_processes N`` the frozen pass and the scoring are shared out among
+    # the processes and gathered; the main process alone writes the report.
+    from . import distributed, trainer
+
+    processes = distributed.process_state(cpu=trainer.choose_device(options.device).type == "cpu")
+    main = distributed.is_main(processes)
     model, tokenizer, config, state, checkpoint_dir, run_dir = load_checkpoint(
-        checkpoint, model_and_tokenizer, options.device
+        checkpoint, model_and_tokenizer, options.device, processes
     )
     examples, description = load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
-    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress)
+    cache = build_feature_cache(
+        model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress and main, state=processes
+    )
     body = evaluate(
         model,
         examples,
@@ -510,7 +519,8 @@ def run_eval(
         scoring=options.scoring(),
         batch_size=options.batch_size,
         seed=options.seed,
-        progress=options.progress,
+        progress=options.progress and main,
+        state=processes,
     )
     report = {
         "title": f"Evaluation of {checkpoint_dir}",
@@ -519,6 +529,8 @@ def run_eval(
         "data": description,
         **body,
     }
+    if not main:
+        return report, json_path, json_path.with_suffix(".md")
     if options.generation:
         from .controllability import controllability
         from .encode import raw_pairs
@@ -576,6 +588,10 @@ def eval_summary_lines(report: dict) -> list[str]:
 
 def _eval_main(args: argparse.Namespace) -> int:
     report, json_path, md_path = run_eval(args.checkpoint, options_from(EvalOptions, args))
+    from .distributed import is_main_process
+
+    if not is_main_process():
+        return 0
     print("\n".join(eval_summary_lines(report)))
     print(f"report:  {json_path}")
     print(f"summary: {md_path}")

@@ -374,6 +374,16 @@ class CVAEBase(nn.Module):
     def post_step(self, step: int) -> None:
         """Called after the optimizer step whose forward passes ran with ``step`` (e.g. dead-code restart)."""
 
+    # -- several processes -------------------------------------------------------------------------
+    def merge_step_statistics(self, state) -> None:
+        """Several processes (``state``, :mod:`distributed`): make what the step's forwards recorded (e.g.
+        the codes used) that of the whole global batch, before :meth:`post_step`; nothing by default."""
+
+    def data_dependent_state(self) -> list[torch.Tensor]:
+        """The tensors that change outside the optimizer (k-means, restarts): broadcast from the main
+        process after such a change, so that every process holds the same; none by default."""
+        return []
+
     # -- the encoder's view ----------------------------------------------------------------------
     def encoder_input(self, features: FrozenFeatures) -> torch.Tensor:
         """What the encoder head sees, ``[B, 2H]`` (before its LayerNorm): ``features.encoder_features``,

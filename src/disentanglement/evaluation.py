@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from .config import Scoring
 from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary, PriorMixture
 from .data import Batch, Example, collate, label_factor_names, label_factors
+from .distributed import gather_objects, rank_and_size
 from .features import FeatureCache
 from .losses import reconstruction_loss_stack
 from .metrics import (
@@ -403,8 +404,13 @@ def evaluate(
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
+    state=None,
 ) -> dict:
     """The evaluation report of a trained CVAE on ``examples`` (a JSON-able dict).
+
+    With several processes (``state``, accelerate's ``PartialState``) the batches are shared out among
+    them and their per-example records gathered (:func:`score_examples`); every process then computes
+    the whole report.
 
     ``cache`` holds the frozen-pass features of ``examples`` (same indexing); ``scoring`` (default
     :class:`config.Scoring`) the samples of the IW bound and the prior mixture. Deterministic given
@@ -453,7 +459,7 @@ def evaluate(
         raise ValueError(f"the feature cache holds {len(cache)} examples, but {len(examples)} were given")
     factor_values = example_factor_values(examples) if len(examples) >= 2 else None  # checks the factor names
     scoring = scoring if scoring is not None else Scoring()
-    batches = score_examples(model, examples, cache, pad_token_id, scoring, batch_size, seed, progress)
+    batches = score_examples(model, examples, cache, pad_token_id, scoring, batch_size, seed, progress, state=state)
     columns = concatenate_records(batches)
     last = batches[-1]
     discrete = "codes" in columns  # the discrete family's posterior is codes, the continuous one's a mean
@@ -491,21 +497,31 @@ def score_examples(
     batch_size: int,
     seed: int,
     progress: bool,
+    state=None,
 ) -> list[BatchRecords]:
     """:func:`score_batch` over ``examples`` in batches of similar length, in eval mode and under
-    ``seed`` (the caller's random state and the model's mode are left as they were)."""
+    ``seed`` (the caller's random state and the model's mode are left as they were).
+
+    With ``N`` processes (``state``) process ``r`` scores the batches ``r, r + N, ...`` and every
+    process gets all of them back, in order: the same records as one process's where scoring draws
+    no random numbers (the "nearest" assignment with the prior mixture exact over codes); where it
+    draws some (importance or prior samples), each process draws its own from ``seed``, so the
+    records are equal in distribution, not number for number."""
     device = next(model.parameters()).device
+    rank, size = rank_and_size(state)
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
-    batches: list[BatchRecords] = []
+    batches: list[tuple[int, BatchRecords]] = []
     with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        starts = range(0, len(examples), batch_size)
-        for start in tqdm(starts, desc="eval", disable=not progress, unit="batch"):
-            chunk = order[start : start + batch_size]
+        starts = list(range(0, len(examples), batch_size))
+        for number in tqdm(range(rank, len(starts), size), desc="eval", disable=not progress, unit="batch"):
+            chunk = order[starts[number] : starts[number] + batch_size]
             batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
             scores = score_batch(model, batch, cache.features(batch), scoring)
-            batches.append(batch_records(scores, chunk))
-    return batches
+            batches.append((number, batch_records(scores, chunk)))
+    if size > 1:
+        batches = sorted((pair for part in gather_objects(state, batches) for pair in part), key=lambda pair: pair[0])
+    return [records for _, records in batches]
 
 
 def discrete_latent_report(codes: np.ndarray, probs: np.ndarray) -> dict:

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from .checkpoints import replace_file_durably
 from .cvae_base import CVAEBase, FrozenFeatures, WeightingParams
 from .data import Batch, Example, collate
+from .distributed import barrier, gather_objects, is_main, rank_and_size
 from .token_weighting import TokenWeighting, token_weighting_from_base_nll
 
 logger = logging.getLogger(__name__)
@@ -203,38 +204,50 @@ def build_feature_cache(
     device: torch.device | str | None = None,
     progress: bool = True,
     description: str = "frozen pass",
+    state=None,
 ) -> FeatureCache:
     """Run the frozen pass once over ``examples`` (in length order, to pad little), on ``device``
-    (default: where the model is)."""
+    (default: where the model is).
+
+    With several processes (``state``, accelerate's ``PartialState``) each process runs every
+    ``N``-th batch of the same length-ordered batches and the results are gathered: every process
+    gets the whole cache, equal to the one a single process builds (the batches are the same)."""
     if device is None:
         device = next(model.parameters()).device
+    rank, size = rank_and_size(state)
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
-    response_nll: list[torch.Tensor | None] = [None] * len(examples)
-    prior: list[torch.Tensor | None] = [None] * len(examples)
-    encoder: list[torch.Tensor | None] = [None] * len(examples)
-    entropy: list[torch.Tensor] | None = None
-    hidden: torch.Tensor | None = None  # [sum_b n_b, H], filled in example order
-    lengths = [len(e.response_ids) for e in examples]
-    first_row = [0] * len(examples)
-    for i in range(1, len(examples)):
-        first_row[i] = first_row[i - 1] + lengths[i - 1]
-    for start in tqdm(range(0, len(order), batch_size), desc=description, disable=not progress, unit="batch"):
-        chunk = order[start : start + batch_size]
+    batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    # Per example: (response NLL [r], entropy [r] or None, hidden states [r, H] or None, prior [H], encoder [2H]).
+    rows: dict[int, tuple] = {}
+    for chunk in tqdm(batches[rank::size], desc=description, disable=not progress, unit="batch"):
         batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
         out = model.frozen_pass(batch)
-        if out.response_hidden is not None and hidden is None:
-            hidden = torch.zeros(sum(lengths), out.response_hidden.shape[-1])
         for row, index in enumerate(chunk):
             p, r = int(batch.prompt_lengths[row]), int(batch.response_lengths[row])
-            response_nll[index] = out.zfree_token_nll[row, p - 1 : p - 1 + r].float().cpu()
+            entropy = hidden = None
             if out.zfree_token_entropy is not None:
-                entropy = entropy if entropy is not None else [None] * len(examples)  # type: ignore[list-item]
-                entropy[index] = out.zfree_token_entropy[row, p - 1 : p - 1 + r].float().cpu()
-            if hidden is not None:  # the states at the response tokens' own positions p .. p + r - 1
-                hidden[first_row[index] : first_row[index] + r] = out.response_hidden[row, p : p + r].float().cpu()
-            prior[index] = out.prior_features[row].float().cpu()
-            encoder[index] = out.encoder_features[row].float().cpu()
-    return FeatureCache(response_nll, torch.stack(prior), torch.stack(encoder), entropy, hidden)  # type: ignore[arg-type]
+                entropy = out.zfree_token_entropy[row, p - 1 : p - 1 + r].float().cpu()
+            if out.response_hidden is not None:  # the states at the response tokens' own positions p .. p + r - 1
+                hidden = out.response_hidden[row, p : p + r].float().cpu()
+            rows[index] = (
+                out.zfree_token_nll[row, p - 1 : p - 1 + r].float().cpu(),
+                entropy,
+                hidden,
+                out.prior_features[row].float().cpu(),
+                out.encoder_features[row].float().cpu(),
+            )
+    if size > 1:
+        rows = {index: value for part in gather_objects(state, rows) for index, value in part.items()}
+    ordered = [rows[i] for i in range(len(examples))]
+    entropy = [r[1] for r in ordered] if ordered and ordered[0][1] is not None else None
+    hidden = torch.cat([r[2] for r in ordered]) if ordered and ordered[0][2] is not None else None  # [sum_b n_b, H]
+    return FeatureCache(
+        [r[0] for r in ordered],
+        torch.stack([r[3] for r in ordered]),
+        torch.stack([r[4] for r in ordered]),
+        entropy,
+        hidden,
+    )
 
 
 def batch_features(model: CVAEBase, batch: Batch, cache: FeatureCache | None) -> FrozenFeatures:
@@ -323,8 +336,12 @@ def load_or_build_feature_cache(
     batch_size: int = 16,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    state=None,
 ) -> FeatureCache:
     """Reuse the on-disk cache whose fingerprint matches, else run the frozen pass and store it.
+
+    With several processes (``state``) the pass is sharded across them (:func:`build_feature_cache`),
+    the main process alone writes the cache, and the others wait for it at a barrier.
 
     A cache built for other weights, tokenizer, template, caps or data has another fingerprint and
     is never used: it is rebuilt (and the old file replaced). So is one without the predictive
@@ -332,7 +349,7 @@ def load_or_build_feature_cache(
     encoder attends over them; one built for another encoder view or layer has another fingerprint.
     """
     if cache_dir is None:
-        return build_feature_cache(model, examples, pad_token_id, batch_size, device, progress)
+        return build_feature_cache(model, examples, pad_token_id, batch_size, device, progress, state=state)
     fingerprint = feature_fingerprint(model, examples)
     path = Path(cache_dir) / "frozen_pass.safetensors"
     cache = load_feature_cache(path, fingerprint)
@@ -348,11 +365,12 @@ def load_or_build_feature_cache(
             return cache
     elif path.exists():
         logger.info("frozen pass: %s was built for other weights or data; rebuilding", path)
-    cache = build_feature_cache(model, examples, pad_token_id, batch_size, device, progress)
-    try:
-        save_feature_cache(cache, path, fingerprint)
-    except OSError as exc:  # the cache only saves time: the run goes on without it
-        logger.warning("frozen pass: could not write the cache %s (%s); continuing without it", path, exc)
-        return cache
-    logger.info("frozen pass: cached %d examples in %s (fingerprint %s)", len(cache), path, fingerprint)
+    cache = build_feature_cache(model, examples, pad_token_id, batch_size, device, progress, state=state)
+    if is_main(state):
+        try:
+            save_feature_cache(cache, path, fingerprint)
+            logger.info("frozen pass: cached %d examples in %s (fingerprint %s)", len(cache), path, fingerprint)
+        except OSError as exc:  # the cache only saves time: the run goes on without it
+            logger.warning("frozen pass: could not write the cache %s (%s); continuing without it", path, exc)
+    barrier(state)
     return cache

@@ -268,6 +268,24 @@ class SharedDiscreteCVAE(CVAEBase):
         return torch.as_tensor(centroids, dtype=self.codebook.dtype, device=self.codebook.device)
 
     @torch.no_grad()
+    def merge_step_statistics(self, state) -> None:
+        """Several processes: a code counts as used in the step when any process's slice used it, and the
+        restart candidates are the recent encodings of the whole global batch, in process order (which
+        is the order of one process's batch: process ``r`` trains the ``r``-th slice)."""
+        if state is None or state.num_processes == 1:
+            return
+        from accelerate.utils import gather
+
+        from .distributed import all_reduce_max_
+
+        all_reduce_max_(state, self.code_last_used)
+        if self._recent_encodings is not None:
+            self._recent_encodings = gather(self._recent_encodings)
+
+    def data_dependent_state(self) -> list[torch.Tensor]:
+        return [self.codebook, self.code_last_used]
+
+    @torch.no_grad()
     def post_step(self, step: int) -> None:
         """Restart codes unused for ``dead_code_steps`` steps at random recent encoder outputs.
 

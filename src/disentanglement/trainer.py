@@ -20,15 +20,17 @@ norm, which are applied from the resumed step on.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import math
 import os
 import shutil
 import tempfile
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -39,6 +41,7 @@ import yaml
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from . import distributed
 from .checkpoints import (
     CheckpointContents,
     CheckpointError,
@@ -219,12 +222,17 @@ def validate(
     config: RunConfig,
     step: int,
     device: torch.device,
+    processes: int = 1,
 ) -> dict[str, float]:
-    """Mean of every logged scalar over the first ``eval_batches`` validation batches (posterior mean/argmax)."""
+    """Mean of every logged scalar over the first ``eval_batches`` validation batches (posterior mean/argmax).
+
+    A batch is the global batch, ``batch_size x processes`` examples. With several processes each of
+    them validates the same batches (few: ``eval_batches``), so that all log the same and draw the same
+    random numbers, as one process with the global batch does."""
     if not examples:
         return {}
     records = []
-    size = config.train.batch_size
+    size = config.train.batch_size * processes
     with eval_mode(model):
         for start in range(0, min(len(examples), size * config.train.eval_batches), size):
             indices = list(range(start, min(start + size, len(examples))))
@@ -488,9 +496,13 @@ def train(
 ) -> TrainResult:
     """Train a CVAE as configured. ``model_and_tokenizer`` and ``pairs`` replace loading (tests).
 
-    One process at a time trains a run directory (:func:`run_lock`)."""
-    with run_lock(Path(config.train.output_dir)):
-        return _train(config, model_and_tokenizer, pairs, callbacks)
+    One process at a time trains a run directory (:func:`run_lock`). Under ``accelerate launch
+    --num_processes N`` the N processes train one run: the main process holds the lock and alone
+    writes the run directory (see :func:`_set_up` for what is shared and how)."""
+    state = distributed.process_state(cpu=choose_device(config.train.device).type == "cpu")
+    lock = run_lock(Path(config.train.output_dir)) if distributed.is_main(state) else nullcontext()
+    with lock:
+        return _train(config, model_and_tokenizer, pairs, callbacks, state)
 
 
 def _train(
@@ -498,21 +510,25 @@ def _train(
     model_and_tokenizer: tuple[Any, Any] | None,
     pairs: Sequence | None,
     callbacks: Sequence[Callable[[int, dict], None]],
+    state=None,
 ) -> TrainResult:
     """Checks, set-up, restore, then per step: optimizer step, validation, log, loss check, checkpoint."""
     tcfg = config.train
     output_dir = Path(tcfg.output_dir)
+    main = distributed.is_main(state)
     # Everything that can be wrong with the run directory, the checkpoint or the data fails before the model loads.
     resumed = _resume_source(config, output_dir)
-    to_remove = check_run_directory(output_dir, resumed, tcfg.resume, tcfg.overwrite)
+    # The main process checks (and later clears) the directory; the others would see its files appear.
+    to_remove = check_run_directory(output_dir, resumed, tcfg.resume, tcfg.overwrite) if main else []
     applied = check_resume_config(resumed.config, config, resumed.path) if resumed is not None else {}
     pairs = load_pairs(config.data) if pairs is None else pairs
 
     run = _set_up(config, output_dir, resumed, to_remove, model_and_tokenizer, pairs)
     progress = _start_or_restore(run, resumed, applied)
-    truncate_metrics(output_dir / METRICS_FILE, progress.step)
+    if main:
+        truncate_metrics(output_dir / METRICS_FILE, progress.step)
     run.prepared.train()
-    with _metrics_log(output_dir, tcfg, progress.step) as log:
+    with _metrics_log(output_dir, tcfg, progress.step, main) as log:
         while progress.step < tcfg.max_steps:
             record = _optimizer_step(run, progress)
             if record is None:  # a non-finite step, skipped
@@ -561,10 +577,15 @@ class _Training:
     c_base: float
     fingerprint: str
     init_features: FrozenFeatures | None  # the k-means sample (discrete k-means codebook only)
+    state: Any = None  # accelerate's state with several processes, else None (:mod:`distributed`)
 
     @property
     def device(self) -> torch.device:
         return self.accelerator.device
+
+    @property
+    def main(self) -> bool:
+        return distributed.is_main(self.state)
 
 
 @dataclass
@@ -591,11 +612,27 @@ def _set_up(
 
     In this order: everything that can fail does so before ``--overwrite`` removes the old run."""
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
     tcfg = config.train
     device = choose_device(tcfg.device)
-    accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision="bf16" if device.type == "cuda" else "no")
+    # Several processes: the trainable parameters' gradients are averaged by DDP (a frozen decoder has
+    # requires_grad off already, so it is in no gradient bucket). find_unused_parameters, so that an option
+    # that leaves a head out of some forward cannot stop DDP (in the configurations tested none is; it
+    # costs one graph traversal per backward). Buffers are not broadcast at each forward: the codebook's
+    # usage steps are merged across processes after each step (merge_step_statistics).
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
+    # The schedule counts optimizer steps: accelerate would otherwise step it once per process per step
+    # (it assumes each process's data loader got N times shorter; here the data order is global).
+    accelerator = Accelerator(
+        cpu=device.type == "cpu",
+        mixed_precision="bf16" if device.type == "cuda" else "no",
+        kwargs_handlers=[ddp],
+        step_scheduler_with_optimizer=False,
+    )
+    state = accelerator.state if accelerator.num_processes > 1 else None
+    main = accelerator.is_main_process
+    _check_processes(resumed, accelerator.num_processes)
     set_seed(tcfg.seed)
     decoder, tokenizer = _decoder_and_tokenizer(config, model_and_tokenizer, device)
     data = prepare_data(config, tokenizer, pairs)
@@ -606,18 +643,24 @@ def _set_up(
     model = build_cvae(config, decoder).to(accelerator.device)
     fingerprint = feature_fingerprint(model, data.train + data.validation)  # the data, tokenizer and frozen model
     _check_fingerprint(resumed, fingerprint)
-    frozen = _frozen_pass(config, model, data, resumed, tokenizer.pad_token_id, accelerator.device, output_dir)
+    frozen = _frozen_pass(config, model, data, resumed, tokenizer.pad_token_id, accelerator.device, output_dir, state)
     c_base = _zfree_reference_scale(config, resumed, frozen.train, len(data.train))
     model.zfree_reference_scale = c_base
-    _remove(to_remove, output_dir)  # --overwrite: only now that everything before the first write has worked
-    _write_run_files(output_dir, config, data, c_base)
+    distributed.barrier(state)  # every process has checked the run directory before the main one writes to it
+    if main:
+        _remove(to_remove, output_dir)  # --overwrite: only now that everything before the first write has worked
+        _write_run_files(output_dir, config, data, c_base)
 
     init_features = _kmeans_sample(config, data, frozen.train, tokenizer.pad_token_id, accelerator.device)
     if resumed is None and init_features is not None:
-        model.initialize_from_data(init_features, tcfg.seed)
+        if main:  # k-means of the whole (gathered) frozen pass, on the main process, then broadcast
+            model.initialize_from_data(init_features, tcfg.seed)
+        distributed.broadcast_(state, model.data_dependent_state())
     optimizer = make_optimizer(model, config)
     scheduler = get_cosine_schedule_with_warmup(optimizer, tcfg.warmup_steps, tcfg.max_steps)
-    prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    with warnings.catch_warnings():  # torch's FutureWarning for broadcast_buffers, whose meaning is the one wanted
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     return _Training(
         config=config,
         output_dir=output_dir,
@@ -632,6 +675,7 @@ def _set_up(
         c_base=c_base,
         fingerprint=fingerprint,
         init_features=init_features,
+        state=state,
     )
 
 
@@ -659,6 +703,18 @@ def _check_fingerprint(resumed: CheckpointContents | None, fingerprint: str) -> 
         )
 
 
+def _check_processes(resumed: CheckpointContents | None, processes: int) -> None:
+    """A resumed run continues with its number of processes: the global batch is ``batch_size x processes``."""
+    if resumed is None:
+        return
+    before = int(resumed.trainer_state.get("processes", 1))
+    if before != processes:
+        raise ConfigError(
+            f"cannot resume {resumed.path} with {processes} process(es): the run was trained with {before}, and "
+            f"a step's global batch is batch_size x processes; launch it with --num_processes {before}"
+        )
+
+
 def _uses_kmeans(config: RunConfig) -> bool:
     return config.latent.latent == "discrete" and config.latent.codebook_init == "kmeans"
 
@@ -676,8 +732,11 @@ def _frozen_pass(
     pad_id: int,
     device: torch.device,
     output_dir: Path,
+    state=None,
 ) -> _FrozenPass:
     """The frozen pass over train + validation, when the cache option, c_base or k-means need it.
+
+    With several processes (``state``) it is sharded across them and gathered: each holds all of it.
 
     The k-means start (fresh runs) and refreshes (first half of training) need the frozen features,
     with or without the cache option, so that a resumed run refreshes exactly as an uninterrupted one.
@@ -700,7 +759,8 @@ def _frozen_pass(
         cache_dir,
         batch_size=max(tcfg.batch_size, 16),
         device=device,
-        progress=tcfg.progress,
+        progress=tcfg.progress and distributed.is_main(state),
+        state=state,
     )
     n_train = len(data.train)
     train_cache = cache.subset(0, n_train)
@@ -773,10 +833,12 @@ def _optimizer_step(run: _Training, progress: _Progress) -> dict[str, float] | N
     progress.nonfinite = 0
     run.optimizer.step()
     run.scheduler.step()
+    run.model.merge_step_statistics(run.state)  # several processes: what the step saw on all of them
     run.model.post_step(progress.step)  # with the index of the step just taken, as its forward saw it
     progress.step += 1
     _refresh_codebook(run, progress.step)
-    record = _mean_records(records)
+    distributed.broadcast_(run.state, run.model.data_dependent_state())  # one codebook on every process
+    record = _mean_records(distributed.gather_objects(run.state, _mean_records(records)))  # averaged over processes
     record.update(step=progress.step, grad_norm=grad_norm)
     for group in run.optimizer.param_groups:
         record[f"lr_{group['name']}"] = group["lr"]
@@ -785,27 +847,64 @@ def _optimizer_step(run: _Training, progress: _Progress) -> dict[str, float] | N
 
 def _accumulate_gradients(run: _Training, progress: _Progress) -> tuple[list[dict[str, float]], bool]:
     """Forward and backward of each accumulated batch: ``(their scalars, whether every loss was finite)``;
-    stops at the first non-finite loss, logging its terms and examples."""
+    stops at the first non-finite loss, logging its terms and examples.
+
+    With ``N`` processes each accumulated batch is a global batch of ``N x batch_size`` examples taken
+    from the one data order, of which process ``r`` trains the ``r``-th slice; DDP averages the
+    gradients (each process's loss is the mean over its slice), so a step is the step of one process
+    with ``N x batch_size`` examples per batch."""
     tcfg = run.config.train
+    rank, size = distributed.rank_and_size(run.state)
     records = []
-    for _ in range(tcfg.gradient_accumulation_steps):
-        indices = progress.order.next_indices(tcfg.batch_size)
+    for micro in range(tcfg.gradient_accumulation_steps):
+        indices = progress.order.next_indices(tcfg.batch_size * size)[
+            rank * tcfg.batch_size : (rank + 1) * tcfg.batch_size
+        ]
         batch = collate([run.data.train[i] for i in indices], run.pad_id, indices=indices).to(run.device)
         features = batch_features(run.model, batch, run.frozen.steps)  # float32 frozen pass, as in the cache
-        with run.accelerator.autocast():
-            out = run.prepared(batch, features=features, step=progress.step)
-        if not torch.isfinite(out.loss):
-            bad = {k: v for k, v in out.scalars().items() if not math.isfinite(v)}
-            logger.warning(
-                "step %d: non-finite loss; non-finite terms %s; examples %s",
-                progress.step + 1,
-                bad,
-                [run.data.train[i].source for i in indices],
-            )
-            return records, False
-        run.accelerator.backward(out.loss / tcfg.gradient_accumulation_steps)
+        last = micro == tcfg.gradient_accumulation_steps - 1
+        # Several processes: gradients are averaged once, at the last accumulated batch.
+        with run.accelerator.no_sync(run.prepared) if not last else nullcontext():
+            with run.accelerator.autocast(), _process_noise(run, progress.step, micro):
+                out = run.prepared(batch, features=features, step=progress.step)
+            if not _finite_everywhere(run, out.loss):
+                bad = {k: v for k, v in out.scalars().items() if not math.isfinite(v)}
+                logger.warning(
+                    "step %d: non-finite loss; non-finite terms %s; examples %s",
+                    progress.step + 1,
+                    bad,
+                    [run.data.train[i].source for i in indices],
+                )
+                return records, False
+            run.accelerator.backward(out.loss / tcfg.gradient_accumulation_steps)
         records.append(out.scalars())
     return records, True
+
+
+@contextmanager
+def _process_noise(run: _Training, step: int, micro: int):
+    """Several processes: the forward draws its random numbers (the continuous latent's sample, Gumbel
+    noise, dropout, the divergence term's other codes) from a generator seeded by the run's seed, the
+    step, the accumulated batch and the process, so that the processes' slices get independent noise
+    that a resumed run draws again; the global random state, which stays the same on every process
+    (dead-code restarts draw from it), is put back afterwards. One process: its random state, as before."""
+    if run.state is None:
+        yield
+        return
+    rank = run.state.process_index
+    digest = hashlib.blake2b(f"{run.config.train.seed}:{step}:{micro}:{rank}".encode(), digest_size=8).digest()
+    with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
+        torch.manual_seed(int.from_bytes(digest, "little") >> 1)
+        yield
+
+
+def _finite_everywhere(run: _Training, loss: torch.Tensor) -> bool:
+    """Whether the loss is finite in every process (so that all of them skip the same steps)."""
+    finite = bool(torch.isfinite(loss))
+    if run.state is None:
+        return finite
+    flags = torch.tensor([0.0 if finite else 1.0], device=run.device)
+    return float(run.accelerator.reduce(flags, "sum")) == 0.0
 
 
 def _skip_nonfinite_step(run: _Training, progress: _Progress, records: Sequence[dict[str, float]]) -> None:
@@ -828,7 +927,8 @@ def _skip_nonfinite_step(run: _Training, progress: _Progress, records: Sequence[
 def _refresh_codebook(run: _Training, step: int) -> None:
     """k-means refresh of the codebook every ``codebook_refresh_every`` steps of the first half of training."""
     every = _refresh_every(run.config)
-    if every and run.init_features is not None and step % every == 0 and step <= run.config.train.max_steps // 2:
+    due = every and run.init_features is not None and step % every == 0 and step <= run.config.train.max_steps // 2
+    if due and run.main:  # on the whole (gathered) frozen pass; the caller broadcasts the codebook
         run.model.refresh_from_data(run.init_features, run.config.train.seed + step)
 
 
@@ -838,7 +938,10 @@ def _due(every: int, step: int, max_steps: int) -> bool:
 
 
 def _validate(run: _Training, step: int) -> dict[str, float]:
-    return validate(run.model, run.data.validation, run.frozen.validation, run.pad_id, run.config, step, run.device)
+    processes = distributed.rank_and_size(run.state)[1]
+    return validate(
+        run.model, run.data.validation, run.frozen.validation, run.pad_id, run.config, step, run.device, processes
+    )
 
 
 def _check_loss(progress: _Progress, record: dict[str, float]) -> None:
@@ -887,9 +990,22 @@ class _MetricsLog:
         os.fsync(self.file.fileno())
 
 
+class _NoLog:
+    """The logs of a process other than the main one: it writes nothing."""
+
+    def write(self, record: dict[str, float]) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+
 @contextmanager
-def _metrics_log(output_dir: Path, tcfg: TrainConfig, step: int):
-    """Open the run's logs, appending after ``step``; closes them however training ends."""
+def _metrics_log(output_dir: Path, tcfg: TrainConfig, step: int, main: bool = True):
+    """Open the run's logs, appending after ``step``; closes them however training ends (none but the main process's)."""
+    if not main:
+        yield _NoLog()
+        return
     path = output_dir / METRICS_FILE
     writer = _tensorboard_writer(output_dir) if tcfg.tensorboard else None
     bar = tqdm(total=tcfg.max_steps, initial=step, desc="train", disable=not tcfg.progress, unit="step")
@@ -916,6 +1032,12 @@ def _save(run: _Training, progress: _Progress, log: _MetricsLog) -> None:
         "loss_monitor": progress.monitor.state(),
         "frozen_pass_fingerprint": run.fingerprint,
     }
+    if run.state is not None:  # several processes (a checkpoint without the key was trained by one)
+        trainer_state["processes"] = run.state.num_processes
+    if not run.main:  # the main process writes the checkpoint; the others learn its path when it is complete
+        distributed.barrier(run.state)
+        progress.checkpoint = latest_checkpoint(run.output_dir)
+        return
     log.sync()
     try:
         checkpoint = save_checkpoint(
@@ -931,6 +1053,7 @@ def _save(run: _Training, progress: _Progress, log: _MetricsLog) -> None:
         raise _diverged(progress.step, f"{exc}; not saved", progress.checkpoint) from exc
     progress.checkpoint = checkpoint
     prune_checkpoints(run.output_dir, run.config.train.keep_checkpoints, protect=checkpoint)
+    distributed.barrier(run.state)
 
 
 def _restore(
