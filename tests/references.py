@@ -95,6 +95,25 @@ def loop_entropy(logits: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor
     return out
 
 
+def manual_zfree_nll(model, input_ids, attention_mask, target_mask) -> torch.Tensor:
+    """The z-free reference's NLL ``[B, T-1]`` from the model's own full logits (its standard forward, eval
+    mode), one ``F.cross_entropy`` per supervised position, float64; zero where unsupervised."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.double()
+    finally:
+        model.train(was_training)
+    bsz, seq = input_ids.shape
+    out = torch.zeros(bsz, seq - 1, dtype=torch.float64)
+    for b in range(bsz):
+        for t in range(seq - 1):
+            if target_mask[b, t + 1]:
+                out[b, t] = F.cross_entropy(logits[b, t].unsqueeze(0), input_ids[b, t + 1].unsqueeze(0))
+    return out
+
+
 # -- the NLL kernel and the six terms (DESIGN.md sections 2 and 4) -------------------------------------------
 def loop_masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, token_mask: torch.Tensor) -> list[list[float]]:
     """out[b][t] = -log_softmax(logits[b, t])[input_ids[b, t+1]] if token t+1 is supervised, else 0."""

@@ -118,7 +118,7 @@ def test_decode_equals_a_plain_attention_over_memory_and_sequence(tokenizer, arc
     batch = make_batch(tokenizer)
     vector = torch.randn(len(batch), model.latent_vector_dim)
     decoded = model.decode(batch, vector, window=False)
-    keys, values = model.latent_memory(model.latent_embeddings(vector))  # [Ly, B, h, P, d]
+    keys, values = model.memory_keys_values(model.latent_embeddings(vector))  # [Ly, B, h, P, d]
     P = model.num_latent_tokens
     assert keys.shape == values.shape == (2, len(batch), 2, P, 16)
     expected = manual_memory_forward(base_lm(model), batch.input_ids, batch.attention_mask, keys, values)
@@ -176,7 +176,7 @@ def test_every_layer_reads_its_own_memory(tokenizer, arch):
     model, _ = memory_model(tokenizer, arch)
     batch = make_batch(tokenizer)
     vector = torch.randn(len(batch), model.latent_vector_dim)
-    keys, values = (t.detach() for t in model.latent_memory(model.latent_embeddings(vector)))
+    keys, values = (t.detach() for t in model.memory_keys_values(model.latent_embeddings(vector)))
     embeds = model.decoder.get_input_embeddings()(batch.input_ids)
     positions = torch.arange(batch.input_ids.shape[1]).expand(len(batch), -1)
     mask = torch.cat([torch.ones(len(batch), model.num_latent_tokens, dtype=torch.long), batch.attention_mask], 1)
@@ -423,3 +423,22 @@ def test_lora_memory_trains_saves_and_reloads(tmp_path, tokenizer):
     vector = torch.randn(len(batch), trained.latent_vector_dim)
     with torch.no_grad():
         torch.testing.assert_close(loaded.decode(batch, vector).hidden, trained.decode(batch, vector).hidden)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_memory_is_the_decoders_own_keys_of_the_latent_plus_a_map_that_starts_at_zero(tokenizer, arch):
+    model, _ = memory_model(tokenizer, arch)
+    assert not model.latent_memory.projection.weight.any() and not model.latent_memory.projection.bias.any()
+    latent = model.latent_embeddings(
+        torch.randn(3, model.latent_vector_dim, generator=torch.Generator().manual_seed(2))
+    )
+    with torch.no_grad():
+        model.latent_memory.projection.weight.normal_(std=0.1)
+        own = model.decoder(inputs_embeds=latent, use_cache=True)["cache"]  # the P embeddings as a sequence
+        keys, values = model.memory_keys_values(latent)
+        learned = model.latent_memory.projection(latent).view(3, model.num_latent_tokens, len(own.layers), 2, -1)
+    for layer, cached in enumerate(own.layers):
+        B, heads, P, dim = cached.keys.shape
+        per_slot = learned[:, :, layer].view(B, P, 2, heads, dim).permute(2, 0, 3, 1, 4)  # [2, B, Hkv, P, Dh]
+        torch.testing.assert_close(keys[layer], cached.keys + per_slot[0])
+        torch.testing.assert_close(values[layer], cached.values + per_slot[1])

@@ -19,6 +19,7 @@ from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import align_to_conditioned
 from disentanglement.trainer import make_optimizer
 from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer
+from references import manual_zfree_nll
 
 ARCHITECTURES = {"llama": tiny_llama, "gpt2": tiny_gpt2}
 ALL_TERMS = dict.fromkeys(TERM_WEIGHT_FIELDS.values(), 0.5)
@@ -327,13 +328,25 @@ def test_divergence_is_the_token_weighted_js_of_two_decodes(tokenizer):
     torch.testing.assert_close(out.divergence, expected, rtol=1e-4, atol=1e-7)
 
 
-def test_frozen_pass_surprisal_equals_the_seed_reference_scorer(tokenizer):
+@pytest.mark.parametrize("training", ["frozen", "lora", "full"])
+def test_frozen_pass_surprisal_is_the_reference_models_own_cross_entropy(tokenizer, training):
     from disentanglement.token_weighting import score_zfree_reference
 
-    model, _ = make_model(tokenizer)
+    model, _ = make_model(tokenizer, decoder_training=training)
     batch = make_batch(tokenizer)
-    expected = score_zfree_reference(model.decoder, batch.input_ids, batch.attention_mask, batch.target_mask)
-    torch.testing.assert_close(model.frozen_pass(batch).zfree_token_nll, expected, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # a decoder that has trained away from its reference
+        for name, param in model.decoder.named_parameters():
+            if param.requires_grad and (training == "full" or "lora_B" in name):
+                param.add_(0.3 * torch.randn_like(param))
+    with model.reference.active() as reference:  # the adapter-free decoder or the frozen copy
+        expected = manual_zfree_nll(reference, batch.input_ids, batch.attention_mask, batch.target_mask)
+    got = model.frozen_pass(batch).zfree_token_nll
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    seed_scorer = score_zfree_reference(model.decoder, batch.input_ids, batch.attention_mask, batch.target_mask)
+    if training == "frozen":  # the seed's scorer on the decoder is the reference itself
+        torch.testing.assert_close(got, seed_scorer, rtol=1e-5, atol=1e-6)
+    else:  # the trained decoder is not the reference
+        assert not torch.allclose(got, seed_scorer, rtol=1e-3, atol=1e-3)
 
 
 def test_logged_unit_kl_is_raw_and_the_objective_has_free_bits(tokenizer):

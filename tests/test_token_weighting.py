@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -25,7 +24,7 @@ from disentanglement.token_weighting import (
     weighting_from_zfree_nll,
 )
 from references import WEIGHTING_FIELDS as FIELDS
-from references import loop_align, loop_weighting
+from references import loop_align, loop_weighting, manual_zfree_nll
 
 # ----------------------------------------------------------------------------------------------
 # Independent reference implementation
@@ -463,28 +462,12 @@ def _batch():
     return input_ids, attention_mask, target_mask
 
 
-def _manual_nll(model, input_ids, attention_mask, target_mask) -> torch.Tensor:
-    """Straightforward per-position F.cross_entropy of the model's logits, zero where unsupervised."""
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.double()
-    model.train(was_training)
-    bsz, seq = input_ids.shape
-    out = torch.zeros(bsz, seq - 1, dtype=torch.float64)
-    for b in range(bsz):
-        for t in range(seq - 1):
-            if target_mask[b, t + 1]:
-                out[b, t] = F.cross_entropy(logits[b, t].unsqueeze(0), input_ids[b, t + 1].unsqueeze(0))
-    return out
-
-
 def test_score_zfree_reference_equals_cross_entropy(tiny_llama):
     input_ids, attention_mask, target_mask = _batch()
     got = score_zfree_reference(tiny_llama, input_ids, attention_mask, target_mask)
     assert got.shape == (3, 7)
     assert got.dtype == torch.float32
-    want = _manual_nll(tiny_llama, input_ids, attention_mask, target_mask)
+    want = manual_zfree_nll(tiny_llama, input_ids, attention_mask, target_mask)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     assert (got[target_mask[:, 1:] == 0] == 0).all()
     assert (got[target_mask[:, 1:] == 1] > 0).all()
@@ -549,7 +532,7 @@ def test_compute_token_weighting_per_example_offsets(tiny_llama, alpha):
         tiny_llama, input_ids, attention_mask, target_mask, torch.tensor(offsets), conditioned_length, alpha=alpha
     )
     # manual: independent cross-entropy, Python-loop alignment, then the pure weighting function
-    base = _manual_nll(tiny_llama, input_ids, attention_mask, target_mask)
+    base = manual_zfree_nll(tiny_llama, input_ids, attention_mask, target_mask)
     pm = target_mask[:, 1:].tolist()
     aligned_b = loop_align(base.tolist(), pm, offsets, conditioned_length - 1)
     aligned_m = [[int(v) for v in row] for row in loop_align(pm, pm, offsets, conditioned_length - 1)]

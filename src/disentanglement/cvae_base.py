@@ -320,7 +320,7 @@ class CVAEBase(nn.Module):
         # latent_placement "memory": the slots' embeddings -> every layer's memory keys and values.
         self.latent_memory = None
         if latent.latent_placement == "memory":
-            self.latent_memory = LatentMemory(H, memory_geometry(decoder), embedding_std)
+            self.latent_memory = LatentMemory(H, memory_geometry(decoder))
         vocab_size = decoder.get_output_embeddings().weight.shape[0]
         self.bow_head = nn.Linear(self.latent_vector_dim, vocab_size) if latent.bow_weight > 0 else None
 
@@ -610,6 +610,28 @@ class CVAEBase(nn.Module):
         hidden = out.hidden_states[-1][:, start:]  # [B, Tc - start, H], after the final norm
         return Decoded(hidden, self.decoder.get_output_embeddings(), start, ids, target, offsets)
 
+    def memory_keys_values(self, latent_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, P, H]`` latent embeddings -> the memory's ``(keys, values)``, ``[Ly, B, Hkv, P, Dh]`` each.
+
+        The decoder's own keys and values of the ``P`` embeddings read as a sequence of their own (positions
+        ``0 .. P-1``: what every layer would attend to were they a prefix), plus the learned per-layer map of
+        :class:`memory.LatentMemory` (zero at the start, so that the memory starts where the prefix does).
+        """
+        assert self.latent_memory is not None
+        B, P, _ = latent_embeds.shape
+        dtype = self.decoder.get_input_embeddings().weight.dtype
+        out = self.decoder(
+            inputs_embeds=latent_embeds.to(dtype),
+            attention_mask=torch.ones(B, P, dtype=torch.long, device=latent_embeds.device),
+            use_cache=True,
+            logits_to_keep=unused_logits(latent_embeds),
+        )
+        cache = out["cache"] if "cache" in out else out["past_key_values"]
+        keys = torch.stack([layer.keys for layer in cache.layers])  # [Ly, B, Hkv, P, Dh]
+        values = torch.stack([layer.values for layer in cache.layers])
+        learned_keys, learned_values = self.latent_memory(latent_embeds)
+        return keys.float() + learned_keys, values.float() + learned_values
+
     def memory_inputs(
         self, latent_embeds: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
     ) -> dict[str, object]:
@@ -624,7 +646,7 @@ class CVAEBase(nn.Module):
                 "its layers drop the past-key-value cache that holds the memory",
                 field="latent_placement",
             )
-        keys, values = self.latent_memory(latent_embeds)  # [Ly, B, Hkv, P, Dh] each
+        keys, values = self.memory_keys_values(latent_embeds)  # [Ly, B, Hkv, P, Dh] each
         return {
             "cache": memory_cache(keys.to(dtype), values.to(dtype), self.decoder),
             "attention_mask": memory_attention_mask(attention_mask, self.num_latent_tokens),

@@ -4,25 +4,29 @@ Shapes: ``B`` examples, ``P`` memory slots (``latent_tokens``), ``H`` hidden siz
 ``Hkv`` key/value heads, ``Dh`` head dimension, ``T`` length of the sequence ``[x][y]``.
 
 The prefix placement turns the latent vector into ``P`` soft input embeddings ``e [B, P, H]``
-(``CVAEBase.latent_embeddings``). Here the same per-slot embeddings are mapped by ONE learned linear
-layer, shared by the slots, to a key and a value for every attention layer::
+(``CVAEBase.latent_embeddings``). Here the same per-slot embeddings become a key and a value for every
+attention layer (``CVAEBase.memory_keys_values``)::
 
-    kv = W e_p + c,   W: H -> Ly * 2 * Hkv * Dh          # [B, P, Ly * 2 * Hkv * Dh]
-    keys[l], values[l] = kv[..., l, 0], kv[..., l, 1]     # [B, Hkv, P, Dh] each, per layer l
+    K_l, V_l = the decoder's own keys and values of layer l for the sequence e_1 .. e_P   # [B, Hkv, P, Dh]
+    kv = W e_p + c,   W: H -> Ly * 2 * Hkv * Dh (LatentMemory, zero at the start)
+    keys[l] = K_l + kv[..., l, 0],   values[l] = V_l + kv[..., l, 1]
 
 and handed to the decoder as a ``transformers.DynamicCache`` holding ``P`` past positions in every
 layer, so every query of every layer attends to the ``P`` memory slots besides the causal past of its
-own sequence. Memory keys are used as given (no rotary embedding: the slots have no position). The
-sequence itself is not shifted: its position ids are those of the z-free pass (``0 .. T-1``), so the
-decoder's token positions, and the alignment offsets of the token weights, are those of ``[x][y]``
-(offsets 0); the attention mask gains ``P`` leading ones. The causal mask follows from the cache: a query
-at sequence position ``t`` sits at cache index ``P + t`` and sees cache indices ``0 .. P + t``.
+own sequence. The sequence itself is not shifted: its position ids are those of the z-free pass
+(``0 .. T-1``), so the decoder's token positions, and the alignment offsets of the token weights, are
+those of ``[x][y]`` (offsets 0); the attention mask gains ``P`` leading ones. The causal mask follows from
+the cache: a query at sequence position ``t`` sits at cache index ``P + t`` and sees cache indices
+``0 .. P + t``.
 
-One linear layer from the per-slot embeddings (rather than one from the latent vector straight to every
-layer) keeps the latent families' code unchanged (they produce the vector; ``latent_projection`` makes
-the slots) and the parameter count at ``H x Ly x 2 x Hkv x Dh`` (SmolLM2-135M: 576 x 30 x 2 x 3 x 64,
-6.6 M). Keys and values start at unit scale per coordinate for latent embeddings on the scale of the
-token embeddings.
+Why the decoder's own keys and values: memory slots from a randomly initialised per-layer map (Optimus's
+design, for a decoder that is fine-tuned with it) are off the scale of the keys and values a frozen
+decoder's attention expects. Measured on the frozen SmolLM2-135M (``benchmarks/placement.py``): such slots
+made the posterior NLL worse than the z-free one (3.43 against 3.05 nats/token after 200 steps) and the
+latent reached NMI 0.56 on a set the prefix learns in 25 steps. Read off the decoder (the keys a prefix of
+the embeddings would give, their rotary positions ``0 .. P-1`` included), the slots start where the prefix
+does; the per-layer map, Optimus's, learns from zero what differs per layer. Its parameter count is
+``H x Ly x 2 x Hkv x Dh`` (SmolLM2-135M: 576 x 30 x 2 x 3 x 64, 6.6 M).
 """
 
 from __future__ import annotations
@@ -99,12 +103,13 @@ def memory_geometry(decoder: nn.Module) -> MemoryGeometry:
 class LatentMemory(nn.Module):
     """The learned map from the ``P`` per-slot latent embeddings to each layer's memory keys and values."""
 
-    def __init__(self, hidden_size: int, geometry: MemoryGeometry, embedding_std: float) -> None:
+    def __init__(self, hidden_size: int, geometry: MemoryGeometry) -> None:
         super().__init__()
         self.geometry = geometry
         self.projection = nn.Linear(hidden_size, geometry.width)
-        # Latent embeddings start with coordinates of std ~embedding_std: keys and values of std ~1.
-        nn.init.normal_(self.projection.weight, std=1.0 / (max(embedding_std, 1e-8) * hidden_size**0.5))
+        # Zero at the start: the memory is then the decoder's own keys and values of the latent embeddings
+        # (CVAEBase.memory_keys_values), on the scale its attention expects.
+        nn.init.zeros_(self.projection.weight)
         nn.init.zeros_(self.projection.bias)
 
     def forward(self, latent_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
