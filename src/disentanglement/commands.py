@@ -478,13 +478,8 @@ def run_eval(
 
     options = _with(EvalOptions, options, overrides)
     # options first, before the model loads
-    for flag, value in (
-        ("--iw-samples", options.iw_samples),
-        ("--prior-samples", options.prior_samples),
-        ("--batch-size", options.batch_size),
-    ):
-        _check_at_least(flag, value, 1)
-    _check_at_least("--exact-limit", options.exact_limit, 0)
+    scoring = options.scoring()
+    _check_at_least("--batch-size", options.batch_size, 1)
     _check_at_least("--max-examples", options.max_examples, 1, optional=True)
     if options.generation:
         _check_at_least("--generation-prompts", options.generation_prompts, 1)
@@ -516,7 +511,7 @@ def run_eval(
         examples,
         cache,
         tokenizer.pad_token_id,
-        scoring=options.scoring(),
+        scoring=scoring,
         batch_size=options.batch_size,
         seed=options.seed,
         progress=options.progress and main,
@@ -677,9 +672,8 @@ def run_inspect(
     options = _with(InspectOptions, options, overrides)
     # options first, before the model loads (the upper bound of --index needs the examples)
     _check_at_least("--index", options.index, 0)
-    _check_at_least("--prior-samples", options.prior_samples, 1)
+    scoring = options.scoring()
     _check_at_least("--batch-size", options.batch_size, 1)
-    _check_at_least("--exact-limit", options.exact_limit, 0)
     _check_at_least("--max-examples", options.max_examples, 1, optional=True)
     alpha = options.alpha
     if alpha is not None and not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha >= 0):
@@ -708,7 +702,7 @@ def run_inspect(
         examples[options.index],
         extra_meta=extra,
         alpha=alpha,
-        scoring=options.scoring(),
+        scoring=scoring,
         seed=options.seed,
     )
     written: list[Path] = []

@@ -33,6 +33,8 @@ def option(default: Any, help: str, flag: str | None = None, **argparse_kwargs: 
 
     ``argparse_kwargs`` (kept in ``metadata["argparse"]``) are what a subcommand's flag needs beyond
     the type, default and choices its hint gives: ``group`` (the argument group's title), ``metavar``.
+    Only the subcommands' options dataclasses use them (``commands.add_option_arguments``); the ``train``
+    flags of :class:`RunConfig` come from :func:`add_config_arguments`, which refuses them.
     ``default=dataclasses.MISSING`` makes the field, and its flag, required.
     """
     metadata: dict[str, Any] = {"help": help}
@@ -581,6 +583,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: list[str] | 
         group = parser.add_argument_group(f"{section} ({cls.__name__})")
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            assert "argparse" not in f.metadata, f"{cls.__name__}.{f.name}: a config field takes no argparse extras"
             hint = hints[f.name]
             base = base_type(hint)
             optional = type(None) in typing.get_args(hint)

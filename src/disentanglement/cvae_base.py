@@ -288,6 +288,15 @@ class CVAEBase(nn.Module):
             self.decoder.requires_grad_(False)
         if decoder_training != "frozen" and reference is None:
             raise ValueError(f"decoder_training={decoder_training!r} needs its z-free reference (models.build_cvae)")
+        if reference is not None and not (
+            reference.decoder is decoder
+            and reference.adapters_off == (decoder_training == "lora")
+            and (reference.copy is not None) == (decoder_training == "full")
+        ):
+            raise ValueError(
+                f"the z-free reference does not fit decoder_training={decoder_training!r}: frozen is the decoder, "
+                "lora the decoder with adapters off, full a frozen copy (build it with models.build_cvae)"
+            )
         # A plain attribute, not a submodule: its frozen copy (if any) stays outside the module tree.
         object.__setattr__(self, "reference", reference if reference is not None else ZFreeReference(decoder))
         embeddings = decoder.get_input_embeddings()
@@ -451,7 +460,7 @@ class CVAEBase(nn.Module):
     def _apply(self, fn, recurse=True):
         # Device and dtype moves reach the reference copy, which is kept outside the module tree.
         super()._apply(fn, recurse)
-        self.reference.apply(fn)
+        self.reference.move(fn)
         return self
 
     def train(self, mode: bool = True) -> CVAEBase:

@@ -1,4 +1,4 @@
-"""Prompt/response data: loading, synthetic hidden-factor data, tokenisation, split and batching.
+"""Prompt/response data: loading, tokenisation, split and batching (the built-in synthetic sets are in synthetic.py).
 
 The pipeline is ``load_pairs`` (JSONL file or the built-in chatterbot corpus) ->
 ``tokenize_pairs`` (chat template, truncation) -> ``split_train_validation`` -> ``collate``.

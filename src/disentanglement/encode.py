@@ -276,13 +276,8 @@ def _encode_to_file(
     checkpoint: str | Path, options: commands.EncodeOptions, model_and_tokenizer=None
 ) -> tuple[Path, int]:
     # options first, before the model loads
-    for flag, value in (
-        ("--iw-samples", options.iw_samples),
-        ("--prior-samples", options.prior_samples),
-        ("--batch-size", options.batch_size),
-    ):
-        commands._check_at_least(flag, value, 1)
-    commands._check_at_least("--exact-limit", options.exact_limit, 0)
+    scoring = options.scoring()
+    commands._check_at_least("--batch-size", options.batch_size, 1)
     commands._check_at_least("--max-examples", options.max_examples, 1, optional=True)
     _check_output(options.output)
     commands.check_data_option(checkpoint, options.data)
@@ -296,7 +291,7 @@ def _encode_to_file(
         None,
         tokenizer.pad_token_id,
         pairs=pairs,
-        scoring=options.scoring(),
+        scoring=scoring,
         batch_size=options.batch_size,
         seed=options.seed,
         progress=options.progress,

@@ -47,7 +47,18 @@ def reference_hidden_states(
     Returns ``hidden_states``: ``L + 1`` tensors ``[B, T, H]`` (the embeddings, then every layer; the
     last after the final norm). The model's own head does not run (callers apply it where they need
     it, chunked); its train/eval mode is restored.
+
+    Callers score with ``get_output_embeddings()`` on these states, so a model whose forward post-processes
+    its logits (Gemma-2's soft-capping, Granite's or Cohere's logit scale) is scored without that step.
     """
+    config = getattr(model, "config", None)
+    for name in ("final_logit_softcapping", "logits_scaling", "logit_scale"):
+        value = getattr(config, name, None)
+        if value not in (None, 1, 1.0):
+            raise ValueError(
+                f"{type(model).__name__} post-processes its logits ({name}={value}); the z-free reference's "
+                "chunked head does not, so its scores would not be the model's"
+            )
     with eval_mode(model):
         out = model(
             input_ids=input_ids,
@@ -83,7 +94,7 @@ class ZFreeReference:
         else:
             yield self.decoder
 
-    def apply(self, fn) -> None:
-        """A device or dtype move of the CVAE (``nn.Module._apply``), reaching the copy."""
+    def move(self, fn) -> None:
+        """A device or dtype move of the CVAE (its ``nn.Module._apply``), reaching the copy."""
         if self.copy is not None:
             self.copy._apply(fn)
