@@ -240,8 +240,9 @@ class LatentConfig:
         "prefix",
         "Where the latent embeddings go: 'prefix' = [z][x][y], 'between' = [x][z][y] (P soft input embeddings); "
         "'memory' = P key/value memory slots in every attention layer (Optimus-style), given to the decoder as a "
-        "past-key-value cache in front of [x][y]: the per-slot latent embeddings are mapped by one learned linear "
-        "layer (trained at latent_lr) to a key and a value per layer, the sequence's positions are not shifted "
+        "past-key-value cache in front of [x][y]: the decoder's own keys and values of the per-slot latent "
+        "embeddings plus one learned linear map per layer (zero at the start, trained at encoder_lr); the "
+        "sequence's positions are not shifted "
         "(alignment offsets 0) and the attention mask gains P leading ones. Needs a decoder whose layers all use "
         "full attention with a standard cache (Llama- or GPT-2-style; not sliding-window, linear-attention or "
         "encoder-decoder models).",

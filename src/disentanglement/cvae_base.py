@@ -442,7 +442,7 @@ class CVAEBase(nn.Module):
                 continue
             if name.startswith("decoder."):
                 groups["decoder"].append(param)
-            elif name.startswith(("latent_projection.", "latent_memory.", "codebook")):
+            elif name.startswith(("latent_projection.", "codebook")):
                 groups["latent"].append(param)
             else:
                 groups["encoder"].append(param)
