@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
 from .data import Batch
 from .losses import apply_head, default_chunk_size, masked_token_nll_per_position, reconstruction_loss_stack
-from .memory import LatentMemory, memory_attention_mask, memory_cache, memory_geometry
+from .memory import LatentMemory, memory_geometry
 from .reference import ZFreeReference, reference_hidden_states, unused_logits
 from .regularizers import beta_at, kl_objective, next_token_divergence
 from .token_weighting import (
@@ -620,47 +620,15 @@ class CVAEBase(nn.Module):
         return Decoded(hidden, self.decoder.get_output_embeddings(), start, ids, target, offsets)
 
     def memory_keys_values(self, latent_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, P, H]`` latent embeddings -> the memory's ``(keys, values)``, ``[Ly, B, Hkv, P, Dh]`` each.
-
-        The decoder's own keys and values of the ``P`` embeddings read as a sequence of their own (positions
-        ``0 .. P-1``: what every layer would attend to were they a prefix), plus the learned per-layer map of
-        :class:`memory.LatentMemory` (zero at the start, so that the memory starts where the prefix does).
-        """
-        assert self.latent_memory is not None
-        B, P, _ = latent_embeds.shape
-        dtype = self.decoder.get_input_embeddings().weight.dtype
-        out = self.decoder(
-            inputs_embeds=latent_embeds.to(dtype),
-            attention_mask=torch.ones(B, P, dtype=torch.long, device=latent_embeds.device),
-            use_cache=True,
-            logits_to_keep=unused_logits(latent_embeds),
-        )
-        cache = out["cache"] if "cache" in out else out["past_key_values"]
-        keys = torch.stack([layer.keys for layer in cache.layers])  # [Ly, B, Hkv, P, Dh]
-        values = torch.stack([layer.values for layer in cache.layers])
-        learned_keys, learned_values = self.latent_memory(latent_embeds)
-        return keys.float() + learned_keys, values.float() + learned_values
+        """The memory's ``(keys, values)`` ``[Ly, B, Hkv, P, Dh]`` of ``[B, P, H]`` latent embeddings
+        (:meth:`memory.LatentMemory.keys_values`)."""
+        return self.latent_memory.keys_values(self.decoder, latent_embeds)
 
     def memory_inputs(
         self, latent_embeds: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
     ) -> dict[str, object]:
-        """The decoder's extra arguments for the memory placement: ``cache`` (the ``P`` memory slots of every
-        layer, built fresh: the forward appends to it), ``attention_mask [B, P + T]`` (``P`` leading ones)
-        and the sequence's own ``position_ids [B, T]``, for ``[B, P, H]`` latent embeddings and ``[B, T]`` masks."""
-        assert self.latent_memory is not None
-        if torch.is_grad_enabled() and getattr(self.decoder, "is_activation_checkpointing", False):
-            # transformers' checkpointed layers drop the cache when they run with gradients
-            raise ConfigError(
-                "latent_placement 'memory' cannot run with activation (gradient) checkpointing on the decoder: "
-                "its layers drop the past-key-value cache that holds the memory",
-                field="latent_placement",
-            )
-        keys, values = self.memory_keys_values(latent_embeds)  # [Ly, B, Hkv, P, Dh] each
-        return {
-            "cache": memory_cache(keys.to(dtype), values.to(dtype), self.decoder),
-            "attention_mask": memory_attention_mask(attention_mask, self.num_latent_tokens),
-            "position_ids": position_ids,
-        }
+        """The decoder's extra arguments for the memory placement (:meth:`memory.LatentMemory.decoder_inputs`)."""
+        return self.latent_memory.decoder_inputs(self.decoder, latent_embeds, attention_mask, position_ids, dtype)
 
     def decode_logits(
         self, batch: Batch, vector: torch.Tensor

@@ -39,6 +39,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .config import ConfigError
+from .reference import unused_logits
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,52 @@ class LatentMemory(nn.Module):
         kv = self.projection(latent_embeds).view(B, P, g.layers, 2, g.kv_heads, g.head_dim)
         kv = kv.permute(2, 3, 0, 4, 1, 5)  # [Ly, 2, B, Hkv, P, Dh]
         return kv[:, 0], kv[:, 1]
+
+    def keys_values(self, decoder: nn.Module, latent_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, P, H]`` latent embeddings -> the memory's ``(keys, values)``, ``[Ly, B, Hkv, P, Dh]`` each.
+
+        ``decoder``'s own keys and values of the ``P`` embeddings read as a sequence of their own (positions
+        ``0 .. P-1``: what every layer would attend to were they a prefix), plus this learned per-layer map
+        (zero at the start, so that the memory starts where the prefix does).
+        """
+        B, P, _ = latent_embeds.shape
+        dtype = decoder.get_input_embeddings().weight.dtype
+        out = decoder(
+            inputs_embeds=latent_embeds.to(dtype),
+            attention_mask=torch.ones(B, P, dtype=torch.long, device=latent_embeds.device),
+            use_cache=True,
+            logits_to_keep=unused_logits(latent_embeds),
+        )
+        cache = out["cache"] if "cache" in out else out["past_key_values"]
+        keys = torch.stack([layer.keys for layer in cache.layers])  # [Ly, B, Hkv, P, Dh]
+        values = torch.stack([layer.values for layer in cache.layers])
+        learned_keys, learned_values = self(latent_embeds)
+        return keys.float() + learned_keys, values.float() + learned_values
+
+    def decoder_inputs(
+        self,
+        decoder: nn.Module,
+        latent_embeds: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> dict[str, object]:
+        """The decoder's extra arguments: ``cache`` (the ``P`` memory slots of every layer, built fresh: the
+        forward appends to it), ``attention_mask [B, P + T]`` (``P`` leading ones) and the sequence's own
+        ``position_ids [B, T]``, for ``[B, P, H]`` latent embeddings and ``[B, T]`` masks."""
+        if torch.is_grad_enabled() and getattr(decoder, "is_activation_checkpointing", False):
+            # transformers' checkpointed layers drop the cache when they run with gradients
+            raise ConfigError(
+                "latent_placement 'memory' cannot run with activation (gradient) checkpointing on the decoder: "
+                "its layers drop the past-key-value cache that holds the memory",
+                field="latent_placement",
+            )
+        keys, values = self.keys_values(decoder, latent_embeds)  # [Ly, B, Hkv, P, Dh] each
+        return {
+            "cache": memory_cache(keys.to(dtype), values.to(dtype), decoder),
+            "attention_mask": memory_attention_mask(attention_mask, latent_embeds.shape[1]),
+            "position_ids": position_ids,
+        }
 
 
 def memory_cache(keys: torch.Tensor, values: torch.Tensor, decoder: nn.Module) -> DynamicCache:
