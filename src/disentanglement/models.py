@@ -6,13 +6,32 @@ import copy
 
 import torch.nn as nn
 
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .continuous_cvae import ContinuousCVAE
 from .cvae_base import CVAEBase
 from .reference import ZFreeReference
 from .shared_discrete_cvae import SharedDiscreteCVAE
 
 LATENT_FAMILIES: dict[str, type[CVAEBase]] = {"discrete": SharedDiscreteCVAE, "continuous": ContinuousCVAE}
+
+
+def enable_activation_checkpointing(decoder: nn.Module) -> None:
+    """Checkpoint every layer of a transformers ``decoder`` (non-reentrant ``torch.utils.checkpoint``).
+
+    Non-reentrant checkpointing needs no input that requires grad (the reentrant kind does, hence
+    transformers' ``enable_input_require_grads`` for peft), so frozen weights, LoRA adapters and
+    ``inputs_embeds`` carrying the latent all work as they are. transformers checkpoints a layer only
+    when it runs with gradients in training mode: the no-grad z-free pass is never checkpointed, and a
+    frozen decoder (kept in eval mode) is checkpointed by :meth:`CVAEBase.decode`, which puts its
+    layers, and only them, in training mode for the forward.
+    """
+    if not getattr(decoder, "supports_gradient_checkpointing", False):
+        raise ConfigError(
+            f"ModelConfig.gradient_checkpointing: the decoder {type(decoder).__name__} does not support "
+            "activation checkpointing",
+            field="gradient_checkpointing",
+        )
+    decoder.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def build_cvae(config: RunConfig, decoder: nn.Module) -> CVAEBase:
@@ -23,6 +42,10 @@ def build_cvae(config: RunConfig, decoder: nn.Module) -> CVAEBase:
     ``full``: every decoder weight trains; the reference is a frozen copy made here.
     """
     training = config.model.decoder_training
+    if training == "full":  # the frozen copy is made first, so that it is not checkpointed (it never needs it)
+        reference_copy = copy.deepcopy(decoder)
+    if config.model.gradient_checkpointing:
+        enable_activation_checkpointing(decoder)
     if training == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -37,7 +60,7 @@ def build_cvae(config: RunConfig, decoder: nn.Module) -> CVAEBase:
         decoder = get_peft_model(decoder, lora)
         reference = ZFreeReference(decoder, adapters_off=True)
     elif training == "full":
-        reference = ZFreeReference(decoder, copy=copy.deepcopy(decoder))
+        reference = ZFreeReference(decoder, copy=reference_copy)
         decoder.requires_grad_(True)
     else:
         reference = ZFreeReference(decoder)
