@@ -2,9 +2,15 @@
 
 Usage::
 
-    python benchmarks/step_cost.py --model tiny|embedded [--batch-size 8] [--repeats R] [--warmup W]
+    python benchmarks/step_cost.py --model tiny|embedded|config:NAME [--batch-size 8] [--repeats R] [--warmup W]
         [--threads N] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|both] [--skip-memory]
-        [--skip-scaling] [--breakdown]
+        [--skip-scaling] [--breakdown] [--gradient-checkpointing]
+    python benchmarks/step_cost.py --models config:NAME,config:NAME,... [options]
+
+``config:NAME`` is a decoder of ``disentanglement.testing.MODEL_SHAPES[NAME]``'s shape (SmolLM2-135M, -360M,
+-1.7B, the Llama-3.2-1B shape) with random weights, built in the benchmark's dtype on its device, timed on
+synthetic token ids of the tiny model's lengths. ``--models`` runs cases (f), (a), (c), (e) (and (g)) for
+each listed model and prints one table against the decoder's size (its last line: a JSON list of records).
 
 ``--repeats``/``--warmup`` default to 20/3 for ``tiny`` and 10/2 for ``embedded`` (whose step takes
 seconds on 2 CPU cores; a full embedded run then stays near 5 minutes). On a machine shared with other
@@ -29,6 +35,12 @@ same decoder object and the same list of batches:
 (m) as (a) with ``latent_placement: memory``: the vector's ``P`` slot embeddings mapped to a key and a
     value per attention layer (``latent_memory``, trained too) and given to the decoder as its cache.
 (n) as (c) with ``latent_placement: memory`` (same terms, KL, cached features).
+
+(f) the decoder's own forward and backward: its token embeddings of ``[x][y]`` as a leaf that requires grad,
+    full logits, float32 cross-entropy over the response tokens, backward to the inputs; no optimizer.
+    The yardstick of "the CVAE's cost grows no faster than the decoder's own forward + backward": (c)/(f).
+(g) with ``--gradient-checkpointing``: as (c), the decoder's layers checkpointed
+    (``models.enable_activation_checkpointing``, on for (g)'s steps only; the decoder is shared).
 
 (m)/(a) and (n)/(c) are the memory placement's cost beside the prefix's: the decoder runs over ``T``
 positions instead of ``T + P`` and every layer attends to ``P`` more keys.
@@ -86,10 +98,10 @@ The frozen pass's throughput is (e)'s: the batch's real (unpadded) tokens per se
 repetitions.
 
 The last line printed is one JSON object: ``model``, ``dtype``, ``c_over_a``, ``c_over_b``, ``d_over_a``,
-``e_over_a``, ``m_over_a``, ``n_over_c`` (ratios of medians), ``peak_mib`` (``a``-``d``, ``m``, ``n``, MiB;
-null with ``--skip-memory``), ``ms`` (median ms per step of every case) and ``frozen_pass_tokens_per_s``; with ``--dtype both``,
+``e_over_a``, ``m_over_a``, ``n_over_c``, ``c_over_f``, ``a_over_f`` (and ``g_over_c``) (ratios of medians),
+``peak_mib`` (``a``-``d``, ``f``, ``m``, ``n`` (and ``g``), MiB; null with ``--skip-memory``), ``ms`` (median ms per step of every case) and ``frozen_pass_tokens_per_s``; with ``--dtype both``,
 ``{"model", "dtypes": {"float32": {...}, "bfloat16": {...}}, "float32_over_bfloat16": {"a".."e"}}``
-(paired ratios; ``a``-``e``, ``m``, ``n``).
+(paired ratios; ``a``-``f``, ``m``, ``n``). With ``--models``: a JSON list, one record per model.
 """
 
 from __future__ import annotations
