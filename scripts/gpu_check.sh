@@ -125,8 +125,15 @@ log_dir = Path(sys.argv[1])
 
 
 def last_json(log: str):
-    lines = [line for line in (log_dir / log).read_text().splitlines() if line.startswith(("{", "["))]
-    return json.loads(lines[-1]) if lines else None
+    """The last line of ``log`` that is a JSON object or list (step_cost.py's summary), else None."""
+    path = log_dir / log
+    for line in reversed(path.read_text().splitlines() if path.exists() else []):
+        if line.startswith(("{", "[")):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
 
 
 for run in ("smoke_frozen", "smoke_lora", "main_job"):

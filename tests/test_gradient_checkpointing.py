@@ -107,6 +107,8 @@ def test_build_cvae_turns_it_on_for_the_decoder_only(tokenizer):
     assert not model.reference.copy.is_activation_checkpointing  # the frozen reference copy never needs it
     lora = build_cvae(build_config({"decoder_training": "lora", "gradient_checkpointing": True}), tiny_llama(103))
     assert lora.decoder.base_model.model.is_activation_checkpointing
+    for cvae in (model, lora):  # non-reentrant checkpointing needs no enable_input_require_grads hook
+        assert not cvae.decoder.get_input_embeddings()._forward_hooks
     plain = build_cvae(build_config({}), tiny_llama(103))
     assert not plain.decoder.is_activation_checkpointing
 

@@ -19,8 +19,11 @@ def enable_activation_checkpointing(decoder: nn.Module) -> None:
     """Checkpoint every layer of a transformers ``decoder`` (non-reentrant ``torch.utils.checkpoint``).
 
     Non-reentrant checkpointing needs no input that requires grad (the reentrant kind does, hence
-    transformers' ``enable_input_require_grads`` for peft), so frozen weights, LoRA adapters and
-    ``inputs_embeds`` carrying the latent all work as they are. transformers checkpoints a layer only
+    ``enable_input_require_grads``, a hook making the token embeddings require grad, which transformers
+    adds when it turns checkpointing on and peft when it wraps a checkpointed model), so frozen weights,
+    LoRA adapters and ``inputs_embeds`` carrying the latent all work as they are: the hook is removed
+    again (it would only add backward work on the token positions). A peft model is checkpointed through
+    its base model (attribute access reaches it). transformers checkpoints a layer only
     when it runs with gradients in training mode: the no-grad z-free pass is never checkpointed, and a
     frozen decoder (kept in eval mode) is checkpointed by :meth:`CVAEBase.decode`, which puts its
     layers, and only them, in training mode for the forward.
@@ -32,6 +35,7 @@ def enable_activation_checkpointing(decoder: nn.Module) -> None:
             field="gradient_checkpointing",
         )
     decoder.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    decoder.disable_input_require_grads()
 
 
 def build_cvae(config: RunConfig, decoder: nn.Module) -> CVAEBase:
@@ -42,10 +46,6 @@ def build_cvae(config: RunConfig, decoder: nn.Module) -> CVAEBase:
     ``full``: every decoder weight trains; the reference is a frozen copy made here.
     """
     training = config.model.decoder_training
-    if training == "full":  # the frozen copy is made first, so that it is not checkpointed (it never needs it)
-        reference_copy = copy.deepcopy(decoder)
-    if config.model.gradient_checkpointing:
-        enable_activation_checkpointing(decoder)
     if training == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -60,10 +60,14 @@ def build_cvae(config: RunConfig, decoder: nn.Module) -> CVAEBase:
         decoder = get_peft_model(decoder, lora)
         reference = ZFreeReference(decoder, adapters_off=True)
     elif training == "full":
-        reference = ZFreeReference(decoder, copy=reference_copy)
+        reference = ZFreeReference(decoder, copy=copy.deepcopy(decoder))
         decoder.requires_grad_(True)
     else:
         reference = ZFreeReference(decoder)
+    if config.model.gradient_checkpointing:
+        # After peft's wrapping (which would add enable_input_require_grads' hook again) and after the full
+        # decoder's frozen copy (which never needs checkpointing).
+        enable_activation_checkpointing(decoder)
     family = LATENT_FAMILIES[config.latent.latent]
     return family(
         decoder,
