@@ -21,7 +21,7 @@
 #   SKIP_SETUP=1      use the existing .venv (e.g. on a machine without network access)
 #   LOG_DIR=DIR       where logs and runs go (default runs/gpu_check/<UTC time>)
 #   MODELS=LIST       the step_cost size table's models (default: all four config:NAME shapes)
-#   PYTEST_ARGS=...   instead of "-q"
+#   PYTEST_ARGS=...   instead of "-q" (split on spaces, no quoting: e.g. "-q -x tests/test_models.py")
 set -Eeuo pipefail
 cd "$(dirname "$0")/.."
 
