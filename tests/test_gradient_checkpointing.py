@@ -151,11 +151,22 @@ def test_checkpointing_may_change_on_resume(tmp_path):
     assert check_resume_config(stored, build_config({"gradient_checkpointing": True}), tmp_path) == {}
 
 
-def test_a_run_resumed_with_checkpointing_continues_the_same(tmp_path, tokenizer):
+@pytest.mark.parametrize("decoder_training", ["frozen", "lora"])
+def test_a_run_resumed_with_checkpointing_continues_the_same(tmp_path, tokenizer, decoder_training, monkeypatch):
+    import transformers.modeling_utils
+
+    calls = [0]
+    real_checkpoint = transformers.modeling_utils.checkpoint
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real_checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "checkpoint", counted)  # what enabling binds
     pairs = make_hidden_factor_pairs([f"tell me about topic {i}" for i in range(40)], kind="clean", seed=0)
 
     def run(output_dir, callbacks=(), **overrides):
-        config = trainer_config(output_dir, decoder_training="lora", **overrides)
+        config = trainer_config(output_dir, decoder_training=decoder_training, **overrides)
         return train(config, (tiny_llama(len(tokenizer)), tokenizer), pairs, callbacks)
 
     class Stop(Exception):
@@ -168,8 +179,10 @@ def test_a_run_resumed_with_checkpointing_continues_the_same(tmp_path, tokenizer
     straight = run(tmp_path / "straight")
     with pytest.raises(Stop):
         run(tmp_path / "resumed", callbacks=[stop_at_3])
+    assert calls[0] == 0
     resumed = run(tmp_path / "resumed", resume="auto", gradient_checkpointing=True)
-    assert resumed.model.decoder.base_model.model.is_activation_checkpointing
+    assert calls[0] == 3 * 2, "steps 4-6 through the trainer ran both layers checkpointed"
+    assert resumed.model.decoder.is_activation_checkpointing
     read = [
         [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         for name in ("straight", "resumed")
