@@ -113,7 +113,7 @@ run_step main_job "$PY" -m disentanglement.cli train --config configs/default.ya
 STEP=summary
 {
     echo "================ gpu_check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), DEVICE=$DEVICE QUICK=$QUICK) ================"
-    grep -E "^(torch|device):" "$LOG_DIR/device.log" || true
+    grep -E "^(torch |device: )" "$LOG_DIR/device.log" || true
     echo "tests: $(grep -E "(passed|failed|error)" "$LOG_DIR/tests.log" | tail -n 1)"
     for step in "${!SECONDS_OF[@]}"; do echo "time $step: ${SECONDS_OF[$step]} s"; done | sort
     "$PY" - "$LOG_DIR" <<'EOF'
