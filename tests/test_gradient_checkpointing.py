@@ -16,7 +16,7 @@ from disentanglement.losses import TERM_WEIGHT_FIELDS
 from disentanglement.models import build_cvae, enable_activation_checkpointing
 from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import check_resume_config, train
-from helpers import tiny_llama, tiny_tokenizer, trainer_config
+from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer, trainer_config
 
 ALL_TERMS = dict.fromkeys(TERM_WEIGHT_FIELDS.values(), 0.5)
 #: Checkpointing recomputes the same operations on the same inputs (float32): equal to float rounding.
@@ -98,6 +98,24 @@ def test_checkpointing_gives_the_same_loss_and_gradients(tokenizer, decoder_trai
         assert trained and all("lora_" in n for n in trained)
     for name, grad in grads.items():
         assert grad.abs().sum() > 0 or not name.startswith("decoder."), name
+        torch.testing.assert_close(checkpointed_grads[name], grad, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_a_frozen_gpt2_keeps_its_dropout_off_when_checkpointed(tokenizer):
+    """GPT-2's blocks hold dropout modules (p = 0.1): only the blocks' own flags are set for the forward,
+    so the checkpointed frozen decoder computes in eval mode, as without checkpointing."""
+    config = build_config(dict(ALL_TERMS, zfree_reference_scale=2.0))
+    torch.manual_seed(0)
+    model = build_cvae(config, tiny_gpt2(len(tokenizer))).train()
+    assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.decoder.modules())
+    batch = make_batch(tokenizer)
+    loss, grads = loss_and_gradients(model, batch)
+    enable_activation_checkpointing(model.decoder)
+    calls = checkpoint_calls(model.decoder)
+    checkpointed_loss, checkpointed_grads = loss_and_gradients(model, batch)
+    assert calls[0] == 2
+    torch.testing.assert_close(checkpointed_loss, loss, rtol=RTOL, atol=ATOL)
+    for name, grad in grads.items():
         torch.testing.assert_close(checkpointed_grads[name], grad, rtol=RTOL, atol=ATOL, msg=name)
 
 

@@ -609,8 +609,10 @@ class CVAEBase(nn.Module):
 
         transformers checkpoints a layer only in training mode, and a frozen decoder stays in eval mode
         (:meth:`train`). Inside the block each checkpointed layer's own ``training`` flag is set, not its
-        submodules' (dropout, attention dropout): the layer checkpoints and computes as in eval mode. The
-        recompute in the backward runs the layer's plain forward, so it needs no flag.
+        submodules' (dropout, attention dropout): the layer checkpoints and computes as in eval mode (for
+        Llama- and GPT-2-style layers, whose dropout lives in submodules; a layer whose own forward applied
+        dropout by its flag would drop out here). The recompute in the backward runs the layer's plain
+        forward, so it needs no flag.
         """
         layers = []
         if self.training and self.decoder_training == "frozen" and torch.is_grad_enabled():
