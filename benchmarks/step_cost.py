@@ -2,9 +2,15 @@
 
 Usage::
 
-    python benchmarks/step_cost.py --model tiny|embedded [--batch-size 8] [--repeats R] [--warmup W]
+    python benchmarks/step_cost.py --model tiny|embedded|config:NAME [--batch-size 8] [--repeats R] [--warmup W]
         [--threads N] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|both] [--skip-memory]
-        [--skip-scaling] [--breakdown]
+        [--skip-scaling] [--breakdown] [--gradient-checkpointing]
+    python benchmarks/step_cost.py --models config:NAME,config:NAME,... [options]
+
+``config:NAME`` is a decoder of ``disentanglement.testing.MODEL_SHAPES[NAME]``'s shape (SmolLM2-135M, -360M,
+-1.7B, the Llama-3.2-1B shape) with random weights, built in the benchmark's dtype on its device, timed on
+synthetic token ids of the tiny model's lengths. ``--models`` runs cases (f), (a), (c), (e) (and (g)) for
+each listed model and prints one table against the decoder's size (its last line: a JSON list of records).
 
 ``--repeats``/``--warmup`` default to 20/3 for ``tiny`` and 10/2 for ``embedded`` (whose step takes
 seconds on 2 CPU cores; a full embedded run then stays near 5 minutes). On a machine shared with other
@@ -29,6 +35,12 @@ same decoder object and the same list of batches:
 (m) as (a) with ``latent_placement: memory``: the vector's ``P`` slot embeddings mapped to a key and a
     value per attention layer (``latent_memory``, trained too) and given to the decoder as its cache.
 (n) as (c) with ``latent_placement: memory`` (same terms, KL, cached features).
+
+(f) the decoder's own forward and backward: its token embeddings of ``[x][y]`` as a leaf that requires grad,
+    full logits, float32 cross-entropy over the response tokens, backward to the inputs; no optimizer.
+    The yardstick of "the CVAE's cost grows no faster than the decoder's own forward + backward": (c)/(f).
+(g) with ``--gradient-checkpointing``: as (c), the decoder's layers checkpointed
+    (``models.enable_activation_checkpointing``, on for (g)'s steps only; the decoder is shared).
 
 (m)/(a) and (n)/(c) are the memory placement's cost beside the prefix's: the decoder runs over ``T``
 positions instead of ``T + P`` and every layer attends to ``P`` more keys.
@@ -86,10 +98,10 @@ The frozen pass's throughput is (e)'s: the batch's real (unpadded) tokens per se
 repetitions.
 
 The last line printed is one JSON object: ``model``, ``dtype``, ``c_over_a``, ``c_over_b``, ``d_over_a``,
-``e_over_a``, ``m_over_a``, ``n_over_c`` (ratios of medians), ``peak_mib`` (``a``-``d``, ``m``, ``n``, MiB;
-null with ``--skip-memory``), ``ms`` (median ms per step of every case) and ``frozen_pass_tokens_per_s``; with ``--dtype both``,
+``e_over_a``, ``m_over_a``, ``n_over_c``, ``c_over_f``, ``a_over_f`` (and ``g_over_c``) (ratios of medians),
+``peak_mib`` (``a``-``d``, ``f``, ``m``, ``n`` (and ``g``), MiB; null with ``--skip-memory``), ``ms`` (median ms per step of every case) and ``frozen_pass_tokens_per_s``; with ``--dtype both``,
 ``{"model", "dtypes": {"float32": {...}, "bfloat16": {...}}, "float32_over_bfloat16": {"a".."e"}}``
-(paired ratios; ``a``-``e``, ``m``, ``n``).
+(paired ratios; ``a``-``f``, ``m``, ``n``). With ``--models``: a JSON list, one record per model.
 """
 
 from __future__ import annotations
@@ -112,6 +124,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from disentanglement import testing
@@ -121,18 +134,23 @@ from disentanglement.data import Batch, Example, collate
 from disentanglement.features import FeatureCache, build_feature_cache
 from disentanglement.lm import resolve_dtype
 from disentanglement.losses import estimate_zfree_reference_scale, reconstruction_loss
-from disentanglement.models import build_cvae
+from disentanglement.models import build_cvae, enable_activation_checkpointing
 from disentanglement.regularizers import beta_at, kl_objective
 from disentanglement.trainer import make_optimizer
 
-CASES = ("a", "b", "c", "d", "e", "m", "n")
-STEP_CASES = ("a", "b", "c", "d", "m", "n")
+CASES = ("a", "b", "c", "d", "e", "f", "m", "n")
+STEP_CASES = ("a", "b", "c", "d", "f", "m", "n")
+CHECKPOINTED = "g"  # as (c) with the decoder's layers checkpointed (--gradient-checkpointing)
+MEMORY_CASES = (*CASES, CHECKPOINTED)  # what a --measure-memory subprocess can measure
+SIZE_CASES = ("f", "a", "c", "e")  # the --models table's cases (plus (g) with --gradient-checkpointing)
 DESCRIPTIONS = {
     "a": "prefix tuning: latent vector, uniform CE",
     "b": "CVAE, raw reconstruction only, cached",
     "c": "CVAE, 6 terms + weighting + KL, cached",
     "d": "as (c), frozen pass every step",
     "e": "one no-grad frozen pass alone",
+    "f": "decoder alone: fwd + bwd to its inputs",
+    "g": "as (c), decoder layers checkpointed",
     "m": "as (a), latent as per-layer K/V memory",
     "n": "as (c), latent as per-layer K/V memory",
 }
@@ -140,8 +158,9 @@ TARGET_C_OVER_A = 1.10
 TARGET_C_OVER_B = 1.03
 MEMORY_STEPS = 2  # steps per memory measurement (the first step's allocations count: optimizer state too)
 # Defaults of --repeats / --warmup per model: the embedded model's step takes seconds on 2 cores.
-DEFAULT_REPEATS = {"tiny": 20, "embedded": 10}
-DEFAULT_WARMUP = {"tiny": 3, "embedded": 2}
+DEFAULT_REPEATS = {"tiny": 20, "embedded": 10, "config": 3}
+DEFAULT_WARMUP = {"tiny": 3, "embedded": 2, "config": 1}
+CONFIG_PREFIX = "config:"  # --model config:NAME: a decoder of testing.MODEL_SHAPES[NAME], random weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TINY_VOCAB = 1024
@@ -155,6 +174,21 @@ SCALING_VOCAB_LENGTH = 32
 
 
 # -- models and data ---------------------------------------------------------------------------------------
+def model_kind(model: str) -> str:
+    """``tiny``, ``embedded`` or ``config`` (``config:NAME``)."""
+    return "config" if model.startswith(CONFIG_PREFIX) else model
+
+
+def model_argument(text: str) -> str:
+    """``--model``'s value: ``tiny``, ``embedded`` or ``config:NAME`` with ``NAME`` in ``testing.MODEL_SHAPES``."""
+    if text in ("tiny", "embedded"):
+        return text
+    if text.startswith(CONFIG_PREFIX) and text.removeprefix(CONFIG_PREFIX) in testing.MODEL_SHAPES:
+        return text
+    known = ", ".join(CONFIG_PREFIX + name for name in testing.MODEL_SHAPES)
+    raise argparse.ArgumentTypeError(f"unknown model {text!r}: expected tiny, embedded or one of {known}")
+
+
 def tiny_llama(vocab_size: int, seed: int = 0) -> nn.Module:
     """The tests' tiny Llama (:func:`disentanglement.testing.tiny_llama`), with room for the scaling lengths."""
     return testing.tiny_llama(vocab_size, seed, max_position_embeddings=512)
@@ -281,6 +315,40 @@ def cvae_step(
     return step
 
 
+def decoder_step(decoder: nn.Module) -> Step:
+    """(f): the decoder's own forward and backward, the yardstick of "grows no faster than the decoder".
+
+    Its token embeddings of ``[x][y]`` as a leaf that requires grad (so that the backward runs through
+    every layer to the input, as the frozen decoder's backward runs to the latent), the full ``[B, T, V]``
+    logits, float32 cross-entropy over the response tokens; no latent, no optimizer (nothing of the
+    decoder's trains: it is the frozen decoder of every case).
+    """
+    embeddings = decoder.get_input_embeddings()
+
+    def step(batch: Batch) -> None:
+        embeds = embeddings(batch.input_ids).detach().requires_grad_(True)  # [B, T, H]
+        logits = decoder(inputs_embeds=embeds, attention_mask=batch.attention_mask, use_cache=False).logits
+        targets = batch.input_ids[:, 1:].masked_fill(batch.target_mask[:, 1:] == 0, -100)  # [B, T-1]
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        loss.backward()
+
+    return step
+
+
+def checkpointed_step(step: Step, decoder: nn.Module) -> Step:
+    """(g): ``step`` with the shared decoder's layers checkpointed (``models.enable_activation_checkpointing``)
+    for its duration; the other cases run on the same decoder without."""
+
+    def run(batch: Batch) -> None:
+        enable_activation_checkpointing(decoder)
+        try:
+            step(batch)
+        finally:
+            decoder.activation_checkpointing_disable()
+
+    return run
+
+
 def latent_heads_step(model: CVAEBase, config: RunConfig, features: dict[int, FrozenFeatures]) -> Step:
     """Breakdown (h): the latent heads, KL and auxiliary losses with the uniform cross-entropy; no token
     weighting, no stack; the batch's features come ready (``features[id(batch)]``)."""
@@ -400,9 +468,16 @@ class Setup:
 Loaded = tuple[nn.Module, list[Example], int]  # float32 decoder, examples, pad id
 
 
-def load_decoder(args: argparse.Namespace, n_batches: int) -> Loaded:
-    """The float32 decoder of ``args.model`` and ``batch_size * n_batches`` examples."""
+def load_decoder(args: argparse.Namespace, n_batches: int, dtype: torch.dtype = torch.float32) -> Loaded:
+    """The decoder of ``args.model`` and ``batch_size * n_batches`` examples: float32 weights, except for
+    ``config:NAME``, built in ``dtype`` directly on the benchmark's device (random weights, synthetic
+    token ids of the tiny model's prompt and response lengths)."""
     count = args.batch_size * n_batches
+    if model_kind(args.model) == "config":
+        name = args.model.removeprefix(CONFIG_PREFIX)
+        decoder = testing.random_llama(name, dtype=dtype, device=choose_device(args.device))
+        vocab = testing.MODEL_SHAPES[name]["vocab_size"]
+        return decoder, synthetic_examples(count, vocab, TINY_PROMPT_RANGE, TINY_RESPONSE_RANGE), 2
     if args.model == "tiny":
         examples = synthetic_examples(count, TINY_VOCAB, TINY_PROMPT_RANGE, TINY_RESPONSE_RANGE)
         return tiny_llama(TINY_VOCAB), examples, 2
@@ -419,9 +494,9 @@ def build_setup(
     """The decoder in ``dtype`` (from float32 weights, ``loaded`` or loaded here), ``n_batches`` batches,
     the feature cache over them, and one step function per case."""
     device = choose_device(args.device)
-    decoder, examples, pad_id = loaded if loaded is not None else load_decoder(args, n_batches)
-    if loaded is not None and dtype != torch.float32:
-        decoder = copy.deepcopy(decoder)  # the caller's float32 decoder stays as it is
+    decoder, examples, pad_id = loaded if loaded is not None else load_decoder(args, n_batches, dtype)
+    if loaded is not None and dtype != decoder.get_input_embeddings().weight.dtype:
+        decoder = copy.deepcopy(decoder)  # the caller's decoder stays as it is
     # As the trainer: decoder weights in the configured dtype (plus bf16 autocast on CUDA); heads float32.
     decoder = decoder.to(device=device, dtype=dtype)
     batches = batches_of(examples, args.batch_size, pad_id, device)
@@ -441,6 +516,11 @@ def build_setup(
         steps["e"] = frozen_pass_step(model_c)
     if "d" in cases:
         steps["d"] = cvae_step(seeded_cvae(config_c, decoder, device), config_c, None)
+    if "f" in cases:
+        steps["f"] = decoder_step(decoder)
+    if CHECKPOINTED in cases:
+        model_g = seeded_cvae(config_c, decoder, device)
+        steps[CHECKPOINTED] = checkpointed_step(cvae_step(model_g, config_c, cache), decoder)
     if "m" in cases:
         config_m = cvae_config("b", placement="memory")
         steps["m"] = prefix_tuning_step(seeded_cvae(config_m, decoder, device), config_m)
@@ -451,7 +531,7 @@ def build_setup(
         model_name=args.model,
         device=device,
         batches=batches,
-        steps={k: with_autocast(v, device) for k, v in steps.items() if k in cases},
+        steps={case: with_autocast(steps[case], device) for case in cases},
         c_base=c_base,
         mean_prompt=statistics.fmean(len(e.prompt_ids) for e in examples),
         mean_response=statistics.fmean(len(e.response_ids) for e in examples),
@@ -604,12 +684,14 @@ def measure_memory_here(args: argparse.Namespace, case: str) -> dict:
     return {"case": case, "peak_mib": (peak - baseline) / 1024, "baseline_mib": baseline / 1024, "method": method}
 
 
-def measure_memory_subprocesses(args: argparse.Namespace, dtype: torch.dtype) -> tuple[dict[str, float | None], str]:
-    """Peak MiB of each case, each in a fresh subprocess of this script."""
+def measure_memory_subprocesses(
+    args: argparse.Namespace, dtype: torch.dtype, cases: Sequence[str] = CASES
+) -> tuple[dict[str, float | None], str]:
+    """Peak MiB of each of ``cases``, each in a fresh subprocess of this script."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
     peaks: dict[str, float | None] = {}
     method = ""
-    for case in CASES:
+    for case in cases:
         command = [
             sys.executable,
             os.path.abspath(__file__),
@@ -736,26 +818,34 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
 
 
+def frozen_pass_throughput(setup: Setup, seconds: Sequence[float], warmup: int) -> float:
+    """(e)'s real (unpadded) tokens per second, median over repetitions (repetition i ran on batch
+    ``(warmup + i) mod len(batches)``)."""
+    tokens = [int(b.attention_mask.sum()) for b in setup.batches]
+    return median([tokens[(warmup + i) % len(tokens)] / value for i, value in enumerate(seconds)])
+
+
+def peak_memory(args: argparse.Namespace, setup: Setup, cases: Sequence[str]) -> tuple[dict[str, float | None], str]:
+    """Peak MiB of ``cases`` (CPU: a subprocess each; CUDA: here), or ``None``s with ``--skip-memory``."""
+    if args.skip_memory:
+        return dict.fromkeys(cases), "skipped"
+    if setup.device.type == "cuda":
+        return measure_memory_cuda(setup)
+    return measure_memory_subprocesses(args, setup.dtype, cases)
+
+
 def report(args: argparse.Namespace, setup: Setup, times: dict[str, list[float]]) -> dict:
     """One dtype's table (times per case from the shared round-robin), its targets and peak memory; its summary."""
+    cases = list(times)  # CASES, and (g) with --gradient-checkpointing
     ms = {case: 1000 * median(values) for case, values in times.items()}
-    ratio = {case: ms[case] / ms["a"] for case in CASES}
-    paired = {case: paired_ratio(times[case], times["a"]) for case in CASES}
-    # (e)'s throughput: repetition i ran on batch (warmup + i) mod len(batches); real (unpadded) tokens.
-    tokens = [int(b.attention_mask.sum()) for b in setup.batches]
-    throughput = median([tokens[(args.warmup + i) % len(tokens)] / seconds for i, seconds in enumerate(times["e"])])
-
-    peaks: dict[str, float | None] = dict.fromkeys(CASES)
-    memory_method = "skipped"
-    if not args.skip_memory:
-        if setup.device.type == "cuda":
-            peaks, memory_method = measure_memory_cuda(setup)
-        else:
-            peaks, memory_method = measure_memory_subprocesses(args, setup.dtype)
+    ratio = {case: ms[case] / ms["a"] for case in cases}
+    paired = {case: paired_ratio(times[case], times["a"]) for case in cases}
+    throughput = frozen_pass_throughput(setup, times["e"], args.warmup)
+    peaks, memory_method = peak_memory(args, setup, cases)
 
     print(f"\ndecoder {dtype_name(setup.dtype)}:")
     print(f"{'case':<5}{'':<42}{'median ms':>10}{'q1-q3 ms':>18}{'/ (a)':>8}{'paired':>8}{'peak MiB':>10}")
-    for case in CASES:
+    for case in cases:
         q1, q3 = quartiles(times[case])
         peak = peaks.get(case)
         peak_text = "-" if peak is None else f"{peak:.1f}"
@@ -777,6 +867,24 @@ def report(args: argparse.Namespace, setup: Setup, times: dict[str, list[float]]
     print(
         f"  (m)/(a) = {ratio['m']:.3f}  [{paired['m']:.3f}]   (n)/(c) = {ms['n'] / ms['c']:.3f}  [{paired_ratio(times['n'], times['c']):.3f}]"
     )
+    c_over_f = ms["c"] / ms["f"]
+    print(
+        f"beside the decoder's own forward + backward (f): (c)/(f) = {c_over_f:.3f}  "
+        f"[{paired_ratio(times['c'], times['f']):.3f}]   (a)/(f) = {ms['a'] / ms['f']:.3f}  "
+        f"[{paired_ratio(times['a'], times['f']):.3f}]"
+    )
+    extra = {}
+    if CHECKPOINTED in times:
+        g_over_c = ms[CHECKPOINTED] / ms["c"]
+        print(
+            f"activation checkpointing: (g)/(c) = {g_over_c:.3f}  [{paired_ratio(times['g'], times['c']):.3f}]"
+            + (
+                ""
+                if peaks.get("g") is None or peaks.get("c") is None
+                else f", peak {peaks['c']:.1f} -> {peaks['g']:.1f} MiB"
+            )
+        )
+        extra = {"g_over_c": round(g_over_c, 4)}
     return {
         "model": args.model,
         "dtype": dtype_name(setup.dtype),
@@ -786,23 +894,128 @@ def report(args: argparse.Namespace, setup: Setup, times: dict[str, list[float]]
         "e_over_a": round(ratio["e"], 4),
         "m_over_a": round(ratio["m"], 4),
         "n_over_c": round(ms["n"] / ms["c"], 4),
-        "peak_mib": {case: None if peaks.get(case) is None else round(peaks[case], 1) for case in STEP_CASES},
-        "ms": {case: round(ms[case], 3) for case in CASES},
+        "c_over_f": round(c_over_f, 4),
+        "a_over_f": round(ms["a"] / ms["f"], 4),
+        **extra,
+        "peak_mib": {case: None if peaks.get(case) is None else round(peaks[case], 1) for case in cases if case != "e"},
+        "ms": {case: round(ms[case], 3) for case in cases},
         "frozen_pass_tokens_per_s": round(throughput, 1),
     }
 
 
+def model_sizes(args: argparse.Namespace, dtype: torch.dtype, repeats: int | None, warmup: int | None) -> list[dict]:
+    """``--models``: per model, cases (f), (a), (c), (e) (and (g)) in one round-robin on its own decoder and
+    batches, then one table against the decoder's size. Returns one record per model."""
+    cases = (*SIZE_CASES, CHECKPOINTED) if args.gradient_checkpointing else SIZE_CASES
+    rows = []
+    started = time.perf_counter()
+    for model in args.models:
+        margs = copy.copy(args)
+        margs.model = model
+        margs.repeats = DEFAULT_REPEATS[model_kind(model)] if repeats is None else repeats
+        margs.warmup = DEFAULT_WARMUP[model_kind(model)] if warmup is None else warmup
+        n_batches = max(1, margs.repeats)
+        setup = build_setup(margs, n_batches, cases, dtype=dtype, loaded=load_decoder(margs, n_batches, dtype))
+        batches = setup.batches
+        times = time_round_robin(
+            setup.steps, lambda name, rep, b=batches: b[rep % len(b)], margs.repeats, margs.warmup, setup.device
+        )
+        ms = {case: 1000 * median(values) for case, values in times.items()}
+        peaks, method = peak_memory(margs, setup, [case for case in cases if case != "e"])
+        row = {
+            "model": model,
+            "parameters": testing.parameter_count(setup.decoder),
+            "dtype": dtype_name(dtype),
+            "ms": {case: round(value, 1) for case, value in ms.items()},
+            "c_over_f": round(paired_ratio(times["c"], times["f"]), 4),
+            "a_over_f": round(paired_ratio(times["a"], times["f"]), 4),
+            "frozen_pass_tokens_per_s": round(frozen_pass_throughput(setup, times["e"], margs.warmup), 1),
+            "train_tokens_per_s": round(
+                statistics.fmean(int(b.attention_mask.sum()) for b in batches) / (ms["c"] / 1000), 1
+            ),
+            "peak_mib": {case: None if value is None else round(value, 1) for case, value in peaks.items()},
+            "repeats": margs.repeats,
+            "memory": method,
+            "mean_tokens_per_batch": round(statistics.fmean(int(b.attention_mask.sum()) for b in batches), 1),
+        }
+        if CHECKPOINTED in times:
+            row["g_over_c"] = round(paired_ratio(times["g"], times["c"]), 4)
+        rows.append(row)
+        print(f"{model}: {json.dumps(row)}", flush=True)
+        del setup, times  # the decoder and the steps' closures over it, before the next model
+        gc.collect()
+
+    print(
+        f"\nStep cost against decoder size: {dtype_name(dtype)} decoder (frozen), batch {args.batch_size}, "
+        f"synthetic prompts {TINY_PROMPT_RANGE[0]}-{TINY_PROMPT_RANGE[1]} and responses "
+        f"{TINY_RESPONSE_RANGE[0]}-{TINY_RESPONSE_RANGE[1]} tokens, {torch.get_num_threads()} threads, on "
+        f"{setup_device_text(args)}; load average {load_text()}"
+    )
+    print("(f) the decoder's own forward + backward (full logits, to its input embeddings); (a) prefix tuning;")
+    print("(c) the CVAE, six terms + KL, cached features; (e) one no-grad frozen pass; ratios: paired medians")
+    header = (
+        f"{'model':<22}{'params':>9}{'(f) ms':>9}{'(a) ms':>9}{'(c) ms':>9}{'(c)/(f)':>8}{'(a)/(f)':>8}"
+        f"{'(e) tok/s':>10}{'peak MiB f / a / c':>22}"
+    )
+    if CHECKPOINTED in cases:
+        header += f"{'(g) ms':>9}{'(g)/(c)':>8}{'peak (g)':>9}"
+    print(header)
+
+    def mib(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    for row in rows:
+        ms, peaks = row["ms"], row["peak_mib"]
+        line = (
+            f"{row['model']:<22}{row['parameters'] / 1e6:>8.1f}M{ms['f']:>9.1f}{ms['a']:>9.1f}{ms['c']:>9.1f}"
+            f"{row['c_over_f']:>8.3f}{row['a_over_f']:>8.3f}{row['frozen_pass_tokens_per_s']:>10.0f}"
+            f"{' / '.join(mib(peaks.get(c)) for c in ('f', 'a', 'c')):>22}"
+        )
+        if CHECKPOINTED in cases:
+            line += f"{ms['g']:>9.1f}{row['g_over_c']:>8.3f}{mib(peaks.get('g')):>9}"
+        print(line)
+    print(f"(total {time.perf_counter() - started:.0f} s)")
+    return rows
+
+
+def setup_device_text(args: argparse.Namespace) -> str:
+    device = choose_device(args.device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=["tiny", "embedded"], default="tiny")
+    parser.add_argument(
+        "--model",
+        type=model_argument,
+        default="tiny",
+        help="tiny, embedded, or config:NAME (a decoder of a real model's shape with random weights: "
+        + ", ".join(CONFIG_PREFIX + name for name in testing.MODEL_SHAPES)
+        + ")",
+    )
+    parser.add_argument(
+        "--models",
+        type=lambda text: [model_argument(name) for name in text.split(",") if name],
+        default=None,
+        help="comma-separated models: one table of step time, frozen-pass throughput and peak memory against "
+        f"the decoder's size, cases {', '.join(SIZE_CASES)} (and g with --gradient-checkpointing); "
+        "replaces the main table",
+    )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="also case (g): (c) with the decoder's layers checkpointed (ModelConfig.gradient_checkpointing)",
+    )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument(
         "--repeats",
         type=int,
         default=None,
-        help="timed repetitions, each running every case once (20 tiny, 10 embedded)",
+        help="timed repetitions, each running every case once (20 tiny, 10 embedded, 3 config:NAME)",
     )
-    parser.add_argument("--warmup", type=int, default=None, help="untimed repetitions first (3 tiny, 2 embedded)")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed repetitions first (3 tiny, 2 embedded, 1 config:NAME)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument(
@@ -814,10 +1027,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-scaling", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="also the (a) -> (h) -> (p) -> (c) ladder")
-    parser.add_argument("--measure-memory", choices=CASES, help=argparse.SUPPRESS)
+    parser.add_argument("--measure-memory", choices=MEMORY_CASES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.repeats = DEFAULT_REPEATS[args.model] if args.repeats is None else args.repeats
-    args.warmup = DEFAULT_WARMUP[args.model] if args.warmup is None else args.warmup
+    repeats, warmup = args.repeats, args.warmup
+    args.repeats = DEFAULT_REPEATS[model_kind(args.model)] if repeats is None else repeats
+    args.warmup = DEFAULT_WARMUP[model_kind(args.model)] if warmup is None else warmup
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = choose_device(args.device)
@@ -832,11 +1046,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.dtype = dtype_name(dtypes[0])
         print(json.dumps(measure_memory_here(args, args.measure_memory)))
         return
+    if args.models:
+        if len(dtypes) != 1:
+            parser.error("--models times one dtype: auto, float32 or bfloat16")
+        print(json.dumps(model_sizes(args, dtypes[0], repeats, warmup)))
+        return
 
     started = time.perf_counter()
     n_batches = max(1, args.repeats)
-    loaded = load_decoder(args, n_batches)
-    setups = {dtype_name(d): build_setup(args, n_batches, dtype=d, loaded=loaded) for d in dtypes}
+    cases = (*CASES, CHECKPOINTED) if args.gradient_checkpointing else CASES
+    loaded = load_decoder(args, n_batches, dtypes[0] if len(dtypes) == 1 else torch.float32)
+    setups = {dtype_name(d): build_setup(args, n_batches, cases, dtype=d, loaded=loaded) for d in dtypes}
     first = next(iter(setups.values()))
     print(
         f"model {args.model} (V={first.vocab_size}, H={first.hidden_size}) on {device}, decoder "
@@ -858,7 +1078,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     batches = first.batches
     times = time_round_robin(steps, lambda name, rep: batches[rep % len(batches)], args.repeats, args.warmup, device)
     summaries = {
-        name: report(args, setup, {case: times[f"{case}:{name}"] for case in CASES}) for name, setup in setups.items()
+        name: report(args, setup, {case: times[f"{case}:{name}"] for case in cases}) for name, setup in setups.items()
     }
 
     summary: dict = summaries[next(iter(setups))]
@@ -866,7 +1086,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("\nfloat32 / bfloat16 decoder, same batches, interleaved (> 1: bf16 is faster):")
         print(f"{'case':<5}{'':<42}{'float32 ms':>11}{'bf16 ms':>10}{'ratio':>8}{'paired':>8}")
         speedup = {}
-        for case in CASES:
+        for case in cases:
             f32, bf16 = times[f"{case}:float32"], times[f"{case}:bfloat16"]
             speedup[case] = paired_ratio(f32, bf16)
             print(

@@ -391,6 +391,14 @@ class ModelConfig:
         "(AMX-BF16, AVX512-BF16), else float32, and float32 for decoder_training full; bfloat16 halves the "
         "decoder's memory. The CVAE's heads, optimizer state and every loss stay float32.",
     )
+    gradient_checkpointing: bool = option(
+        False,
+        "Activation (gradient) checkpointing of the decoder's layers in the training steps (transformers' "
+        "non-reentrant checkpointing): each layer keeps only its input and recomputes the rest in the backward, "
+        "trading about one more decoder forward per step for the activation memory; the same loss and gradients. "
+        "For every decoder_training, frozen included (its backward still runs through the decoder to the "
+        "latent). The no-grad frozen (z-free) pass is unaffected. Not with latent_placement 'memory'.",
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -533,6 +541,14 @@ class RunConfig:
                 f"DivergenceConfig.divergence_weight is {self.divergence.divergence_weight}, but the inter-latent "
                 f"divergence exists only for the discrete latent (LatentConfig.latent is {self.latent.latent!r})",
                 field="divergence_weight",
+            )
+
+        if self.model.gradient_checkpointing and self.latent.latent_placement == "memory":
+            raise ConfigError(
+                "ModelConfig.gradient_checkpointing cannot be used with LatentConfig.latent_placement 'memory': "
+                "transformers' checkpointed layers drop the past-key-value cache that holds the memory slots; "
+                "use latent_placement 'prefix' or 'between', or turn gradient_checkpointing off",
+                field="gradient_checkpointing",
             )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -20,14 +20,16 @@ decoder then sees ``[x][y]`` at its z-free positions, with the memory as a past-
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
 from .data import Batch
@@ -609,13 +611,14 @@ class CVAEBase(nn.Module):
         if window:
             supervised = target[:, 1:].bool()  # [B, N]
             start = int(supervised.float().argmax(dim=1).min())  # first position predicting a response token
-        out = self.decoder(
-            inputs_embeds=embeds,
-            use_cache=False,
-            output_hidden_states=True,
-            logits_to_keep=unused_logits(embeds),  # the head runs on the hidden states below, chunk by chunk
-            **extra,  # attention_mask (and, for the memory placement, cache and position_ids)
-        )
+        with self._frozen_layers_checkpointed():
+            out = self.decoder(
+                inputs_embeds=embeds,
+                use_cache=False,
+                output_hidden_states=True,
+                logits_to_keep=unused_logits(embeds),  # the head runs on the hidden states below, chunk by chunk
+                **extra,  # attention_mask (and, for the memory placement, cache and position_ids)
+            )
         hidden = out.hidden_states[-1][:, start:]  # [B, Tc - start, H], after the final norm
         return Decoded(hidden, self.decoder.get_output_embeddings(), start, ids, target, offsets)
 
@@ -623,6 +626,32 @@ class CVAEBase(nn.Module):
         """The memory's ``(keys, values)`` ``[Ly, B, Hkv, P, Dh]`` of ``[B, P, H]`` latent embeddings
         (:meth:`memory.LatentMemory.keys_values`)."""
         return self.latent_memory.keys_values(self.decoder, latent_embeds)
+
+    @contextlib.contextmanager
+    def _frozen_layers_checkpointed(self) -> Iterator[None]:
+        """A training step's forward through a frozen, checkpointed decoder: its layers checkpoint.
+
+        transformers checkpoints a layer only in training mode, and a frozen decoder stays in eval mode
+        (:meth:`train`). Inside the block each checkpointed layer's own ``training`` flag is set, not its
+        submodules' (dropout, attention dropout): the layer checkpoints and computes as in eval mode (for
+        Llama- and GPT-2-style layers, whose dropout lives in submodules; a layer whose own forward applied
+        dropout by its flag would drop out here). The recompute in the backward runs the layer's plain
+        forward, so it needs no flag.
+        """
+        layers = []
+        if self.training and self.decoder_training == "frozen" and torch.is_grad_enabled():
+            layers = [
+                m
+                for m in self.decoder.modules()
+                if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and not m.training
+            ]
+        for layer in layers:
+            layer.training = True
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.training = False
 
     def memory_inputs(
         self, latent_embeds: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype

@@ -6,13 +6,36 @@ import copy
 
 import torch.nn as nn
 
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .continuous_cvae import ContinuousCVAE
 from .cvae_base import CVAEBase
 from .reference import ZFreeReference
 from .shared_discrete_cvae import SharedDiscreteCVAE
 
 LATENT_FAMILIES: dict[str, type[CVAEBase]] = {"discrete": SharedDiscreteCVAE, "continuous": ContinuousCVAE}
+
+
+def enable_activation_checkpointing(decoder: nn.Module) -> None:
+    """Checkpoint every layer of a transformers ``decoder`` (non-reentrant ``torch.utils.checkpoint``).
+
+    Non-reentrant checkpointing needs no input that requires grad (the reentrant kind does, hence
+    ``enable_input_require_grads``, a hook making the token embeddings require grad, which transformers
+    adds when it turns checkpointing on and peft when it wraps a checkpointed model), so frozen weights,
+    LoRA adapters and ``inputs_embeds`` carrying the latent all work as they are: the hook is removed
+    again (it would only add backward work on the token positions). A peft model is checkpointed through
+    its base model (attribute access reaches it). transformers checkpoints a layer only
+    when it runs with gradients in training mode: the no-grad z-free pass is never checkpointed, and a
+    frozen decoder (kept in eval mode) is checkpointed by :meth:`CVAEBase.decode`, which puts its
+    layers, and only them, in training mode for the forward.
+    """
+    if not getattr(decoder, "supports_gradient_checkpointing", False):
+        raise ConfigError(
+            f"ModelConfig.gradient_checkpointing: the decoder {type(decoder).__name__} does not support "
+            "activation checkpointing",
+            field="gradient_checkpointing",
+        )
+    decoder.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    decoder.disable_input_require_grads()
 
 
 def build_cvae(config: RunConfig, decoder: nn.Module) -> CVAEBase:
@@ -41,6 +64,10 @@ def build_cvae(config: RunConfig, decoder: nn.Module) -> CVAEBase:
         decoder.requires_grad_(True)
     else:
         reference = ZFreeReference(decoder)
+    if config.model.gradient_checkpointing:
+        # After peft's wrapping (which would add enable_input_require_grads' hook again) and after the full
+        # decoder's frozen copy (which never needs checkpointing).
+        enable_activation_checkpointing(decoder)
     family = LATENT_FAMILIES[config.latent.latent]
     return family(
         decoder,

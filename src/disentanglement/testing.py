@@ -1,5 +1,6 @@
 """Tiny in-process models for tests and benchmarks: a character-level tokenizer and 2-layer causal LMs
-(Llama and GPT-2 shapes), built from a config in seconds, with no files and no downloads; and the
+(Llama and GPT-2 shapes), built from a config in seconds, with no files and no downloads; decoders of real
+models' published shapes with random weights (:data:`MODEL_SHAPES`, for the benchmarks); and the
 hidden-factor pairs the learning tests recover."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Literal
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.initialization import no_init_weights
 
 from .data import PromptResponse
 
@@ -91,6 +93,109 @@ def tiny_gpt2(vocab_size: int, seed: int = 0, **overrides) -> GPT2LMHeadModel:
     )
     settings.update(overrides)
     return _build(lambda: GPT2LMHeadModel(GPT2Config(**settings)), seed)
+
+
+# -- real models' shapes, random weights ------------------------------------------------------------------
+
+#: Published shapes (Llama architecture, tied input and output embeddings) of the decoders the benchmarks
+#: build with random weights: ``benchmarks/step_cost.py --model config:NAME``. SmolLM2 from its model cards'
+#: ``config.json`` (HuggingFaceTB/SmolLM2-*), Llama-3.2-1B from meta-llama's; ``parameters`` is the count
+#: of the real model (tied embeddings counted once).
+MODEL_SHAPES: dict[str, dict] = {
+    "smollm2-135m": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        parameters=134_515_008,
+    ),
+    "smollm2-360m": dict(
+        hidden_size=960,
+        num_hidden_layers=32,
+        num_attention_heads=15,
+        num_key_value_heads=5,
+        intermediate_size=2560,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        parameters=361_821_120,
+    ),
+    "smollm2-1.7b": dict(
+        hidden_size=2048,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=8192,
+        vocab_size=49152,
+        rope_theta=130000.0,
+        max_position_embeddings=8192,
+        parameters=1_711_376_384,
+    ),
+    "llama-1b": dict(  # Llama-3.2-1B (its rope scaling for long contexts does not change the cost)
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        parameters=1_235_814_400,
+    ),
+}
+
+
+def shape_config(name: str, **overrides) -> LlamaConfig:
+    """The :class:`LlamaConfig` of ``MODEL_SHAPES[name]`` (tied embeddings, RMSNorm eps 1e-5), with ``overrides``."""
+    if name not in MODEL_SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(MODEL_SHAPES)}")
+    settings = {k: v for k, v in MODEL_SHAPES[name].items() if k != "parameters"}
+    settings.update(tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def random_llama(
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    **overrides,
+) -> LlamaForCausalLM:
+    """A decoder of ``MODEL_SHAPES[name]``'s shape with random weights, in ``dtype`` on ``device``, in eval mode.
+
+    Built without transformers' initialisation (seconds per billion weights on a CPU), then every weight
+    matrix drawn from N(0, 0.02^2) (the config's ``initializer_range``) and every norm weight set to 1,
+    directly in ``dtype`` on ``device`` (``"meta"``: shapes only, nothing allocated). ``overrides`` change
+    the config (``num_hidden_layers=2`` gives a shrunk variant). Step times do not depend on the values.
+    """
+    config = shape_config(name, **overrides)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with no_init_weights(), torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.tie_weights()  # no_init_weights also skips the tying that initialisation does
+    if torch.device(device).type != "meta":
+        generator = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param_name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, config.initializer_range, generator=generator)
+    return model.eval()
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Distinct parameters' elements (a tied embedding counted once)."""
+    return sum(p.numel() for p in model.parameters())
 
 
 # -- the tests' hidden-factor data (the built-in sets of `disentangle data synth` are in synthetic.py) --

@@ -103,6 +103,8 @@ RESUME_FREE_FIELDS = frozenset(
         # The frozen pass's fingerprint includes the weights' dtype, so a resume whose dtype resolves to
         # another one than the run's is refused there, naming the frozen pass.
         "dtype",
+        # Activation checkpointing recomputes the same layers on the same inputs: the same loss and gradients.
+        "gradient_checkpointing",
         # Paths whose content the frozen pass's fingerprint checks on resume (token ids and frozen weights),
         # so that a moved data file or model does not block resuming.
         "data",
