@@ -104,3 +104,16 @@ def test_run_functions_take_options_and_keyword_overrides(monkeypatch):
         commands.run_inspect("RUN", InspectOptions(), index=-1)
     with pytest.raises(RuntimeError, match="stop"):
         commands.run_inspect("RUN", InspectOptions(index=2))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["train"], ["eval"], ["generate"], ["inspect"], ["encode"], ["sweep"], ["data"], ["data", "synth"]],
+    ids=lambda argv: " ".join(argv) or "disentangle",
+)
+def test_every_help_page_renders(argv, capsys):
+    # argparse %-formats help strings: a bare "%" in one (e.g. "95% intervals") crashed `disentangle --help`
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: disentangle" in capsys.readouterr().out

@@ -414,7 +414,7 @@ def plot_summary(summary: dict[str, dict[str, tuple[float, float, int]]], path: 
 def add_sweep_subcommand(subparsers) -> None:
     parser = subparsers.add_parser(
         "sweep",
-        help="train and evaluate a grid of settings over seeds; report means with 95% intervals",
+        help="train and evaluate a grid of settings over seeds; report means with 95%% intervals",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
