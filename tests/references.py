@@ -12,6 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from disentanglement.reference import eval_mode
+
 #: The per-token and per-example fields of ``token_weighting.TokenWeighting``.
 WEIGHTING_FIELDS = (
     "token_weights",
@@ -98,13 +100,8 @@ def loop_entropy(logits: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor
 def manual_zfree_nll(model, input_ids, attention_mask, target_mask) -> torch.Tensor:
     """The z-free reference's NLL ``[B, T-1]`` from the model's own full logits (its standard forward, eval
     mode), one ``F.cross_entropy`` per supervised position, float64; zero where unsupervised."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.double()
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.double()
     bsz, seq = input_ids.shape
     out = torch.zeros(bsz, seq - 1, dtype=torch.float64)
     for b in range(bsz):

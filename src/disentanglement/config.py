@@ -523,6 +523,10 @@ class Scoring:
                 raise ConfigError(f"Scoring.{name} must be an integer >= {low}, got {value!r}", field=name)
 
 
+#: The default :class:`Scoring` (frozen, so one instance serves as every function's default).
+DEFAULT_SCORING = Scoring()
+
+
 @dataclass
 class RunConfig:
     """A whole run: one section per concern."""

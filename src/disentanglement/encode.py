@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import commands
-from .config import Scoring
+from .config import DEFAULT_SCORING, Scoring
 
 if TYPE_CHECKING:  # torch and the models load when a command runs, not for --help
     import torch
@@ -104,7 +104,7 @@ def encode_examples(
     pad_token_id: int,
     *,
     pairs: Sequence[PromptResponse] | None = None,
-    scoring: Scoring | None = None,
+    scoring: Scoring = DEFAULT_SCORING,
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
@@ -136,7 +136,6 @@ def encode_examples(
     if pairs is not None and len(pairs) != len(examples):
         raise ValueError(f"{len(pairs)} pairs were given for {len(examples)} examples")
     commands._check_at_least("batch_size", batch_size, 1)
-    scoring = scoring if scoring is not None else Scoring()
     discrete = model.is_discrete
     device = next(model.parameters()).device
     E = len(examples)
@@ -652,7 +651,7 @@ def encode_pairs(
     config: RunConfig,
     pairs: Sequence[PromptResponse | Mapping[str, Any] | Sequence[Any]],
     *,
-    scoring: Scoring | None = None,
+    scoring: Scoring = DEFAULT_SCORING,
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = False,

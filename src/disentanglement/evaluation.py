@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .config import Scoring
+from .config import DEFAULT_SCORING, Scoring
 from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary, PriorMixture
 from .data import Batch, Example, collate, label_factor_names, label_factors
 from .distributed import gather_objects, rank_and_size
@@ -236,11 +236,10 @@ def score_batch(
     model: CVAEBase,
     batch: Batch,
     features: FrozenFeatures,
-    scoring: Scoring | None = None,
+    scoring: Scoring = DEFAULT_SCORING,
 ) -> BatchScores:
     """Everything :func:`evaluate` and the token report need of one batch, in one place (``scoring``:
     default :class:`config.Scoring`)."""
-    scoring = scoring if scoring is not None else Scoring()
     summary = model.posterior_summary(features)
     posterior, target = model.conditioned_token_nll(batch, summary.vector)  # [B, N] each
     posterior, target = posterior.float(), target.float()
@@ -400,7 +399,7 @@ def evaluate(
     cache: FeatureCache,
     pad_token_id: int,
     *,
-    scoring: Scoring | None = None,
+    scoring: Scoring = DEFAULT_SCORING,
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
@@ -458,7 +457,6 @@ def evaluate(
     if len(cache) != len(examples):
         raise ValueError(f"the feature cache holds {len(cache)} examples, but {len(examples)} were given")
     factor_values = example_factor_values(examples) if len(examples) >= 2 else None  # checks the factor names
-    scoring = scoring if scoring is not None else Scoring()
     batches = score_examples(model, examples, cache, pad_token_id, scoring, batch_size, seed, progress, state=state)
     columns = concatenate_records(batches)
     last = batches[-1]

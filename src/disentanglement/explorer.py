@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import commands
-from .config import Scoring
+from .config import DEFAULT_SCORING, Scoring
 from .data import label_factors
 from .report import TOKEN_COLOUR_JS, _colour, _format_value, _json_for_script, _scale, _token_text_html
 
@@ -215,7 +215,7 @@ def explore(
     num_prompts: int = 3,
     max_new_tokens: int = 16,
     clusters: int | None = None,
-    scoring: Scoring | None = None,
+    scoring: Scoring = DEFAULT_SCORING,
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = False,
@@ -244,7 +244,7 @@ def explore(
         None,
         tokenizer.pad_token_id,
         pairs=pairs,
-        scoring=dataclasses.replace(scoring or Scoring(), iw_samples=1),
+        scoring=dataclasses.replace(scoring, iw_samples=1),
         batch_size=batch_size,
         seed=seed,
         progress=progress,
@@ -588,7 +588,7 @@ def run_explore(
     max_new_tokens: int = 16,
     clusters: int | None = None,
     max_examples: int | None = None,
-    scoring: Scoring | None = None,
+    scoring: Scoring = DEFAULT_SCORING,
     seed: int = 0,
     batch_size: int = 16,
     device: str = "auto",

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .config import Scoring
+from .config import DEFAULT_SCORING, Scoring
 from .cvae_base import CVAEBase
 from .data import Example, collate
 from .evaluation import batch_weighting, example_factor_values, latent_assignments, posterior_latents, score_batch
@@ -62,7 +62,7 @@ def token_values(
     tokenizer: Any,
     example: Example,
     alpha: float | None = None,
-    scoring: Scoring | None = None,
+    scoring: Scoring = DEFAULT_SCORING,
     seed: int = 0,
 ) -> tuple[list[str], dict[str, list[float]], dict[str, Any]]:
     """``(tokens, values, meta)`` of one example's response tokens (see the module docstring).
@@ -71,7 +71,7 @@ def token_values(
     ``meta`` holds the example's text, label, latent and per-token summaries. ``scoring``: the prior
     mixture's samples (default :class:`config.Scoring`; its ``iw_samples`` are not used here).
     """
-    scoring = Scoring(iw_samples=1) if scoring is None else replace(scoring, iw_samples=1)
+    scoring = replace(scoring, iw_samples=1)
     device = next(model.parameters()).device
     batch = collate([example], tokenizer.pad_token_id).to(device)
     with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
