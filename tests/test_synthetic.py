@@ -14,6 +14,7 @@ import pytest
 from disentanglement import synthetic
 from disentanglement.synthetic import (
     CLEAN_RESPONSES,
+    ECHO_TEMPLATES,
     STYLE_MARKERS,
     SYNTHETIC_SETS,
     TOPICS,
@@ -24,12 +25,13 @@ from disentanglement.synthetic import (
     detect_factor,
     make_clean,
     make_style_in_content,
+    make_style_in_echo,
     make_two_factor,
     two_factor_response,
     write_synthetic,
 )
 
-GENERATED = ("clean", "two-factor", "style-in-content")  # the sets that do not read the corpus
+GENERATED = ("clean", "two-factor", "style-in-content", "style-in-echo")  # the sets that do not read the corpus
 SEEDS = (0, 1, 2, 3, 4)
 
 
@@ -85,7 +87,7 @@ def test_same_seed_writes_byte_identical_files(tmp_path):
 
 
 def test_registry_describes_each_set():
-    assert set(SYNTHETIC_SETS) == {"clean", "two-factor", "style-in-content", "chatterbot-style"}
+    assert set(SYNTHETIC_SETS) == {"clean", "two-factor", "style-in-content", "style-in-echo", "chatterbot-style"}
     for name, spec in SYNTHETIC_SETS.items():
         assert spec.name == name and callable(spec)
         assert spec.description and "\n" not in spec.description
@@ -126,6 +128,8 @@ def test_the_default_800_rows_are_an_exactly_balanced_design(seed):
     assert len(two) == 10 * 4 * 4 and set(two.values()) == {5}
     sic = Counter((r["prompt"], r["response"]) for r in make_style_in_content(800, seed))
     assert len(sic) == 800  # every (question, answer, style) once
+    echo = Counter((r["prompt"], r["response"]) for r in make_style_in_echo(800, seed))
+    assert len(echo) == 800 and set(echo.values()) == {1}  # every (template, sentence, style) once
 
 
 @pytest.mark.parametrize("rows", (800, 1000, 333))
@@ -194,6 +198,27 @@ def test_style_in_content_style_is_hidden_and_topic_follows_the_prompt(seed):
     for row in rows:
         answers_per_prompt[row["prompt"]].add(synthetic._strip_style_marker(row["response"]))
     assert all(len(a) >= 3 for a in answers_per_prompt.values())
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_style_in_echo_content_is_the_prompts_sentence_and_style_is_hidden(seed):
+    rows = make_style_in_echo(800, seed)
+    sentences = {answer: topic for topic, (_, answers) in TOPICS.items() for answer in answers}
+    templates = [t.split("{sentence}")[0] for t in ECHO_TEMPLATES]
+    by_prompt: dict[str, Counter] = defaultdict(Counter)
+    for row in rows:
+        content = synthetic._strip_style_marker(row["response"])
+        # the response's content is, word for word, the sentence the prompt asks for back
+        prefix = next(t for t in templates if row["prompt"].startswith(t))
+        assert row["prompt"] == prefix + content
+        assert sentences[content] == row["label"]["topic"]
+        assert synthetic.apply_style_marker(content, row["label"]["style"]) == row["response"]
+        by_prompt[row["prompt"]][row["label"]["style"]] += 1
+    assert len(by_prompt) == 5 * 40  # every template with every sentence
+    assert all(sum(c.values()) == 4 and len(c) == 4 for c in by_prompt.values())  # each prompt with every style once
+    assert prompt_majority_accuracy(rows, "topic") == 1.0
+    joint = Counter(zip(values(rows, "topic"), values(rows, "style"), strict=True))
+    assert len(joint) == 32 and set(joint.values()) == {25}, joint  # the style is independent of the topic
 
 
 def test_chatterbot_style_is_balanced_within_every_category(chatterbot_rows):

@@ -1,9 +1,9 @@
 """Where the seeds' token weights fall on the built-in hidden-factor sets (embedded model, z-free reference).
 
-For each response token of a ``two-factor`` or ``style-in-content`` file this takes the z-free surprisal
+For each response token of a ``two-factor``, ``style-in-content`` or ``style-in-echo`` file this takes the z-free surprisal
 ``b_t`` and term 3's share ``pi_t = b_t^alpha / sum_s b_s^alpha`` (eps 0), and reports, per alpha, the mean
 over examples of the weight that falls on each part of the response: ``two-factor``: the rare word (factor A),
-the opener and closer (factor B), the fixed sentence; ``style-in-content``: the style marker, the content (and
+the opener and closer (factor B), the fixed sentence; the style sets: the style marker, the content (and
 the end-of-sequence token in both). Printed as a Markdown table.
 
     .venv/bin/python benchmarks/thesis/weight_shares.py runs/thesis/data/two-factor-heldout.jsonl
@@ -45,13 +45,13 @@ def part_of_char(kind: str, response: str, label: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("data", help="a two-factor or style-in-content JSONL file")
+    parser.add_argument("data", help="a two-factor, style-in-content or style-in-echo JSONL file")
     parser.add_argument("--alphas", default="0,0.5,1,2")
     parser.add_argument("--max-examples", type=int, default=200)
     args = parser.parse_args(argv)
     assert TWO_FACTOR_WORDS
     pairs = load_jsonl(args.data)[: args.max_examples]
-    kind = "two-factor" if "A" in pairs[0].label else "style-in-content"
+    kind = "two-factor" if "A" in pairs[0].label else "style"
     model, tokenizer = load_model_and_tokenizer(ModelConfig(dtype="float32"))
     cfg = DataConfig(chat_template=True, max_prompt_tokens=48, max_response_tokens=32)
     examples, _ = tokenize_pairs(pairs, tokenizer, cfg)

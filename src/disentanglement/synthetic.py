@@ -16,7 +16,7 @@ to be near-balanced (:func:`balanced_design`); the prompt then says
 nothing about a hidden factor, and two hidden factors say nothing about each other. At the default
 800 rows there is no partial copy: ``clean`` has each of its 10 prompts 20 times, 5 times with each
 style; ``two-factor`` each (prompt, A, B) 5 times; ``style-in-content`` each (topic, question, answer,
-style) once.
+style) once; ``style-in-echo`` each (topic, sentence, template, style) once.
 
 :data:`SYNTHETIC_SETS` maps each name to a :class:`SyntheticSet` (callable like its ``make_NAME``,
 with a one-line ``description``, its ``factors`` and ``default_rows``); :func:`write_synthetic`
@@ -55,6 +55,15 @@ The sets:
     none) that the prompt does not predict. Label: ``style`` (hidden) and ``topic`` (given by the
     prompt). Clustering the responses' features finds the topic, which the prompt already
     predicts; a conditional latent should find the style.
+
+``style-in-echo``
+    Set (ii) with content the reference CAN predict: the prompt gives one of the 40 answer sentences
+    of ``style-in-content`` (8 topics) and asks for it back word for word (5 templates); the response
+    is that sentence with the same hidden ``style`` marker. Copying makes the content cheap for the
+    z-free model while the marker stays as surprising as before, so surprisal weighting can tell the
+    two apart; in ``style-in-content`` it cannot (its content, one of 5 answers per topic, is as
+    unpredictable as the marker). Label: ``style`` (hidden) and ``topic``. Clustering the responses
+    finds the topic; a conditional latent should find the style.
 
 ``chatterbot-style``
     The chatterbot corpus pairs (:func:`disentanglement.data.read_chatterbot`) with the same hidden
@@ -496,6 +505,37 @@ def make_style_in_content(rows: int = 800, seed: int = 0) -> list[Row]:
 
 
 # --------------------------------------------------------------------------------------------------
+# style-in-echo
+
+#: ``style-in-echo``'s prompts: each asks for ``{sentence}`` back word for word, so the z-free model can
+#: predict the response's content by copying it from the prompt.
+ECHO_TEMPLATES: tuple[str, ...] = (
+    "Please repeat this sentence back to me: {sentence}",
+    "Say this back to me, word for word: {sentence}",
+    "Read this note aloud: {sentence}",
+    "Copy this line exactly: {sentence}",
+    "Echo the following sentence: {sentence}",
+)
+
+
+def make_style_in_echo(rows: int = 800, seed: int = 0) -> list[Row]:
+    """``style-in-echo``: the prompt gives a topic sentence to repeat, the response repeats it with a hidden
+    ``style`` marker: content the prompt predicts exactly, a style it says nothing about."""
+    _check_rows(rows)
+    answers_per_topic = len(next(iter(TOPICS.values()))[1])
+    choices = [tuple(TOPICS), range(answers_per_topic), range(len(ECHO_TEMPLATES)), tuple(STYLE_MARKERS)]
+    design = balanced_design(random.Random(seed), choices, rows)
+    out = []
+    for i, (topic, a, t, style) in enumerate(design):
+        sentence = TOPICS[topic][1][a]
+        prompt = ECHO_TEMPLATES[t].format(sentence=sentence)
+        out.append(
+            _row("style-in-echo", i, prompt, apply_style_marker(sentence, style), {"style": style, "topic": topic})
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # chatterbot-style
 
 
@@ -589,6 +629,13 @@ SYNTHETIC_SETS: dict[str, SyntheticSet] = {
             800,
         ),
         SyntheticSet(
+            "style-in-echo",
+            make_style_in_echo,
+            "a topic sentence the prompt asks to repeat ('topic'), repeated with a hidden style marker ('style', 4 values)",
+            ("style", "topic"),
+            800,
+        ),
+        SyntheticSet(
             "chatterbot-style",
             make_chatterbot_style,
             "the chatterbot corpus with a hidden style marker on the real response ('style'; 'category' of the corpus)",
@@ -612,9 +659,9 @@ def detect_factor(set_name: str, factor: str, text: str) -> str | None:
     * ``clean`` ``style``: the fixed phrasing the text starts with (the longest one).
     * ``two-factor`` ``A``: the one rare word the text contains (None for none or several); ``B``: the
       opener the text starts with, or failing that the closer it ends with (None when they disagree).
-    * ``style-in-content`` / ``chatterbot-style`` ``style``: the prefix or suffix marker present,
+    * ``style-in-content`` / ``style-in-echo`` / ``chatterbot-style`` ``style``: the prefix or suffix marker present,
       "plain" when none is, None for two.
-    * ``style-in-content`` ``topic``: the topic of the answer sentence, or by topic keywords otherwise.
+    * ``style-in-content`` / ``style-in-echo`` ``topic``: the topic of the answer sentence, or by topic keywords otherwise.
     * ``chatterbot-style`` ``category``: the category of the corpus response the text is (marker removed).
     """
     spec = _get_set(set_name)
