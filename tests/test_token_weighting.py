@@ -553,3 +553,74 @@ def test_compute_token_weighting_supervised_out_of_range(tiny_llama):
         compute_token_weighting(
             tiny_llama, input_ids, attention_mask, target_mask, torch.tensor([3, 0, 0]), 9, alpha=1.0
         )
+
+
+# ------------------------------------------------------------------ term 5's amplification
+
+
+def _plain_amplification(b: list[float], alpha: float, eps: float = 1e-6) -> float:
+    """max_t pi_inv_t / rho_b by hand: pi_inv_t = b_t^-alpha / sum_s b_s^-alpha (b floored at eps),
+    rho_b = (sum_t pi_inv_t b_t) / mean_t b_t."""
+    floored = [max(v, eps) for v in b]
+    weights = [v**-alpha for v in floored]
+    pi_inv = [w / sum(weights) for w in weights]
+    rho = sum(p * v for p, v in zip(pi_inv, b, strict=True)) / (sum(b) / len(b))
+    return max(pi_inv) / rho
+
+
+def test_inverse_term_amplification_by_hand():
+    from disentanglement.token_weighting import inverse_term_amplification
+
+    examples = [
+        [1.0, 1e-3],
+        [2.0, 2.0, 2.0],
+        [3.0],
+        [4.0, 0.0, 1.5],
+    ]  # a nearly certain token, a flat one, one token, b = 0
+    for alpha in (0.0, 0.5, 1.0, 2.0):
+        got = inverse_term_amplification([torch.tensor(b) for b in examples], alpha)
+        want = [_plain_amplification(b, alpha) for b in examples]
+        assert got.dtype == torch.float64 and got.tolist() == pytest.approx(want, rel=1e-6)
+    # alpha 0: uniform weights, rho = 1, so one token carries 1/n of the example
+    assert inverse_term_amplification([torch.tensor(b) for b in examples], 0.0).tolist() == pytest.approx(
+        [0.5, 1 / 3, 1, 1 / 3]
+    )
+    # at alpha 2 the nearly certain token of the first example weighs about 500 times its 1/2 share
+    assert inverse_term_amplification([torch.tensor([1.0, 1e-3])], 2.0).item() == pytest.approx(500.5, rel=1e-3)
+    assert inverse_term_amplification([], 2.0).numel() == 0
+
+
+def test_the_trainer_warns_when_term5_is_ill_conditioned(caplog):
+    import dataclasses
+    import logging
+
+    from disentanglement.config import RunConfig
+    from disentanglement.trainer import _warn_term5_amplification
+
+    class Cache:
+        response_nll = [torch.tensor([3.0, 1e-3, 2.0])] * 5  # max pi_inv / rho of about 1,700 each
+
+    def config(weight: float, alpha: float, source: str = "surprisal") -> RunConfig:
+        base = RunConfig()
+        rec = dataclasses.replace(
+            base.reconstruction,
+            normalized_inverse_surprisal_token_weighted_weight=weight,
+            token_weight_alpha=alpha,
+            token_weight_source=source,
+        )
+        return dataclasses.replace(base, reconstruction=rec)
+
+    with caplog.at_level(logging.WARNING, logger="disentanglement.trainer"):
+        _warn_term5_amplification(config(1.0, 2.0), Cache(), 3.0)
+    (record,) = caplog.records
+    assert "term 5" in record.message and "token_weight_alpha 2" in record.message and "may diverge" in record.message
+    expected = _plain_amplification([3.0, 1e-3, 2.0], 2.0)
+    assert f"up to {expected:.0f}" in record.message
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="disentanglement.trainer"):
+        _warn_term5_amplification(config(0.0, 2.0), Cache(), 3.0)  # term 5 off
+        _warn_term5_amplification(config(1.0, 0.0), Cache(), 3.0)  # alpha 0: amplification 1/n
+        _warn_term5_amplification(config(1.0, 0.5), Cache(), 3.0)  # median 6.9 < 100
+        _warn_term5_amplification(config(1.0, 2.0, "entropy"), Cache(), 3.0)  # another signal: not b_t's
+        _warn_term5_amplification(config(1.0, 2.0), None, 3.0)  # no frozen pass
+    assert not caplog.records

@@ -69,6 +69,7 @@ from .features import FeatureCache, batch_features, feature_fingerprint, load_or
 from .losses import estimate_zfree_reference_scale
 from .models import build_cvae
 from .reference import eval_mode
+from .token_weighting import inverse_term_amplification
 
 __all__ = [  # checkpoint I/O lives in checkpoints.py; these names stay importable from here
     "DataOrder",
@@ -648,6 +649,8 @@ def _set_up(
     frozen = _frozen_pass(config, model, data, resumed, tokenizer.pad_token_id, accelerator.device, output_dir, state)
     c_base = _zfree_reference_scale(config, resumed, frozen.train, len(data.train))
     model.zfree_reference_scale = c_base
+    if main and resumed is None:
+        _warn_term5_amplification(config, frozen.train, c_base)
     distributed.barrier(state)  # every process has checked the run directory before the main one writes to it
     if main:
         _remove(to_remove, output_dir)  # --overwrite: only now that everything before the first write has worked
@@ -782,6 +785,31 @@ def _zfree_reference_scale(
     c_base = estimate_zfree_reference_scale(train_cache.example_base_losses())
     logger.info("estimated zfree_reference_scale c_base = %.4f nats/token over %d examples", c_base, n_train)
     return c_base
+
+
+def _warn_term5_amplification(config: RunConfig, train_cache: FeatureCache | None, c_base: float) -> None:
+    """Warn when term 5 (the inverse-surprisal ablation) weighs single tokens' NLL by 100 or more (median over
+    the training examples): it is then ill-conditioned, and a small change at a token the reference is sure
+    of can make the loss jump (on ``two-factor`` at alpha 2, median 2,400: one seed of three diverged)."""
+    rcfg = config.reconstruction
+    if rcfg.normalized_inverse_surprisal_token_weighted_weight <= 0 or train_cache is None:
+        return
+    if rcfg.token_weight_source != "surprisal" or rcfg.token_weight_alpha == 0:
+        return
+    amplification = inverse_term_amplification(train_cache.response_nll, rcfg.token_weight_alpha, rcfg.token_weight_eps)
+    median = float(amplification.median())
+    if median >= 100:
+        logger.warning(
+            "term 5 (normalized_inverse_surprisal_token_weighted_weight) at token_weight_alpha %g weighs one "
+            "token's NLL by up to %.0f (median over the training examples; max %.0f): a rise of 0.01 nats "
+            "there costs %.2g nats of loss (c_base %.2f), so training may diverge. It is an ablation; a "
+            "smaller alpha or a larger token_weight_eps tames it.",
+            rcfg.token_weight_alpha,
+            median,
+            float(amplification.max()),
+            0.01 * median / c_base,
+            c_base,
+        )
 
 
 def _write_run_files(output_dir: Path, config: RunConfig, data: PreparedData, c_base: float) -> None:
