@@ -34,7 +34,12 @@ def fake_run(root: Path, sweep: str, data_set: str, cell: str, seed: int, nmi_a:
             "random": {"nmi": 0.02},
         }
 
-    report = {"factors": {"A": sources(nmi_a), "B": sources(1 - nmi_a)}, "latent_gain_nats_per_token": 0.01 * seed}
+    report = {
+        "factors": {"A": sources(nmi_a), "B": sources(1 - nmi_a)},
+        "latent_gain_nats_per_token": 0.01 * seed,
+        "posterior_nll_nats_per_token": 1.0 + seed,
+        "zfree_nll_nats_per_token": 3.0,
+    }
     (run / "eval" / "sweep_eval.json").write_text(json.dumps(report))
     return run
 
@@ -57,9 +62,10 @@ def test_rows_gather_seeds_across_sweep_directories(table, tmp_path):
     assert cells[3] == "0.900 ± 0.248 (0.80, 0.90, 1.00)"
     assert cells[4].startswith("0.100 ± 0.248")
     assert cells[5] == "0.010 ± 0.025"  # latent gain 0, 0.01, 0.02
-    assert cells[6:] == ["1.000 / 1.000", "0.001 / 0.001", "0.020"]
+    assert cells[6] == "1.00, 2.00, 3.00 (3.00)"  # posterior NLL per seed (z-free)
+    assert cells[7:] == ["1.000 / 1.000", "0.001 / 0.001", "0.020"]
     one = table.table("style-in-echo", {"raw": found["style-in-echo", "raw"]})
-    assert "| raw | 0 | bfloat16 | 0.500 | 0.500 | 0.000 |" in one
+    assert "| raw | 0 | bfloat16 | 0.500 | 0.500 | 0.000 | 1.00 (3.00) |" in one
 
 
 def test_the_same_run_with_different_results_is_refused(table, tmp_path):

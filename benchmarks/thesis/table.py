@@ -5,8 +5,9 @@ rows come from several sweep directories (one per batch of cells run). This read
 the given roots, names its data set by the run's training file (``data.data`` of its ``config.yaml``,
 ``runs/thesis/data/two-factor-train.jsonl`` -> ``two-factor``), and prints per data set a Markdown table:
 per factor, the latent's NMI as mean ± the 95% Student-t half-width over seeds with the per-seed values,
-the baselines (k-means of the encoder features, of the prompt-only features, random), the latent gain,
-and the decoder dtype the runs used. The same (data set, cell, seed) found in two directories counts once
+the latent gain, the per-token NLL of the held-out responses under the posterior latent per seed (and
+under the z-free model), the baselines (k-means of the encoder features, of the prompt-only features,
+random), and the decoder dtype the runs used. The same (data set, cell, seed) found in two directories counts once
 (and must agree).
 
     .venv/bin/python benchmarks/thesis/table.py runs/thesis
@@ -54,7 +55,7 @@ def _cell(values: list[float], with_seeds: bool = True) -> str:
 
 def table(data_set: str, cells: dict[str, dict[int, dict]]) -> str:
     factors = sorted({f for runs in cells.values() for r in runs.values() for f in r["report"].get("factors", {})})
-    head = ["cell", "seeds", "dtype"] + [f"NMI {f}" for f in factors] + ["latent gain"]
+    head = ["cell", "seeds", "dtype"] + [f"NMI {f}" for f in factors] + ["latent gain", "posterior NLL (z-free)"]
     head += [f"encoder k-means {'/'.join(factors)}", f"prior k-means {'/'.join(factors)}", "random"]
     lines = [f"### {data_set}", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for cell, runs in sorted(cells.items()):
@@ -67,6 +68,9 @@ def table(data_set: str, cells: dict[str, dict[int, dict]]) -> str:
         row = [cell, ",".join(map(str, seeds)), "/".join(sorted({runs[s]["dtype"] for s in seeds}))]
         row += [_cell(metric(f, "latent")) for f in factors]
         row.append(_cell([r["latent_gain_nats_per_token"] for r in reports], with_seeds=False))
+        posterior = [r["posterior_nll_nats_per_token"] for r in reports]
+        zfree = mean_and_interval([r["zfree_nll_nats_per_token"] for r in reports])[0]
+        row.append(", ".join(f"{v:.2f}" for v in posterior) + f" ({zfree:.2f})")
         for source in ("encoder_kmeans", "prior_kmeans"):
             row.append(" / ".join(f"{mean_and_interval(metric(f, source))[0]:.3f}" for f in factors))
         row.append(f"{mean_and_interval(metric(factors[0], 'random'))[0]:.3f}")
