@@ -37,7 +37,7 @@ STYLE=(
 )
 $D sweep --config benchmarks/thesis/base.yaml --output-dir "$OUT/style-in-content" --seeds 0 --jobs 2 \
   --set "data.data=$OUT/data/style-in-content-train.jsonl" --eval-data "$OUT/data/style-in-content-heldout.jsonl" \
-  "${STYLE[@]:2}"
+  "${STYLE[@]:2}"  # the README's two style-in-content rows (one seed each): STYLE without its raw cell
 # style-in-echo in bf16 (the fast path on this CPU; its table is all bf16).
 $D sweep --config benchmarks/thesis/base.yaml --output-dir "$OUT/echo" --seeds 0,1,2 --jobs 2 --set dtype=bfloat16 \
   --set "data.data=$OUT/data/style-in-echo-train.jsonl" --eval-data "$OUT/data/style-in-echo-heldout.jsonl" "${STYLE[@]}" \

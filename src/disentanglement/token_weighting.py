@@ -145,8 +145,8 @@ def inverse_term_amplification(response_nll: Sequence[torch.Tensor], alpha: floa
 
     Term 5 is ``(1/c_base) mean_b (sum_t pi_inv_t l_t) / rho_b``. At ``alpha > 0``, ``pi_inv`` gathers on the
     tokens the reference finds easiest and ``rho_b`` is about their ``b_t`` over the mean, so one nearly
-    certain token's NLL can weigh thousands of times its share: a rise of 0.01 nats there costs
-    ``0.01 * amplification / c_base``. At ``alpha = 0`` it is ``1 / n_b``, the token's plain share (``rho_b = 1``).
+    certain token's NLL can weigh thousands of times its share: a rise of 0.01 nats there adds
+    ``0.01 * amplification / c_base`` to that example's term (the batch mean divides it by ``B``). At ``alpha = 0`` it is ``1 / n_b``, the token's plain share (``rho_b = 1``).
     """
     if not response_nll:
         return torch.zeros(0, dtype=torch.float64)

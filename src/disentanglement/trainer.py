@@ -790,7 +790,8 @@ def _zfree_reference_scale(
 def _warn_term5_amplification(config: RunConfig, train_cache: FeatureCache | None, c_base: float) -> None:
     """Warn when term 5 (the inverse-surprisal ablation) weighs single tokens' NLL by 100 or more (median over
     the training examples): it is then ill-conditioned, and a small change at a token the reference is sure
-    of can make the loss jump (on ``two-factor`` at alpha 2, median 2,400: one seed of three diverged)."""
+    of can make the loss jump (on ``two-factor`` at alpha 2, median 2,400: one seed of three diverged).
+    Measured on the z-free surprisal only: with another ``token_weight_source`` it says nothing."""
     rcfg = config.reconstruction
     if rcfg.normalized_inverse_surprisal_token_weighted_weight <= 0 or train_cache is None:
         return
@@ -801,9 +802,9 @@ def _warn_term5_amplification(config: RunConfig, train_cache: FeatureCache | Non
     if median >= 100:
         logger.warning(
             "term 5 (normalized_inverse_surprisal_token_weighted_weight) at token_weight_alpha %g weighs one "
-            "token's NLL by up to %.0f (median over the training examples; max %.0f): a rise of 0.01 nats "
-            "there costs %.2g nats of loss (c_base %.2f), so training may diverge. It is an ablation; a "
-            "smaller alpha or a larger token_weight_eps tames it.",
+            "token's NLL by a median of %.0f times its plain share over the training examples (max %.0f): a "
+            "rise of 0.01 nats there adds %.2g nats to that example's loss (c_base %.2f), so training may "
+            "diverge. It is an ablation; a smaller alpha or a larger token_weight_eps tames it.",
             rcfg.token_weight_alpha,
             median,
             float(amplification.max()),
