@@ -217,6 +217,21 @@ def test_two_factor_report_through_run_eval(discrete_run, tmp_path):
     assert summary.count("| assignment | NMI | ARI | homogeneity | completeness |") == 2
 
 
+def test_the_summary_warns_when_the_latent_makes_the_decoder_worse_than_no_latent(discrete_report):
+    import copy
+
+    report = copy.deepcopy(discrete_report[0])
+    if report["zfree_gain_nats_per_token"] >= 0:  # the fixture's latent helps: no warning
+        assert not [line for line in eval_summary_lines(report) if line.startswith("warning:")]
+    report["zfree_gain_nats_per_token"] = -1.4835
+    report["posterior_nll_nats_per_token"], report["zfree_nll_nats_per_token"] = 2.5704, 1.0869
+    (warning,) = [line for line in eval_summary_lines(report) if line.startswith("warning:")]
+    assert "worse than the z-free model (2.5704 against 1.0869 nats/token)" in warning
+    assert "reconstruction_weight > 0" in warning
+    report["zfree_gain_nats_per_token"] = 0.0  # equal: no warning
+    assert not [line for line in eval_summary_lines(report) if line.startswith("warning:")]
+
+
 def test_discrete_bounds_are_consistent(discrete_report):
     report, _, _ = discrete_report
     iw = report["iw_nll"]

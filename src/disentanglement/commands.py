@@ -557,6 +557,15 @@ def eval_summary_lines(report: dict) -> list[str]:
         f"{report['prior_mixture']['method']} over {report['prior_mixture']['latents']} latents",
         f"z-free gain:  {report['zfree_gain_nats_per_token']:+.4f} nats/token "
         f"(token-weighted {report['token_weighted_zfree_gain_nats_per_token']:+.4f})",
+    ]
+    if report["zfree_gain_nats_per_token"] < 0:  # seen with term 3 alone: its unweighted tokens drift
+        lines.append(
+            f"warning: under its posterior latent the decoder is worse than the z-free model "
+            f"({report['posterior_nll_nats_per_token']:.4f} against {report['zfree_nll_nats_per_token']:.4f} "
+            "nats/token): the objective leaves tokens it does not weight free to drift (term 3 or 4 without "
+            "term 1); reconstruction_weight > 0 holds them"
+        )
+    lines += [
         f"IW NLL:       {report['iw_nll']['nats_per_token']:.4f} nats/token, perplexity "
         f"{report['iw_nll']['perplexity']:.3f}; KL {report['kl']['total']:.4f}; MI {report['mutual_information']:.4f}",
     ]
