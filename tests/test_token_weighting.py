@@ -14,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from disentanglement.cvae_base import WeightingParams
+from disentanglement.features import FeatureCache
 from disentanglement.token_weighting import (
     TokenWeighting,
     align_to_conditioned,
@@ -568,8 +570,20 @@ def _plain_amplification(b: list[float], alpha: float, eps: float = 1e-6) -> flo
     return max(pi_inv) / rho
 
 
+def _cache(examples) -> FeatureCache:
+    """A feature cache holding only these responses' b_t (the features are placeholders)."""
+    return FeatureCache(
+        [torch.as_tensor(b, dtype=torch.float32) for b in examples],
+        torch.zeros(len(examples), 1),
+        torch.zeros(len(examples), 2),
+    )
+
+
+def inverse_term_amplification(examples, alpha: float, eps: float = 1e-6) -> torch.Tensor:
+    return _cache(examples).inverse_term_amplification(WeightingParams("surprisal", alpha, eps, 1.0))
+
+
 def test_inverse_term_amplification_by_hand():
-    from disentanglement.token_weighting import inverse_term_amplification
 
     examples = [
         [1.0, 1e-3],
@@ -599,8 +613,8 @@ def test_the_trainer_warns_when_term5_is_ill_conditioned(caplog):
     from disentanglement.config import RunConfig
     from disentanglement.trainer import _warn_term5_amplification
 
-    class Cache:
-        response_nll = [torch.tensor([3.0, 1e-3, 2.0])] * 5  # max pi_inv / rho of about 1,700 each
+    def Cache() -> FeatureCache:
+        return _cache([[3.0, 1e-3, 2.0]] * 5)  # max pi_inv / rho of about 1,700 each
 
     def config(weight: float, alpha: float, source: str = "surprisal") -> RunConfig:
         base = RunConfig()

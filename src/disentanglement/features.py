@@ -136,6 +136,24 @@ class FeatureCache:
             )
         return self._weightings[key]
 
+    def inverse_term_amplification(self, params: WeightingParams) -> torch.Tensor:
+        """Per example, the largest factor by which term 5 multiplies one token's NLL: ``max_t pi_inv_t / rho_b``,
+        ``[E]``, from the weighting of ``params`` (:meth:`response_weighting`, so the entry training uses).
+
+        Term 5 is ``(1/c_base) mean_b (sum_t pi_inv_t l_t) / rho_b``. At ``alpha > 0``, ``pi_inv`` gathers on
+        the tokens the reference finds easiest and ``rho_b`` is about their ``b_t`` over the mean, so one
+        nearly certain token's NLL can weigh thousands of times its share: a rise of 0.01 nats there adds
+        ``0.01 * amplification / c_base`` to that example's term (the batch mean divides it by ``B``). At
+        ``alpha = 0`` it is ``1 / n_b``, the token's plain share (``rho_b = 1``).
+        """
+        if not len(self):
+            return torch.zeros(0, dtype=torch.float64)
+        tokens, statistics = self.response_weighting(params)
+        lengths = [len(n) for n in self.response_nll]
+        largest = torch.stack([pi_inv.max() for pi_inv in tokens[:, 2].split(lengths)])  # max_t pi_inv_t, [E]
+        rho = statistics[:, _WEIGHTING_STATISTICS.index("inverse_token_base_scale_factor")]
+        return (largest / rho).double()
+
     def _place(self, per_token: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Rows of ``per_token`` (``[sum_b n_b, ...]``, one per response token in example order) placed at
         the z-free positions of ``batch`` that predict them: ``[B, T-1, ...]``, zero elsewhere."""

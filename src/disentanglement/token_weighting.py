@@ -20,7 +20,6 @@ Beyond the seed (DESIGN.md section 8), two options change ``pi`` and ``pi_inv``;
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -137,27 +136,6 @@ def token_weighting_from_base_nll(
         token_concentration_factor=cast(kappa),
         inverse_token_base_scale_factor=cast(rho),
     )
-
-
-def inverse_term_amplification(response_nll: Sequence[torch.Tensor], alpha: float, eps: float = 1e-6) -> torch.Tensor:
-    """Per example, the largest factor by which term 5 multiplies one token's NLL: ``max_t pi_inv_t / rho_b``,
-    ``[E]`` float64, from each example's z-free ``b_t`` (``response_nll``, one ``[n_b]`` tensor per example).
-
-    Term 5 is ``(1/c_base) mean_b (sum_t pi_inv_t l_t) / rho_b``. At ``alpha > 0``, ``pi_inv`` gathers on the
-    tokens the reference finds easiest and ``rho_b`` is about their ``b_t`` over the mean, so one nearly
-    certain token's NLL can weigh thousands of times its share: a rise of 0.01 nats there adds
-    ``0.01 * amplification / c_base`` to that example's term (the batch mean divides it by ``B``). At ``alpha = 0`` it is ``1 / n_b``, the token's plain share (``rho_b = 1``).
-    """
-    if not response_nll:
-        return torch.zeros(0, dtype=torch.float64)
-    lengths = [len(b) for b in response_nll]
-    base = torch.zeros(len(response_nll), max(lengths), dtype=torch.float64)
-    mask = torch.zeros_like(base, dtype=torch.bool)
-    for i, b in enumerate(response_nll):
-        base[i, : len(b)] = b.detach().double()
-        mask[i, : len(b)] = True
-    weighting = token_weighting_from_base_nll(base, mask, alpha, eps)
-    return weighting.inverse_token_weights.amax(dim=1) / weighting.inverse_token_base_scale_factor
 
 
 def align_to_conditioned(

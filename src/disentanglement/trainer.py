@@ -63,13 +63,12 @@ from .checkpoints import (
     set_rng_state,
 )
 from .config import ConfigError, RunConfig, TrainConfig
-from .cvae_base import CVAEBase, FrozenFeatures
+from .cvae_base import CVAEBase, FrozenFeatures, WeightingParams
 from .data import Example, collate, limit_examples, load_pairs, split_train_validation, tokenize_pairs
 from .features import FeatureCache, batch_features, feature_fingerprint, load_or_build_feature_cache
 from .losses import estimate_zfree_reference_scale
 from .models import build_cvae
 from .reference import eval_mode
-from .token_weighting import inverse_term_amplification
 
 __all__ = [  # checkpoint I/O lives in checkpoints.py; these names stay importable from here
     "DataOrder",
@@ -797,7 +796,10 @@ def _warn_term5_amplification(config: RunConfig, train_cache: FeatureCache | Non
         return
     if rcfg.token_weight_source != "surprisal" or rcfg.token_weight_alpha == 0:
         return
-    amplification = inverse_term_amplification(train_cache.response_nll, rcfg.token_weight_alpha, rcfg.token_weight_eps)
+    params = WeightingParams(
+        "surprisal", rcfg.token_weight_alpha, rcfg.token_weight_eps, rcfg.token_weight_interpolation
+    )
+    amplification = train_cache.inverse_term_amplification(params)
     median = float(amplification.median())
     if median >= 100:
         logger.warning(
