@@ -103,3 +103,24 @@ def test_step_clock_without_a_start_times_from_the_second_step(peers, monkeypatc
     assert summary["timed_steps"] == 3
     assert summary["step_ms"] == 2000.0
     assert summary["tokens_per_s"] == pytest.approx((6 + 7 + 8) / 6)
+
+
+SETTINGS = {"rows": 400, "steps": 120, "batch_size": 8, "warmup": 3, "seed": 0, "threads": 1}
+
+
+def test_reuse_takes_a_result_measured_with_the_same_settings(peers, tmp_path):
+    path = tmp_path / "result-peft.json"
+    path.write_text(json.dumps(dict(FAKE["peft"], settings=SETTINGS)))
+    result = peers.reused_result(path, dict(SETTINGS))
+    assert result["reused"] is True
+    assert result["step_ms"] == FAKE["peft"]["step_ms"]
+
+
+def test_reuse_refuses_a_result_of_other_settings_naming_the_file_and_field(peers, tmp_path):
+    path = tmp_path / "result-peft.json"
+    path.write_text(json.dumps(dict(FAKE["peft"], settings=dict(SETTINGS, steps=20))))
+    with pytest.raises(SystemExit, match=r"result-peft\.json.*differs in steps"):
+        peers.reused_result(path, SETTINGS)
+    path.write_text(json.dumps(FAKE["peft"]))  # written before results recorded their settings
+    with pytest.raises(SystemExit, match="records none"):
+        peers.reused_result(path, SETTINGS)

@@ -465,8 +465,29 @@ def _subprocess_result(command: list[str], result_path: Path, log_path: Path, en
     return result
 
 
+def reused_result(result_path: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """An earlier call's result file for ``--reuse``, refused unless it was measured with the same settings."""
+    result = json.loads(result_path.read_text())
+    earlier = result.get("settings") or {}
+    if earlier != settings:
+        differ = sorted(k for k in settings.keys() | earlier.keys() if earlier.get(k) != settings.get(k))
+        raise SystemExit(
+            f"{result_path}: --reuse needs a result measured with the same settings; "
+            + (f"it differs in {', '.join(differ)} (file {earlier}, now {settings})" if earlier else "it records none")
+        )
+    return dict(result, reused=True)
+
+
 def run_all(args: argparse.Namespace) -> None:
     start = time.perf_counter()
+    settings = {
+        "rows": args.rows,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "warmup": args.warmup,
+        "seed": args.seed,
+        "threads": args.threads,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     data, model_dir = prepare(args.out, args.rows, args.seed)
     write_plan(args.out, data, model_dir, args.steps, args.batch_size, args.seed)
@@ -496,7 +517,7 @@ def run_all(args: argparse.Namespace) -> None:
         result_path = args.out / f"result-{system}.json"
         log_path = args.out / f"log-{system}.txt"
         if system in args.reuse.split(",") and result_path.exists():  # a result of an earlier call, same settings
-            results[system] = dict(json.loads(result_path.read_text()), reused=True)
+            results[system] = reused_result(result_path, settings)
             continue
         if system == "langvae":
             if not langvae_python.exists():
@@ -507,18 +528,13 @@ def run_all(args: argparse.Namespace) -> None:
             command = [sys.executable, str(Path(__file__).resolve()), system, *common, "--result", str(result_path)]
         print(f"[peers] {system} ...", file=sys.stderr, flush=True)
         results[system] = _subprocess_result(command, result_path, log_path, env)
+        if result_path.exists():  # what --reuse checks
+            result_path.write_text(json.dumps(dict(results[system], settings=settings)) + "\n")
         print(f"[peers] {system}: {json.dumps(results[system])}", file=sys.stderr, flush=True)
     wall = time.perf_counter() - start
     extra = {
         "goals": goals(results),
-        "settings": {
-            "rows": args.rows,
-            "steps": args.steps,
-            "batch_size": args.batch_size,
-            "warmup": args.warmup,
-            "seed": args.seed,
-            "threads": args.threads,
-        },
+        "settings": settings,
         "details": results,
         "wall_s": round(wall, 1),
     }

@@ -6,7 +6,8 @@
 #
 # Makes LangVAE's own venv (benchmarks/peers/.venv-langvae, gitignored) the first time: langvae 0.6.13 pins
 # transformers 4.48.0 and pythae 0.1.2, so it cannot share the project's venv; torch is pinned to the project's
-# 2.13.0 (CPU) so that pip does not pull a CUDA build. Then runs peers.py in the project's venv, one thread,
+# 2.13.0 (CPU) so that pip does not pull a CUDA build, and everything else to langvae-constraints.txt (the versions
+# the table in benchmarks/README.md was measured with). Then runs peers.py in the project's venv, one thread,
 # pinned to one core (TASKSET_CPUS, default 0). Not in CI.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -15,7 +16,7 @@ python="${PYTHON:-$root/.venv/bin/python}"
 venv="$here/.venv-langvae"
 if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import langvae" 2>/dev/null; then
   "${BASE_PYTHON:-python3}" -m venv "$venv"
-  "$venv/bin/pip" install --quiet "torch==2.13.0" "langvae==0.6.13"
+  "$venv/bin/pip" install --quiet -c "$here/langvae-constraints.txt" "torch==2.13.0" "langvae==0.6.13"
 fi
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}"
