@@ -53,6 +53,30 @@ def test_markdown_table_has_a_row_per_system_with_the_measurements(peers):
     assert len(table) == 6
 
 
+def test_markdown_table_puts_each_systems_own_kmeans_baseline_beside_its_nmi(peers):
+    results = {
+        "langvae": dict(FAKE["langvae"], baselines_nmi={"A": {"encoder_kmeans": 0.0003}, "B": {"encoder_kmeans": 1.0}}),
+        "peft": FAKE["peft"],
+        "ours-discrete": dict(
+            FAKE["ours-discrete"],
+            baselines_nmi={
+                "A": {"encoder_kmeans": 1.0, "prior_kmeans": 0.0},
+                "B": {"encoder_kmeans": 0.0, "prior_kmeans": 0.0},
+            },
+        ),
+        "ours-continuous": dict(FAKE["peft"], nmi={"A": 0.5, "B": 0.25}),  # no baseline recorded
+    }
+    table = peers.markdown_table(results).splitlines()
+    assert table[0] == (
+        "| system | step ms (median) | tokens/s | peak RSS MiB | NMI A | A: k-means of its features | NMI B"
+        " | B: k-means of its features | NLL nats/token |"
+    )
+    assert table[2] == "| langvae | 19,509 | 8 | 2,488 | 0.002 | 0.000 | 1.000 | 1.000 | 12.070 |"
+    assert table[3] == "| peft | 1,338 | 124 | 2,280 | no latent | – | no latent | – | 3.278 |"
+    assert table[4] == "| ours-discrete | 1,200 | 130 | 2,100 | 0.900 | 1.000 | 0.100 | 0.000 | 1.500 |"
+    assert table[5] == "| ours-continuous | 1,338 | 124 | 2,280 | 0.500 | – | 0.250 | – | 3.278 |"
+
+
 def test_final_json_is_keyed_by_measurement_then_system(peers):
     line = peers.final_json(FAKE, {"wall_s": 12.0})
     assert "\n" not in line

@@ -153,9 +153,14 @@ def markdown_table(results: dict[str, dict]) -> str:
     """The per-system measurements as a Markdown table (one row per system, in the given order).
 
     ``results[system]`` holds ``step_ms``, ``tokens_per_s``, ``peak_mib``, ``nmi`` (``{factor: NMI}``,
-    or None for a system without a latent) and ``nll``, or ``unavailable`` (the reason) and nothing else."""
+    or None for a system without a latent) and ``nll``, or ``unavailable`` (the reason) and nothing else;
+    where some system has ``baselines_nmi`` (``{factor: {"encoder_kmeans": NMI}}``: k-means of the frozen
+    features its encoder reads, no training), a "k-means" column per factor sits beside its NMI column."""
     factors = factor_names(results)
-    header = ["system", "step ms (median)", "tokens/s", "peak RSS MiB"] + [f"NMI {f}" for f in factors]
+    with_baselines = any(result.get("baselines_nmi") for result in results.values())
+    header = ["system", "step ms (median)", "tokens/s", "peak RSS MiB"]
+    for f in factors:
+        header += [f"NMI {f}"] + ([f"{f}: k-means of its features"] if with_baselines else [])
     header.append("NLL nats/token")
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |"]
     for system, result in results.items():
@@ -170,7 +175,11 @@ def markdown_table(results: dict[str, dict]) -> str:
             _fmt(result.get("tokens_per_s"), 0),
             _fmt(result.get("peak_mib"), 0),
         ]
-        cells += ["no latent" if nmi is None else _fmt(nmi.get(f), 3) for f in factors]
+        baselines = result.get("baselines_nmi") or {}
+        for f in factors:
+            cells.append("no latent" if nmi is None else _fmt(nmi.get(f), 3))
+            if with_baselines:
+                cells.append(_fmt(baselines.get(f, {}).get("encoder_kmeans"), 3))
         cells.append(_fmt(result.get("nll"), 3))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
