@@ -148,3 +148,29 @@ def test_reuse_refuses_a_result_of_other_settings_naming_the_file_and_field(peer
     path.write_text(json.dumps(FAKE["peft"]))  # written before results recorded their settings
     with pytest.raises(SystemExit, match="records none"):
         peers.reused_result(path, SETTINGS)
+
+
+def test_seeds_table_lists_each_systems_latent_seed_by_seed(peers):
+    def run(seed, a, kmeans_a, nll):
+        ours = dict(FAKE["ours-discrete"], nmi={"A": a, "B": 0.0}, nll=nll)
+        ours["baselines_nmi"] = {"A": {"encoder_kmeans": kmeans_a}, "B": {"encoder_kmeans": 0.0}}
+        return {"settings": dict(SETTINGS, seed=seed), "details": {"ours-discrete": ours, "peft": FAKE["peft"]}}
+
+    second = run(1, 0.5, 1.0, 2.25)
+    second["details"]["langvae"] = FAKE["langvae"]  # run in the second call only, without a baseline
+    table = peers.seeds_table([run(0, 1.0, 1.0, 0.9), second]).splitlines()
+    assert table[0] == "seeds 0 / 1"
+    assert table[2] == (
+        "| system | NMI A | A: k-means of its features | NMI B | B: k-means of its features | NLL nats/token |"
+    )
+    assert table[4] == (
+        "| ours-discrete | 1.000 / 0.500 | 1.000 / 1.000 | 0.000 / 0.000 | 0.000 / 0.000 | 0.900 / 2.250 |"
+    )
+    assert table[5] == "| langvae | – / 0.002 | – / – | – / 1.000 | – / – | – / 12.070 |"
+    assert len(table) == 6  # peft has no latent: no row
+
+
+def test_seeds_names_a_folder_without_results(peers, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        peers.main(["seeds", str(tmp_path)])
+    assert str(tmp_path / "results.json") in capsys.readouterr().err

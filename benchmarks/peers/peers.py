@@ -18,8 +18,8 @@
      batches our trainer draws (same tokenisation, split and :class:`DataOrder`);
    * ``ours-discrete``, ``ours-continuous``: :func:`disentanglement.trainer.train` (what
      ``disentangle train`` runs) on ``benchmarks/thesis/base.yaml`` with the main job's
-     reconstruction recipe, then :func:`disentanglement.evaluation.evaluate` (what
-     ``disentangle eval RUN --data FILE`` runs) on all rows of the file;
+     reconstruction recipe, then ``disentangle eval``'s own scoring (``factor_agreements``, the
+     posterior pass) on all rows of the file;
 3. prints the Markdown table and, as its last line, one JSON object
    ``{"step_ms", "tokens_per_s", "peak_mib", "nmi", "nll", "unavailable", ...}``, each keyed by system.
 
@@ -31,8 +31,11 @@ NMI of the latent with each factor (sklearn ``normalized_mutual_info_score``; di
 code; continuous: k-means on the posterior means, as many clusters as values) and the per-token NLL
 of the responses reached (under the posterior latent for the VAEs, under the learned prompt for peft).
 
-The table-building code (:func:`markdown_table`, :func:`final_json`) imports nothing beyond the standard
-library, so ``tests/test_peers.py`` runs it in the main venv.
+``peers.py seeds DIR...`` puts the latents of several such calls (one per ``--seed``) side by side:
+per system, each factor's NMI, its k-means baseline and the NLL, seed by seed.
+
+The table-building code (:func:`markdown_table`, :func:`final_json`, :func:`seeds_table`) imports nothing
+beyond the standard library, so ``tests/test_peers.py`` runs it in the main venv.
 """
 
 from __future__ import annotations
@@ -181,6 +184,40 @@ def markdown_table(results: dict[str, dict]) -> str:
             if with_baselines:
                 cells.append(_fmt(baselines.get(f, {}).get("encoder_kmeans"), 3))
         cells.append(_fmt(result.get("nll"), 3))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def seeds_table(runs: Sequence[dict[str, Any]]) -> str:
+    """The latents of several ``all`` calls side by side: one row per system with a latent, and in each
+    cell the values of every run, in the given order (``runs``: their ``results.json``), separated by " / "."""
+    seeds = [run["settings"]["seed"] for run in runs]
+    systems = [s for s in dict.fromkeys(k for run in runs for k in run["details"]) if s != "peft"]
+    factors = factor_names({f"{i}-{s}": r for i, run in enumerate(runs) for s, r in run["details"].items()})
+
+    def cell(system: str, value) -> str:
+        out = []
+        for run in runs:
+            result = run["details"].get(system) or {"unavailable": "not run"}
+            out.append("–" if result.get("unavailable") else _fmt(value(result), 3))
+        return " / ".join(out)
+
+    header = ["system"]
+    for f in factors:
+        header += [f"NMI {f}", f"{f}: k-means of its features"]
+    header.append("NLL nats/token")
+    lines = [
+        f"seeds {' / '.join(map(str, seeds))}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "| " + " | ".join(["---"] * len(header)) + " |",
+    ]
+    for system in systems:
+        cells = [system]
+        for f in factors:
+            cells.append(cell(system, lambda r, f=f: (r.get("nmi") or {}).get(f)))
+            cells.append(cell(system, lambda r, f=f: (r.get("baselines_nmi") or {}).get(f, {}).get("encoder_kmeans")))
+        cells.append(cell(system, lambda r: r.get("nll")))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -555,7 +592,8 @@ def run_all(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["all", "peft", "ours-discrete", "ours-continuous"])
+    parser.add_argument("what", choices=["all", "seeds", "peft", "ours-discrete", "ours-continuous"])
+    parser.add_argument("dirs", nargs="*", type=Path, help="seeds: the --out folders of earlier `all` calls")
     parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -572,6 +610,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.what == "all":
         run_all(args)
+        return
+    if args.what == "seeds":
+        missing = [str(d / "results.json") for d in args.dirs if not (d / "results.json").is_file()]
+        if missing or not args.dirs:
+            parser.error(f"seeds needs the --out folders of finished `all` calls; no results.json in {missing}")
+        print(seeds_table([json.loads((d / "results.json").read_text()) for d in args.dirs]))
         return
     result = run_peft(args) if args.what == "peft" else run_ours(args, args.what.split("-")[1])
     args.result.write_text(json.dumps(result) + "\n")
