@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/step_cost.py --model tiny|embedded|config:NAME [--batch-size 8] [--repeats R] [--warmup W]
         [--threads N] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|both] [--skip-memory]
-        [--skip-scaling] [--breakdown] [--gradient-checkpointing]
+        [--skip-scaling] [--breakdown] [--gradient-checkpointing] [--peft]
     python benchmarks/step_cost.py --models config:NAME,config:NAME,... [options]
 
 ``config:NAME`` is a decoder of ``disentanglement.testing.MODEL_SHAPES[NAME]``'s shape (SmolLM2-135M, -360M,
@@ -41,6 +41,12 @@ same decoder object and the same list of batches:
     The yardstick of "the CVAE's cost grows no faster than the decoder's own forward + backward": (c)/(f).
 (g) with ``--gradient-checkpointing``: as (c), the decoder's layers checkpointed
     (``models.enable_activation_checkpointing``, on for (g)'s steps only; the decoder is shared).
+
+(t) with ``--peft``: what a user writes who wants a learned prefix alone, peft prompt tuning
+    (``PromptTuningConfig``, ``latent_tokens`` virtual tokens, on its own copy of the decoder): the
+    standard forward with ``labels`` (-100 off the response) and the full ``[B, P + T, V]`` logits, AdamW
+    at ``latent_lr`` over the virtual tokens. (c)/(t) is the issue "side by side with the peers"'s goal,
+    measured interleaved on the same batches (``benchmarks/peers/`` runs the systems one after the other).
 
 (m)/(a) and (n)/(c) are the memory placement's cost beside the prefix's: the decoder runs over ``T``
 positions instead of ``T + P`` and every layer attends to ``P`` more keys.
@@ -98,7 +104,8 @@ The frozen pass's throughput is (e)'s: the batch's real (unpadded) tokens per se
 repetitions.
 
 The last line printed is one JSON object: ``model``, ``dtype``, ``c_over_a``, ``c_over_b``, ``d_over_a``,
-``e_over_a``, ``m_over_a``, ``n_over_c``, ``c_over_f``, ``a_over_f`` (and ``g_over_c``) (ratios of medians),
+``e_over_a``, ``m_over_a``, ``n_over_c``, ``c_over_f``, ``a_over_f`` (and ``g_over_c``; with ``--peft``
+``c_over_t`` and ``b_over_t``, and their paired medians ``c_over_t_paired``, ``b_over_t_paired``) (ratios of medians),
 ``peak_mib`` (``a``-``d``, ``f``, ``m``, ``n`` (and ``g``), MiB; null with ``--skip-memory``), ``ms`` (median ms per step of every case) and ``frozen_pass_tokens_per_s``; with ``--dtype both``,
 ``{"model", "dtypes": {"float32": {...}, "bfloat16": {...}}, "float32_over_bfloat16": {"a".."e"}}``
 (paired ratios; ``a``-``f``, ``m``, ``n``). With ``--models``: a JSON list, one record per model.
@@ -141,7 +148,8 @@ from disentanglement.trainer import make_optimizer
 CASES = ("a", "b", "c", "d", "e", "f", "m", "n")
 STEP_CASES = ("a", "b", "c", "d", "f", "m", "n")
 CHECKPOINTED = "g"  # as (c) with the decoder's layers checkpointed (--gradient-checkpointing)
-MEMORY_CASES = (*CASES, CHECKPOINTED)  # what a --measure-memory subprocess can measure
+PEFT = "t"  # peft prompt tuning on a copy of the decoder (--peft)
+MEMORY_CASES = (*CASES, CHECKPOINTED, PEFT)  # what a --measure-memory subprocess can measure
 SIZE_CASES = ("f", "a", "c", "e")  # the --models table's cases (plus (g) with --gradient-checkpointing)
 DESCRIPTIONS = {
     "a": "prefix tuning: latent vector, uniform CE",
@@ -153,6 +161,7 @@ DESCRIPTIONS = {
     "g": "as (c), decoder layers checkpointed",
     "m": "as (a), latent as per-layer K/V memory",
     "n": "as (c), latent as per-layer K/V memory",
+    "t": "peft prompt tuning: labels, full logits",
 }
 TARGET_C_OVER_A = 1.10
 TARGET_C_OVER_B = 1.03
@@ -332,6 +341,29 @@ def decoder_step(decoder: nn.Module) -> Step:
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         loss.backward()
 
+    return step
+
+
+def peft_step(decoder: nn.Module, config: RunConfig) -> Step:
+    """(t): peft prompt tuning with ``config.latent.latent_tokens`` virtual tokens on a copy of ``decoder``
+    (peft wraps the model it is given; the other cases' decoder stays untouched): the standard forward with
+    ``labels`` and full logits, AdamW at ``latent_lr`` (as ``benchmarks/peers/peers.py``'s peft system)."""
+    from peft import PromptTuningConfig, TaskType, get_peft_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        peft_config = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=config.latent.latent_tokens)
+        model = get_peft_model(copy.deepcopy(decoder), peft_config)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.train.latent_lr)
+
+    def step(batch: Batch) -> None:
+        labels = batch.input_ids.masked_fill(batch.target_mask == 0, -100)
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step.model = model  # for the tests
     return step
 
 
@@ -521,6 +553,8 @@ def build_setup(
     if CHECKPOINTED in cases:
         model_g = seeded_cvae(config_c, decoder, device)
         steps[CHECKPOINTED] = checkpointed_step(cvae_step(model_g, config_c, cache), decoder)
+    if PEFT in cases:
+        steps[PEFT] = peft_step(decoder, config_b)
     if "m" in cases:
         config_m = cvae_config("b", placement="memory")
         steps["m"] = prefix_tuning_step(seeded_cvae(config_m, decoder, device), config_m)
@@ -885,6 +919,14 @@ def report(args: argparse.Namespace, setup: Setup, times: dict[str, list[float]]
             )
         )
         extra = {"g_over_c": round(g_over_c, 4)}
+    if PEFT in times:
+        paired_t = {case: paired_ratio(times[case], times[PEFT]) for case in ("b", "c")}
+        print(
+            f"beside peft prompt tuning (t): (c)/(t) = {ms['c'] / ms[PEFT]:.3f}  [{paired_t['c']:.3f}]   "
+            f"(b)/(t) = {ms['b'] / ms[PEFT]:.3f}  [{paired_t['b']:.3f}]   (<= 1: the CVAE's step is no slower)"
+        )
+        extra |= {f"{case}_over_t": round(ms[case] / ms[PEFT], 4) for case in ("b", "c")}
+        extra |= {f"{case}_over_t_paired": round(value, 4) for case, value in paired_t.items()}
     return {
         "model": args.model,
         "dtype": dtype_name(setup.dtype),
@@ -1024,6 +1066,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="auto",
         help="decoder weights (auto: as training chooses here; both: both dtypes interleaved, with paired ratios)",
     )
+    parser.add_argument(
+        "--peft", action="store_true", help="also case (t): peft prompt tuning (labels, full logits) on a copy"
+    )
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-scaling", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="also the (a) -> (h) -> (p) -> (c) ladder")
@@ -1054,7 +1099,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     started = time.perf_counter()
     n_batches = max(1, args.repeats)
-    cases = (*CASES, CHECKPOINTED) if args.gradient_checkpointing else CASES
+    cases = (*CASES, *([CHECKPOINTED] if args.gradient_checkpointing else []), *([PEFT] if args.peft else []))
     loaded = load_decoder(args, n_batches, dtypes[0] if len(dtypes) == 1 else torch.float32)
     setups = {dtype_name(d): build_setup(args, n_batches, cases, dtype=d, loaded=loaded) for d in dtypes}
     first = next(iter(setups.values()))
