@@ -44,9 +44,11 @@ same decoder object and the same list of batches:
 
 (t) with ``--peft``: what a user writes who wants a learned prefix alone, peft prompt tuning
     (``PromptTuningConfig``, ``latent_tokens`` virtual tokens, on its own copy of the decoder): the
-    standard forward with ``labels`` (-100 off the response) and the full ``[B, P + T, V]`` logits, AdamW
-    at ``latent_lr`` over the virtual tokens. (c)/(t) is the issue "side by side with the peers"'s goal,
-    measured interleaved on the same batches (``benchmarks/peers/`` runs the systems one after the other).
+    standard forward with ``labels`` (-100 off the response), the model's default ``use_cache`` and the
+    full ``[B, P + T, V]`` logits, AdamW at ``latent_lr`` over the virtual tokens. (c)/(t) is the issue
+    "side by side with the peers"'s goal, measured interleaved on the same batches (``benchmarks/peers/``
+    runs the systems one after the other); (b) and (c) read the feature cache, built before the steps,
+    which (t) does not need: (d)/(t) is the CVAE's step with its frozen pass inside.
 
 (m)/(a) and (n)/(c) are the memory placement's cost beside the prefix's: the decoder runs over ``T``
 positions instead of ``T + P`` and every layer attends to ``P`` more keys.
@@ -105,10 +107,10 @@ repetitions.
 
 The last line printed is one JSON object: ``model``, ``dtype``, ``c_over_a``, ``c_over_b``, ``d_over_a``,
 ``e_over_a``, ``m_over_a``, ``n_over_c``, ``c_over_f``, ``a_over_f`` (and ``g_over_c``; with ``--peft``
-``c_over_t`` and ``b_over_t``, and their paired medians ``c_over_t_paired``, ``b_over_t_paired``) (ratios of medians),
-``peak_mib`` (``a``-``d``, ``f``, ``m``, ``n`` (and ``g``), MiB; null with ``--skip-memory``), ``ms`` (median ms per step of every case) and ``frozen_pass_tokens_per_s``; with ``--dtype both``,
-``{"model", "dtypes": {"float32": {...}, "bfloat16": {...}}, "float32_over_bfloat16": {"a".."e"}}``
-(paired ratios; ``a``-``f``, ``m``, ``n``). With ``--models``: a JSON list, one record per model.
+``b_over_t``, ``c_over_t``, ``d_over_t`` and their paired medians ``..._paired``) (ratios of medians),
+``peak_mib`` (``a``-``d``, ``f``, ``m``, ``n`` (and ``g``, ``t``), MiB; null with ``--skip-memory``), ``ms`` (median ms per step of every case) and ``frozen_pass_tokens_per_s``; with ``--dtype both``,
+``{"model", "dtypes": {"float32": {...}, "bfloat16": {...}}, "float32_over_bfloat16": {case: ratio}}``
+(paired ratios; every case timed). With ``--models``: a JSON list, one record per model.
 """
 
 from __future__ import annotations
@@ -344,7 +346,7 @@ def decoder_step(decoder: nn.Module) -> Step:
     return step
 
 
-def peft_step(decoder: nn.Module, config: RunConfig) -> Step:
+def peft_step(decoder: nn.Module, config: RunConfig, model_b: CVAEBase) -> Step:
     """(t): peft prompt tuning with ``config.latent.latent_tokens`` virtual tokens on a copy of ``decoder``
     (peft wraps the model it is given; the other cases' decoder stays untouched): the standard forward with
     ``labels`` and full logits, AdamW at ``latent_lr`` (as ``benchmarks/peers/peers.py``'s peft system)."""
@@ -354,7 +356,11 @@ def peft_step(decoder: nn.Module, config: RunConfig) -> Step:
         torch.manual_seed(0)
         peft_config = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=config.latent.latent_tokens)
         model = get_peft_model(copy.deepcopy(decoder), peft_config)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.train.latent_lr)
+    # AdamW as peers.py's peft system, with the trainer's foreach/fused settings as the other cases
+    reference = make_optimizer(model_b, config)
+    settings = {k: reference.defaults[k] for k in ("foreach", "fused") if k in reference.defaults}
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.train.latent_lr, **settings)
 
     def step(batch: Batch) -> None:
         labels = batch.input_ids.masked_fill(batch.target_mask == 0, -100)
@@ -554,7 +560,7 @@ def build_setup(
         model_g = seeded_cvae(config_c, decoder, device)
         steps[CHECKPOINTED] = checkpointed_step(cvae_step(model_g, config_c, cache), decoder)
     if PEFT in cases:
-        steps[PEFT] = peft_step(decoder, config_b)
+        steps[PEFT] = peft_step(decoder, config_b, model_b)
     if "m" in cases:
         config_m = cvae_config("b", placement="memory")
         steps["m"] = prefix_tuning_step(seeded_cvae(config_m, decoder, device), config_m)
@@ -870,7 +876,7 @@ def peak_memory(args: argparse.Namespace, setup: Setup, cases: Sequence[str]) ->
 
 def report(args: argparse.Namespace, setup: Setup, times: dict[str, list[float]]) -> dict:
     """One dtype's table (times per case from the shared round-robin), its targets and peak memory; its summary."""
-    cases = list(times)  # CASES, and (g) with --gradient-checkpointing
+    cases = list(times)  # CASES, and (g) with --gradient-checkpointing, (t) with --peft
     ms = {case: 1000 * median(values) for case, values in times.items()}
     ratio = {case: ms[case] / ms["a"] for case in cases}
     paired = {case: paired_ratio(times[case], times["a"]) for case in cases}
@@ -920,12 +926,13 @@ def report(args: argparse.Namespace, setup: Setup, times: dict[str, list[float]]
         )
         extra = {"g_over_c": round(g_over_c, 4)}
     if PEFT in times:
-        paired_t = {case: paired_ratio(times[case], times[PEFT]) for case in ("b", "c")}
+        paired_t = {case: paired_ratio(times[case], times[PEFT]) for case in ("b", "c", "d")}
         print(
             f"beside peft prompt tuning (t): (c)/(t) = {ms['c'] / ms[PEFT]:.3f}  [{paired_t['c']:.3f}]   "
-            f"(b)/(t) = {ms['b'] / ms[PEFT]:.3f}  [{paired_t['b']:.3f}]   (<= 1: the CVAE's step is no slower)"
+            f"(b)/(t) = {ms['b'] / ms[PEFT]:.3f}  [{paired_t['b']:.3f}]   (cached features; <= 1: no slower)   "
+            f"(d)/(t) = {ms['d'] / ms[PEFT]:.3f}  [{paired_t['d']:.3f}]   (frozen pass in the step)"
         )
-        extra |= {f"{case}_over_t": round(ms[case] / ms[PEFT], 4) for case in ("b", "c")}
+        extra |= {f"{case}_over_t": round(ms[case] / ms[PEFT], 4) for case in ("b", "c", "d")}
         extra |= {f"{case}_over_t_paired": round(value, 4) for case, value in paired_t.items()}
     return {
         "model": args.model,
@@ -1094,6 +1101,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.models:
         if len(dtypes) != 1:
             parser.error("--models times one dtype: auto, float32 or bfloat16")
+        if args.peft:
+            parser.error("--peft is a case of the main table, not of --models")
         print(json.dumps(model_sizes(args, dtypes[0], repeats, warmup)))
         return
 

@@ -129,8 +129,9 @@ def test_the_checkpointed_case_checkpoints_and_then_turns_it_off():
 
 
 def test_the_peft_case_trains_only_its_virtual_tokens_on_a_copy_of_the_decoder():
-    """(t): peft prompt tuning's step is the standard forward with labels on ``[prompt][x][y]``, the loss the
-    mean cross-entropy of the response tokens; it moves the virtual tokens and nothing of the shared decoder."""
+    """(t): the loss the step itself backpropagates is the mean cross-entropy of the response tokens after
+    the virtual tokens (computed here by hand, padding included); the step moves the virtual tokens and
+    nothing of the shared decoder."""
     from disentanglement.config import build_config
     from disentanglement.data import Example, collate
 
@@ -138,25 +139,35 @@ def test_the_peft_case_trains_only_its_virtual_tokens_on_a_copy_of_the_decoder()
     decoder = testing.tiny_llama(64)
     before = {name: value.clone() for name, value in decoder.state_dict().items()}
     config = build_config({"latent_tokens": 3})
-    step = step_cost.peft_step(decoder, config)
+    model_b = step_cost.seeded_cvae(step_cost.cvae_config("b"), decoder, torch.device("cpu"))
+    step = step_cost.peft_step(decoder, config, model_b)
     model = step.model
     prompt = model.prompt_encoder["default"].embedding.weight
     assert prompt.shape == (3, decoder.config.hidden_size)
-    batch = collate([Example([5, 6, 7], [8, 9], None, "a"), Example([5, 6], [10, 11, 12], None, "b")], 0)
+    batch = collate([Example([5, 6, 7], [8, 9], None, "a"), Example([5, 6], [10, 11, 12, 13], None, "b")], 0)
+    assert not batch.attention_mask.all(), "the shorter row is padded"
     start = prompt.detach().clone()
+    losses = []
+    forward = model.forward
 
-    # the loss peft computes, by hand: the virtual tokens prepended, CE over the response tokens only
+    def recording(*args, **kwargs):  # the loss the step computes and backpropagates
+        out = forward(*args, **kwargs)
+        losses.append(out.loss.detach())
+        return out
+
+    model.forward = recording
+    step(batch)
+
+    # by hand: the virtual tokens prepended, cross-entropy over the response tokens only
     with torch.no_grad():
         embeds = torch.cat([start.expand(2, -1, -1), decoder.get_input_embeddings()(batch.input_ids)], dim=1)
         mask = torch.cat([torch.ones(2, 3, dtype=batch.attention_mask.dtype), batch.attention_mask], dim=1)
         logits = decoder(inputs_embeds=embeds, attention_mask=mask).logits[:, 3:-1]
         targets = batch.input_ids[:, 1:].masked_fill(batch.target_mask[:, 1:] == 0, -100)
         expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-        labels = batch.input_ids.masked_fill(batch.target_mask == 0, -100)
-        got = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels).loss
-    assert torch.allclose(got, expected, atol=1e-5)
+    assert int((targets != -100).sum()) == 6, "2 + 4 response tokens, no prompt or padding"
+    assert len(losses) == 1 and torch.allclose(losses[0], expected, atol=1e-5)
 
-    step(batch)
     assert not torch.equal(prompt.detach(), start), "the virtual tokens train"
     assert [n for n, p in model.named_parameters() if p.requires_grad] == ["prompt_encoder.default.embedding.weight"]
     for name, value in decoder.state_dict().items():  # the other cases' decoder is as it was
@@ -174,5 +185,11 @@ def test_the_main_table_with_peft_reports_the_cvae_step_over_peft(capsys):
     summary = json.loads(out.strip().splitlines()[-1])
     assert "t" in summary["ms"] and summary["ms"]["t"] > 0
     assert summary["c_over_t"] == pytest.approx(summary["ms"]["c"] / summary["ms"]["t"], rel=1e-3)
-    assert summary["b_over_t_paired"] > 0 and summary["c_over_t_paired"] > 0
+    assert summary["b_over_t_paired"] > 0 and summary["c_over_t_paired"] > 0 and summary["d_over_t_paired"] > 0
     assert "beside peft prompt tuning (t)" in out
+
+
+def test_peft_is_refused_with_the_models_table():
+    step_cost = load_benchmark()
+    with pytest.raises(SystemExit):
+        step_cost.main(["--models", "config:smollm2-135m", "--dtype", "float32", "--peft"])

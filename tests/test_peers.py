@@ -140,6 +140,12 @@ def test_reuse_takes_a_result_measured_with_the_same_settings(peers, tmp_path):
     assert result["step_ms"] == FAKE["peft"]["step_ms"]
 
 
+def test_a_result_file_as_run_all_writes_it_is_reusable(peers, tmp_path):
+    path = tmp_path / "result-peft.json"
+    peers.record_settings(path, FAKE["peft"], SETTINGS)
+    assert peers.reused_result(path, SETTINGS)["nll"] == FAKE["peft"]["nll"]
+
+
 def test_reuse_refuses_a_result_of_other_settings_naming_the_file_and_field(peers, tmp_path):
     path = tmp_path / "result-peft.json"
     path.write_text(json.dumps(dict(FAKE["peft"], settings=dict(SETTINGS, steps=20))))
@@ -174,3 +180,15 @@ def test_seeds_names_a_folder_without_results(peers, tmp_path, capsys):
     with pytest.raises(SystemExit):
         peers.main(["seeds", str(tmp_path)])
     assert str(tmp_path / "results.json") in capsys.readouterr().err
+
+
+def test_seeds_table_refuses_runs_that_differ_in_more_than_the_seed(peers):
+    runs = [{"settings": dict(SETTINGS, seed=seed, steps=steps), "details": {}} for seed, steps in ((0, 120), (1, 20))]
+    with pytest.raises(ValueError, match="differ in steps"):
+        peers.seeds_table(runs)
+
+
+def test_folders_are_refused_where_they_would_be_ignored(peers, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        peers.main(["all", str(tmp_path)])
+    assert "takes no folders" in capsys.readouterr().err

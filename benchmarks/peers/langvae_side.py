@@ -21,7 +21,8 @@ Afterwards, on every row: NMI with each factor of k-means on the posterior means
 of the response under the posterior mean, as LangVAE's loss computes it (its decoder's free-running
 distributions at each position, eval mode). The trivial baseline beside it is the NMI of k-means on the
 frozen mean-pooled features that the encoder head reads (``baselines_nmi``, as ours report theirs);
-``--baseline-only`` computes just that, in seconds, and stops before training.
+``--baseline-only`` computes just that, in seconds, adds it to ``--result`` (an earlier run's file keeps
+everything else) and stops before training.
 """
 
 from __future__ import annotations
@@ -100,8 +101,11 @@ def main() -> None:
         baselines = {
             f: {"encoder_kmeans": v} for f, v in kmeans_nmi(torch.cat(pooled).numpy(), labels, args.seed).items()
         }
-        if args.baseline_only:
-            args.result.write_text(json.dumps({"baselines_nmi": baselines}) + "\n")
+        if args.baseline_only:  # merged into an earlier result file, if there is one
+            earlier = json.loads(args.result.read_text()) if args.result.exists() else {}
+            if earlier:
+                earlier["baselines_from"] = "langvae_side.py --baseline-only on the same data and plan, after the run"
+            args.result.write_text(json.dumps(earlier | {"baselines_nmi": baselines}) + "\n")
             return
         model(steps[0])
     beta = frange_cycle_zero_linear(args.steps, start=0.0, stop=1.0, n_cycle=1, ratio_increase=0.25, ratio_zero=0.25)

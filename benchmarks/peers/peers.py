@@ -158,7 +158,9 @@ def markdown_table(results: dict[str, dict]) -> str:
     ``results[system]`` holds ``step_ms``, ``tokens_per_s``, ``peak_mib``, ``nmi`` (``{factor: NMI}``,
     or None for a system without a latent) and ``nll``, or ``unavailable`` (the reason) and nothing else;
     where some system has ``baselines_nmi`` (``{factor: {"encoder_kmeans": NMI}}``: k-means of the frozen
-    features its encoder reads, no training), a "k-means" column per factor sits beside its NMI column."""
+    features its encoder reads, no training), a "k-means" column per factor sits beside its NMI column.
+    Its clusters: as many as the factor has values for LangVAE and our continuous latent, as many as the
+    codes the latent uses for our discrete one (``metrics.factor_agreement``; the same when no code is dead)."""
     factors = factor_names(results)
     with_baselines = any(result.get("baselines_nmi") for result in results.values())
     header = ["system", "step ms (median)", "tokens/s", "peak RSS MiB"]
@@ -192,7 +194,15 @@ def seeds_table(runs: Sequence[dict[str, Any]]) -> str:
     """The latents of several ``all`` calls side by side: one row per system with a latent, and in each
     cell the values of every run, in the given order (``runs``: their ``results.json``), separated by " / "."""
     seeds = [run["settings"]["seed"] for run in runs]
-    systems = [s for s in dict.fromkeys(k for run in runs for k in run["details"]) if s != "peft"]
+    for run in runs[1:]:  # seeds of one experiment: everything else the same
+        differ = sorted(k for k in run["settings"] if k != "seed" and run["settings"][k] != runs[0]["settings"].get(k))
+        if differ:
+            raise ValueError(f"seeds_table: runs differ in {', '.join(differ)}, not only in the seed")
+    systems = [
+        s
+        for s in dict.fromkeys(k for run in runs for k in run["details"])
+        if any((run["details"].get(s) or {}).get("nmi") for run in runs)  # a latent somewhere (not peft)
+    ]
     factors = factor_names({f"{i}-{s}": r for i, run in enumerate(runs) for s, r in run["details"].items()})
 
     def cell(system: str, value) -> str:
@@ -511,6 +521,11 @@ def _subprocess_result(command: list[str], result_path: Path, log_path: Path, en
     return result
 
 
+def record_settings(result_path: Path, result: dict[str, Any], settings: dict[str, Any]) -> None:
+    """Write ``result`` back to its file with the settings it was measured with (what ``--reuse`` checks)."""
+    result_path.write_text(json.dumps(dict(result, settings=settings)) + "\n")
+
+
 def reused_result(result_path: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """An earlier call's result file for ``--reuse``, refused unless it was measured with the same settings."""
     result = json.loads(result_path.read_text())
@@ -558,12 +573,19 @@ def run_all(args: argparse.Namespace) -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
     env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
     langvae_python = Path(args.langvae_python)
+    systems = args.systems.split(",")
+    # every file to reuse is checked before anything runs (a mismatch must not surface an hour in)
+    reused = {
+        system: reused_result(args.out / f"result-{system}.json", settings)
+        for system in systems
+        if system in args.reuse.split(",") and (args.out / f"result-{system}.json").exists()
+    }
     results: dict[str, dict] = {}
-    for system in args.systems.split(","):
+    for system in systems:
         result_path = args.out / f"result-{system}.json"
         log_path = args.out / f"log-{system}.txt"
-        if system in args.reuse.split(",") and result_path.exists():  # a result of an earlier call, same settings
-            results[system] = reused_result(result_path, settings)
+        if system in reused:  # a result of an earlier call, same settings
+            results[system] = reused[system]
             continue
         if system == "langvae":
             if not langvae_python.exists():
@@ -574,8 +596,8 @@ def run_all(args: argparse.Namespace) -> None:
             command = [sys.executable, str(Path(__file__).resolve()), system, *common, "--result", str(result_path)]
         print(f"[peers] {system} ...", file=sys.stderr, flush=True)
         results[system] = _subprocess_result(command, result_path, log_path, env)
-        if result_path.exists():  # what --reuse checks
-            result_path.write_text(json.dumps(dict(results[system], settings=settings)) + "\n")
+        if result_path.exists():
+            record_settings(result_path, results[system], settings)
         print(f"[peers] {system}: {json.dumps(results[system])}", file=sys.stderr, flush=True)
     wall = time.perf_counter() - start
     extra = {
@@ -608,6 +630,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model-dir", type=Path)
     parser.add_argument("--result", type=Path)
     args = parser.parse_args(argv)
+    if args.dirs and args.what != "seeds":
+        parser.error(f"{args.what} takes no folders ({', '.join(map(str, args.dirs))}); use --out")
     if args.what == "all":
         run_all(args)
         return
@@ -615,7 +639,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         missing = [str(d / "results.json") for d in args.dirs if not (d / "results.json").is_file()]
         if missing or not args.dirs:
             parser.error(f"seeds needs the --out folders of finished `all` calls; no results.json in {missing}")
-        print(seeds_table([json.loads((d / "results.json").read_text()) for d in args.dirs]))
+        try:
+            print(seeds_table([json.loads((d / "results.json").read_text()) for d in args.dirs]))
+        except ValueError as error:
+            parser.error(str(error))
         return
     result = run_peft(args) if args.what == "peft" else run_ours(args, args.what.split("-")[1])
     args.result.write_text(json.dumps(result) + "\n")

@@ -14,9 +14,12 @@ here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 python="${PYTHON:-$root/.venv/bin/python}"
 venv="$here/.venv-langvae"
-if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import langvae" 2>/dev/null; then
-  "${BASE_PYTHON:-python3}" -m venv "$venv"
+# (re)installed when missing or when langvae-constraints.txt changed since the last install
+if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import langvae" 2>/dev/null \
+  || ! cmp -s "$here/langvae-constraints.txt" "$venv/installed-constraints.txt"; then
+  [[ -x "$venv/bin/python" ]] || "${BASE_PYTHON:-python3}" -m venv "$venv"
   "$venv/bin/pip" install --quiet -c "$here/langvae-constraints.txt" "torch==2.13.0" "langvae==0.6.13"
+  cp "$here/langvae-constraints.txt" "$venv/installed-constraints.txt"
 fi
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}"
