@@ -7,6 +7,7 @@
     disentangle inspect CHECKPOINT --explore [--output PAGE.html]
     disentangle encode CHECKPOINT --data ... --output latents.jsonl
     disentangle data synth NAME --output FILE.jsonl [--rows N] [--seed S]
+    disentangle export RUN --output DIR [--push-to-hub REPO]
     disentangle sweep --config base.yaml --output-dir OUT --set FIELD=V1,V2 --seeds 0,1,2 [...]
 
 Training flags are generated from the config dataclasses (``config.py``), those of eval, generate,
@@ -98,6 +99,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     if not is_main_process():
         return 0
+    _record_command(result.output_dir, getattr(args, "argv", None))
     print(f"metrics:    {result.output_dir / 'metrics.jsonl'}")
     print(f"checkpoint: {result.checkpoint}")
     print(f"c_base:     {result.zfree_reference_scale:.4f} nats/token (z-free reference scale)")
@@ -107,14 +109,30 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _record_command(run_dir: Path, argv: Sequence[str] | None) -> None:
+    """Append the command line of this ``train`` to RUN/command.txt (``export`` puts it in the model card)."""
+    if argv is None:
+        return
+    import shlex
+
+    from .export import COMMAND_FILE
+
+    try:
+        with open(Path(run_dir) / COMMAND_FILE, "a", encoding="utf-8") as handle:
+            handle.write("disentangle " + shlex.join(argv) + "\n")
+    except OSError as exc:  # the run itself is complete; the record is a convenience
+        logging.getLogger(__name__).warning("could not record the command in %s: %s", run_dir, exc)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disentangle", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_train(subparsers)
-    from . import commands, sweep, synthetic
+    from . import commands, export, sweep, synthetic
 
     commands.add_subcommands(subparsers)  # eval, generate, inspect, encode
+    export.add_export_subcommand(subparsers)
     sweep.add_sweep_subcommand(subparsers)
     synthetic.add_data_subcommand(subparsers)
     return parser
@@ -134,7 +152,9 @@ def _attach_negative_values(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_attach_negative_values(argv))
+    args.argv = argv
     from .distributed import is_main_process
 
     logging.basicConfig(  # under a launcher with several processes, the others say only what goes wrong
