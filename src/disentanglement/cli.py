@@ -30,6 +30,7 @@ from pathlib import Path
 from .config import (
     FIELDS,
     ConfigError,
+    HelpFormatter,
     add_config_arguments,
     build_config,
     config_from_namespace,
@@ -44,7 +45,7 @@ def _add_train(subparsers) -> None:
         help="train a CVAE",
         description="Train a CVAE. Flags override the --config file; the resolved config is written "
         "to OUTPUT_DIR/config.yaml.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--config", help="YAML or JSON config file (flat field names or nested by section)")
     add_config_arguments(parser)
@@ -124,8 +125,46 @@ def _record_command(run_dir: Path, argv: Sequence[str] | None) -> None:
         logging.getLogger(__name__).warning("could not record the command in %s: %s", run_dir, exc)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, except that an argument error prints a short usage (the positionals, the required
+    options and ``[options]``), the error and where the full list is, not the whole usage (74 lines for
+    ``train``). Subcommands' parsers are of this class too (``add_subparsers`` takes the parent's class)."""
+
+    def short_usage(self) -> str:
+        parts: list[str] = []
+        optional = False
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parts.append("{" + ",".join(action.choices) + "} ...")
+            elif not action.option_strings:
+                parts.append(action.metavar or action.dest.upper())
+            elif action.required:
+                parts.append(f"{action.option_strings[0]} {action.metavar or action.dest.upper()}")
+            elif action.help is not argparse.SUPPRESS:
+                optional = True
+        return "usage: " + " ".join([self.prog, *(["[options]"] if optional else []), *parts])
+
+    def parse_known_args(self, args=None, namespace=None):
+        """Other spellings of a flag (``flag_aliases``, see ``config.register_flag_aliases``) become the flag."""
+        aliases = self.__dict__.get("flag_aliases")
+        if aliases and args is not None:
+            args = list(args)
+            for i, arg in enumerate(args):
+                if arg == "--":
+                    break
+                name, eq, value = arg.partition("=")
+                if name in aliases:
+                    args[i] = aliases[name] + eq + value
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        self.exit(
+            2, f"{self.short_usage()}\n{self.prog}: error: {message}\n(`{self.prog} --help` lists every option)\n"
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="disentangle", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="disentangle", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_train(subparsers)
@@ -138,13 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_RANGE_FLAGS = ("--range", "--traverse-range", "--traverse_range")
+
+
 def _attach_negative_values(argv: Sequence[str]) -> list[str]:
     """``--range -3:3`` -> ``--range=-3:3``: argparse takes a value that starts with '-' (and is not a plain
     negative number) for an option."""
     out: list[str] = []
     for arg in argv:
-        if out and out[-1] == "--range" and arg.startswith("-") and not arg.startswith("--"):
-            out[-1] = f"--range={arg}"
+        if out and out[-1] in _RANGE_FLAGS and arg.startswith("-") and not arg.startswith("--"):
+            out[-1] = f"{out[-1]}={arg}"
         else:
             out.append(arg)
     return out
@@ -162,14 +204,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    from .trainer import TrainingDiverged
-
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         return _fail(args, exc, 2)
-    except TrainingDiverged as exc:
-        return _fail(args, exc, 3)
+    except RuntimeError as exc:
+        # trainer (torch, transformers: seconds to import) is looked up only if loaded: `data synth --list`
+        # and the other light commands never import it, and then it raised nothing
+        trainer = sys.modules.get(f"{__package__}.trainer")
+        if trainer is not None and isinstance(exc, trainer.TrainingDiverged):
+            return _fail(args, exc, 3)
+        raise
     except OSError as exc:  # disk full, read-only or vanished files: the message names the file
         return _fail(args, exc, 4)
 
