@@ -273,3 +273,29 @@ def test_state_dict_hash_matches_its_definition():
     assert state_dict_sha256({**state, "a.count": torch.tensor([3, 0])}) != state_dict_sha256(state)
     assert state_dict_sha256({"z": state["b.weight"]}) != state_dict_sha256({"y": state["b.weight"]})
     assert state_dict_sha256({"z": state["b.weight"].double()}) != state_dict_sha256({"z": state["b.weight"]})
+
+
+def test_train_records_its_command_and_the_card_shows_it(discrete_run, monkeypatch, tmp_path):
+    import shutil
+    import types
+
+    from disentanglement import trainer
+
+    run = tmp_path / "run"
+    shutil.copytree(discrete_run.run_dir, run, ignore=shutil.ignore_patterns("feature_cache"))
+    fake = types.SimpleNamespace(
+        output_dir=run, checkpoint=None, zfree_reference_scale=1.0, last_metrics={}, final_step=0
+    )
+    monkeypatch.setattr(trainer, "train", lambda config: fake)
+    argv = ["train", "--output-dir", str(run), "--token-weighted-weight", "1", "--max-steps", "3"]
+    assert main(argv) == 0
+    assert main(argv[:3]) == 0  # a second invocation (a resume) is appended
+    recorded = (run / "command.txt").read_text().splitlines()
+    assert recorded == [
+        f"disentangle train --output-dir {run} --token-weighted-weight 1 --max-steps 3",
+        f"disentangle train --output-dir {run}",
+    ]
+    out = export_run(run, tmp_path / "export", model_and_tokenizer=model_and_tokenizer())
+    assert json.loads((out / "export.json").read_text())["commands"]["train"] == recorded
+    card = (out / "README.md").read_text()
+    assert f"```sh\n{recorded[0]}\n{recorded[1]}\ndisentangle export " in card

@@ -4,7 +4,10 @@ Every field carries its help text in ``metadata``; the command-line flags are ge
 fields (``--field-name``), except the flags that the seed notes fix (``flag`` in metadata), so a
 field cannot lack its flag. A YAML or JSON file holds a whole config, either flat (keys are the
 field names) or nested by section (``reconstruction: {token_weight_alpha: 1.0}``); flags
-override the file. Validation runs on construction and names the field, the value and the range:
+override the file. Field names and flag names are interchangeable: a config key, a sweep's ``--set`` or
+``--cell`` may name a field by its flag (``token-weighted-reconstruction-weight`` for
+``token_weighted_weight``), and a flag may be spelled as its field's name (``--token-weighted-weight``,
+``--token_weighted_weight``); see :data:`FIELD_ALIASES` and :func:`register_flag_aliases`. Validation runs on construction and names the field, the value and the range:
 every value is first checked against its field's type hint (a bool must be a real ``true``/``false``,
 not the string ``"false"``; an int is not a bool or 1.5; a float accepts ints; a ``list[str]`` is a
 list of strings, not one string), then against its range. A config file may not give a key twice
