@@ -700,8 +700,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: list[str] | 
             kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             help_text = f.metadata["help"]
-            # the default once: a help text that already states its default keeps its own words
-            kwargs["help"] = help_text if "default" in help_text.lower() else f"{help_text} (default: {default})"
+            # the default once: a help text that already states its default keeps its own words; None says nothing
+            stated = "default" in help_text.lower() or default is None
+            kwargs["help"] = help_text if stated else f"{help_text} (default: {default})"
             choices = [c for c in literal_values(hint) if c is not None]
             alias, hidden = flag_spellings(f.name, field_flag(f))
             if alias:
