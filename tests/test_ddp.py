@@ -199,6 +199,7 @@ def test_only_the_main_process_writes(two_processes):
     assert sorted(p.name for p in run_dir.iterdir()) == [
         ".lock",
         "checkpoints",
+        "command.txt",  # the main process's record of the train command line (for export's model card)
         "config.yaml",
         "data_stats.json",
         "feature_cache",

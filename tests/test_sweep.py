@@ -187,10 +187,20 @@ def test_sweep_command_line(tmp_path, data_file, monkeypatch, capsys):
     assert "2 cells x 1 seeds = 2 runs" in printed and "| base,beta=0.01 |" in printed
     assert cli.main(["sweep", "--output-dir", str(out), "--set", "betta=1"]) == 2
     assert "unknown config field 'betta'" in capsys.readouterr().err
+    # issue 23: a base config that sets seed or output_dir (configs/default.yaml does) is accepted, and the sweep
+    # says it overrides them (it was refused: "sets 'seed'"); the same sweep, so both runs are read back
     seeded = tmp_path / "seeded.yaml"
-    seeded.write_text(yaml.safe_dump(dict(BASE, seed=3)))
-    assert cli.main(["sweep", "--config", str(seeded), "--output-dir", str(tmp_path / "x")]) == 2
-    assert "sets 'seed'" in capsys.readouterr().err
+    seeded.write_text(yaml.safe_dump(dict(BASE, data=str(data_file), seed=3, output_dir="runs/elsewhere")))
+    argv = ["sweep", "--config", str(seeded), "--output-dir", str(out), "--seeds", "0", "--set", "kl.beta=0.01,0.02"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"sweep: the base config {seeded} sets output_dir='runs/elsewhere', seed=3" in printed  # as in the file
+    assert "overriding them" in printed
+    assert "sweep: run 1 of 2: base,beta=0.01 seed 0 (done before" in printed
+    assert "sweep: run 2 of 2: base,beta=0.02 seed 0 (done before" in printed
+    # a flag's name works as a field name in --set and --cell
+    spec = sweep.build_spec({}, ["t token-weighted-reconstruction-weight=1"], ["token_weighted_reconstruction_alpha=2"])
+    assert spec.cells == {"t": {"token_weighted_weight": 1}} and spec.base == {"token_weight_alpha": 2}
 
 
 def test_a_single_valued_set_is_a_setting_of_every_cell():

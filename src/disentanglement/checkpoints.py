@@ -94,8 +94,14 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def resolve_run(checkpoint: str | Path) -> tuple[Path, Path]:
-    """``(checkpoint_dir, run_dir)`` of a checkpoint directory or a run directory (its latest checkpoint)."""
+    """``(checkpoint_dir, run_dir)`` of a checkpoint directory or a run directory (its latest checkpoint), or
+    ``(path, path)`` of an export directory (``export.py``; an incomplete one is an ``ExportError``)."""
     path = Path(checkpoint)
+    from .export import check_export, has_export_marker
+
+    if has_export_marker(path):  # an export directory (export.py) is its own run directory
+        check_export(path)
+        return path, path
     if (path / "checkpoints").is_dir():
         found = latest_checkpoint(path)
         if found is None:
@@ -585,7 +591,9 @@ def load_trainable_weights(model, checkpoint: Path) -> None:
 
 
 def load_trained(checkpoint: str | Path, model_and_tokenizer: tuple[Any, Any] | None = None, device: Any = "cpu"):
-    """Rebuild a trained CVAE from a checkpoint or run directory: ``(model, tokenizer, config, trainer_state)``.
+    """Rebuild a trained CVAE from a checkpoint, run or export directory: ``(model, tokenizer, config,
+    trainer_state)``. An export refuses a base decoder whose weights do not hash to its record
+    (``export.verify_base_model``).
 
     The decoder is loaded (on the CPU) in the dtype its config resolves to for ``device``, where the caller
     will run it: ``dtype: auto`` is bf16 on CUDA whatever the CPU supports, as in training.
@@ -618,6 +626,10 @@ def load_trained(checkpoint: str | Path, model_and_tokenizer: tuple[Any, Any] | 
         )
     else:
         decoder, tokenizer = model_and_tokenizer
+    from .export import has_export_marker, verify_base_model
+
+    if has_export_marker(checkpoint_dir):  # the base model's weights must be the ones the export was trained on
+        verify_base_model(checkpoint_dir, decoder)
     model = build_cvae(config, decoder)
     apply_trainable_weights(model, contents.model_state, checkpoint_dir)
     model.zfree_reference_scale = float(contents.trainer_state["zfree_reference_scale"])

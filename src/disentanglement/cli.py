@@ -7,6 +7,7 @@
     disentangle inspect CHECKPOINT --explore [--output PAGE.html]
     disentangle encode CHECKPOINT --data ... --output latents.jsonl
     disentangle data synth NAME --output FILE.jsonl [--rows N] [--seed S]
+    disentangle export RUN --output DIR [--push-to-hub REPO]
     disentangle sweep --config base.yaml --output-dir OUT --set FIELD=V1,V2 --seeds 0,1,2 [...]
 
 Training flags are generated from the config dataclasses (``config.py``), those of eval, generate,
@@ -29,6 +30,7 @@ from pathlib import Path
 from .config import (
     FIELDS,
     ConfigError,
+    HelpFormatter,
     add_config_arguments,
     build_config,
     config_from_namespace,
@@ -43,7 +45,7 @@ def _add_train(subparsers) -> None:
         help="train a CVAE",
         description="Train a CVAE. Flags override the --config file; the resolved config is written "
         "to OUTPUT_DIR/config.yaml.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--config", help="YAML or JSON config file (flat field names or nested by section)")
     add_config_arguments(parser)
@@ -98,6 +100,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     if not is_main_process():
         return 0
+    _record_command(result.output_dir, getattr(args, "argv", None))
     print(f"metrics:    {result.output_dir / 'metrics.jsonl'}")
     print(f"checkpoint: {result.checkpoint}")
     print(f"c_base:     {result.zfree_reference_scale:.4f} nats/token (z-free reference scale)")
@@ -107,17 +110,74 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _record_command(run_dir: Path, argv: Sequence[str] | None) -> None:
+    """Append the command line of this ``train`` to RUN/command.txt (``export`` puts it in the model card)."""
+    if argv is None:
+        return
+    import shlex
+
+    from .export import COMMAND_FILE
+
+    try:
+        with open(Path(run_dir) / COMMAND_FILE, "a", encoding="utf-8") as handle:
+            handle.write("disentangle " + shlex.join(argv) + "\n")
+    except OSError as exc:  # the run itself is complete; the record is a convenience
+        logging.getLogger(__name__).warning("could not record the command in %s: %s", run_dir, exc)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, except that an argument error prints a short usage (the positionals, the required
+    options and ``[options]``), the error and where the full list is, not the whole usage (74 lines for
+    ``train``). Subcommands' parsers are of this class too (``add_subparsers`` takes the parent's class)."""
+
+    def short_usage(self) -> str:
+        parts: list[str] = []
+        optional = False
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parts.append("{" + ",".join(action.choices) + "} ...")
+            elif not action.option_strings:
+                parts.append(action.metavar or action.dest.upper())
+            elif action.required:
+                parts.append(f"{action.option_strings[0]} {action.metavar or action.dest.upper()}")
+            elif action.help is not argparse.SUPPRESS:
+                optional = True
+        return "usage: " + " ".join([self.prog, *(["[options]"] if optional else []), *parts])
+
+    def parse_known_args(self, args=None, namespace=None):
+        """Other spellings of a flag (``flag_aliases``, see ``config.register_flag_aliases``) become the flag."""
+        aliases = self.__dict__.get("flag_aliases")
+        if aliases and args is not None:
+            args = list(args)
+            for i, arg in enumerate(args):
+                if arg == "--":
+                    break
+                name, eq, value = arg.partition("=")
+                if name in aliases:
+                    args[i] = aliases[name] + eq + value
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        self.exit(
+            2, f"{self.short_usage()}\n{self.prog}: error: {message}\n(`{self.prog} --help` lists every option)\n"
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="disentangle", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="disentangle", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_train(subparsers)
-    from . import commands, sweep, synthetic
+    from . import commands, export, sweep, synthetic
 
     commands.add_subcommands(subparsers)  # eval, generate, inspect, encode
+    export.add_export_subcommand(subparsers)
     sweep.add_sweep_subcommand(subparsers)
     synthetic.add_data_subcommand(subparsers)
     return parser
+
+
+_RANGE_FLAGS = ("--range", "--traverse-range", "--traverse_range")
 
 
 def _attach_negative_values(argv: Sequence[str]) -> list[str]:
@@ -125,8 +185,8 @@ def _attach_negative_values(argv: Sequence[str]) -> list[str]:
     negative number) for an option."""
     out: list[str] = []
     for arg in argv:
-        if out and out[-1] == "--range" and arg.startswith("-") and not arg.startswith("--"):
-            out[-1] = f"--range={arg}"
+        if out and out[-1] in _RANGE_FLAGS and arg.startswith("-") and not arg.startswith("--"):
+            out[-1] = f"{out[-1]}={arg}"
         else:
             out.append(arg)
     return out
@@ -134,7 +194,9 @@ def _attach_negative_values(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_attach_negative_values(argv))
+    args.argv = argv
     from .distributed import is_main_process
 
     logging.basicConfig(  # under a launcher with several processes, the others say only what goes wrong
@@ -142,14 +204,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    from .trainer import TrainingDiverged
-
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         return _fail(args, exc, 2)
-    except TrainingDiverged as exc:
-        return _fail(args, exc, 3)
+    except RuntimeError as exc:
+        # trainer (torch, transformers: seconds to import) is looked up only if loaded: `data synth --list`
+        # and the other light commands never import it, and then it raised nothing
+        trainer = sys.modules.get(f"{__package__}.trainer")
+        if trainer is not None and isinstance(exc, trainer.TrainingDiverged):
+            return _fail(args, exc, 3)
+        raise
     except OSError as exc:  # disk full, read-only or vanished files: the message names the file
         return _fail(args, exc, 4)
 

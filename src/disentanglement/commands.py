@@ -41,7 +41,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .config import Scoring, base_type, field_flag, literal_values, option
+from .config import (
+    HelpFormatter,
+    Scoring,
+    base_type,
+    field_flag,
+    flag_metavar,
+    flag_spellings,
+    literal_values,
+    option,
+    register_flag_aliases,
+)
 
 if TYPE_CHECKING:  # the heavy modules (torch, transformers) load when a command runs, not for --help
     from .config import RunConfig
@@ -221,8 +231,14 @@ def add_option_arguments(
             choices = [c for c in literal_values(hint) if c is not None]
             if choices:
                 kwargs["choices"] = choices
+            if not choices:
+                kwargs["metavar"] = flag_metavar(field_flag(f))  # named after the flag, not the field
         kwargs.update(extra)
+        alias, hidden = flag_spellings(f.name, field_flag(f))
         target.add_argument(field_flag(f), **kwargs)
+        # the field's name works as a flag too (--traverse-range for --range; accepted, not listed)
+        negatable = kwargs.get("action") is argparse.BooleanOptionalAction
+        register_flag_aliases(parser, field_flag(f), [alias, *hidden], negatable=negatable)
 
 
 def options_from(cls: type, args: argparse.Namespace) -> Any:
@@ -398,6 +414,7 @@ class GenerateOptions(CheckpointOptions):
     top_p: float = option(0.9, "nucleus sampling mass", group=_SAMPLING)
     max_new_tokens: int = option(64, "new tokens per response at most", group=_SAMPLING)
     batch_size: int = option(16, "rows per generate call (left-padded)")
+    progress: bool = option(True, "a progress bar over the responses")
     output: str | None = option(None, "write the generations and diversity as JSON here")
     json: bool = option(False, "print JSON instead of the text table")
 
@@ -431,6 +448,7 @@ class GenerateOptions(CheckpointOptions):
             "traverse",
             "traverse_range",
             "code_examples",
+            "progress",
         )
         return {**{name: getattr(self, name) for name in names}, "sampling": self.sampling()}
 
@@ -451,7 +469,7 @@ def _add_checkpoint(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_subcommand(subparsers, name: str, func, descriptions: dict[str, str] | None = None, **kwargs: Any) -> None:
-    parser = subparsers.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+    parser = subparsers.add_parser(name, formatter_class=HelpFormatter, **kwargs)
     _add_checkpoint(parser)
     add_option_arguments(parser, SUBCOMMAND_OPTIONS[name], descriptions)
     parser.set_defaults(func=func)
@@ -542,6 +560,7 @@ def run_eval(
             prior_latents=options.generation_latents,
             seed=options.seed,
             batch_size=options.batch_size,
+            progress=options.progress,
         )
     _write_json(json_path, report)
     md_path = write_markdown_summary(report, json_path.with_suffix(".md"))

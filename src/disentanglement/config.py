@@ -4,7 +4,10 @@ Every field carries its help text in ``metadata``; the command-line flags are ge
 fields (``--field-name``), except the flags that the seed notes fix (``flag`` in metadata), so a
 field cannot lack its flag. A YAML or JSON file holds a whole config, either flat (keys are the
 field names) or nested by section (``reconstruction: {token_weight_alpha: 1.0}``); flags
-override the file. Validation runs on construction and names the field, the value and the range:
+override the file. Field names and flag names are interchangeable: a config key, a sweep's ``--set`` or
+``--cell`` may name a field by its flag (``token-weighted-reconstruction-weight`` for
+``token_weighted_weight``), and a flag may be spelled as its field's name (``--token-weighted-weight``,
+``--token_weighted_weight``); see :data:`FIELD_ALIASES` and :func:`register_flag_aliases`. Validation runs on construction and names the field, the value and the range:
 every value is first checked against its field's type hint (a bool must be a real ``true``/``false``,
 not the string ``"false"``; an int is not a bool or 1.5; a float accepts ints; a ``list[str]`` is a
 list of strings, not one string), then against its range. A config file may not give a key twice
@@ -379,7 +382,9 @@ class ModelConfig:
         None, "Where a dequantised GGUF is cached as safetensors (default: ~/.cache/disentanglement)."
     )
     decoder_training: Literal["frozen", "lora", "full"] = option(
-        "frozen", "Decoder weights: frozen; LoRA adapters (reference = adapters off); or all (reference = frozen copy)."
+        "frozen",
+        "Decoder weights: 'frozen'; 'lora' = LoRA adapters train (reference = adapters off); or 'full' = every "
+        "decoder weight trains (reference = a frozen copy).",
     )
     lora_r: int = option(8, "LoRA rank.")
     lora_alpha: float = option(16.0, "LoRA scaling alpha.")
@@ -567,6 +572,21 @@ def field_flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
 
 
+def flag_spellings(name: str, flag: str) -> tuple[str | None, list[str]]:
+    """The other option strings of a field named ``name`` whose flag is ``flag``: ``(alias, hidden)``.
+
+    ``alias`` is ``--field-name`` where that differs from the flag (``--token-weighted-weight`` beside
+    ``--token-weighted-reconstruction-weight``; the help text names it), else None; ``hidden`` (accepted, not
+    listed in ``--help``) are the flag and the alias with underscores (``--token_weighted_weight``). So a config
+    field's name works as a flag (:func:`register_flag_aliases`), and a flag's name as a config key
+    (:data:`FIELD_ALIASES`)."""
+    dashed = "--" + name.replace("_", "-")
+    alias = dashed if dashed != flag else None
+    spelled = [flag] + ([alias] if alias else [])
+    hidden = [s for s in dict.fromkeys("--" + t[2:].replace("-", "_") for t in spelled) if s not in spelled]
+    return alias, hidden
+
+
 def _field_index() -> dict[str, tuple[str, dataclasses.Field]]:
     index: dict[str, tuple[str, dataclasses.Field]] = {}
     for section, cls in SECTIONS.items():
@@ -577,6 +597,39 @@ def _field_index() -> dict[str, tuple[str, dataclasses.Field]]:
 
 
 FIELDS = _field_index()
+
+
+def _alias_index() -> dict[str, str]:
+    """Every accepted spelling of a config field -> its name: the name, the flag without its dashes, and each
+    with ``-`` for ``_`` and the other way round (``token-weighted-reconstruction-weight`` -> ``token_weighted_weight``)."""
+    aliases: dict[str, str] = {}
+    for name, (_, f) in FIELDS.items():
+        flag = field_flag(f)[2:]
+        for spelling in (name, name.replace("_", "-"), flag, flag.replace("-", "_")):
+            assert aliases.get(spelling, name) == name, f"{spelling!r} names two config fields"
+            aliases[spelling] = name
+    return aliases
+
+
+#: Spelling (field name or flag name, with ``_`` or ``-``) -> config field name.
+FIELD_ALIASES = _alias_index()
+
+
+def canonical_field(key: Any) -> str | None:
+    """The config field that ``key`` names (a field name or a flag's name, with or without the leading ``--``,
+    with ``_`` or ``-``), or None."""
+    if not isinstance(key, str):
+        return None
+    return FIELD_ALIASES.get(key[2:] if key.startswith("--") else key)
+
+
+def unknown_field_message(key: Any) -> str:
+    """``unknown config field 'x'`` with the closest field names, if any."""
+    import difflib
+
+    close = difflib.get_close_matches(str(key).lstrip("-"), list(FIELD_ALIASES), n=3, cutoff=0.75)
+    names = list(dict.fromkeys(FIELD_ALIASES[c] for c in close))
+    return f"unknown config field {key!r}" + (f" (did you mean {' or '.join(map(repr, names))}?)" if names else "")
 
 
 def base_type(hint: Any) -> Any:
@@ -591,6 +644,42 @@ def base_type(hint: Any) -> Any:
 
 def _optional(text: str, cast: Any) -> Any:
     return None if text.lower() in ("none", "null") else cast(text)
+
+
+def register_flag_aliases(
+    parser: argparse.ArgumentParser, flag: str, aliases: list[str | None], negatable: bool = False
+) -> None:
+    """Record other spellings of ``flag`` in ``parser.flag_aliases`` (with ``--no-`` forms when ``negatable``);
+    ``cli.ArgumentParser`` rewrites them to ``flag`` before parsing (they are not actions of their own, so
+    ``--help`` and the parser's actions list each flag once)."""
+    table = parser.__dict__.setdefault("flag_aliases", {})
+    for alias in filter(None, aliases):
+        pairs = [(alias, flag)] + ([("--no-" + alias[2:], "--no-" + flag[2:])] if negatable else [])
+        for spelled, target in pairs:
+            assert table.get(spelled, target) == target, f"{spelled} would stand for two flags"
+            table[spelled] = target
+
+
+def flag_metavar(flag: str) -> str:
+    """``--token-weighted-reconstruction-weight`` -> ``TOKEN_WEIGHTED_RECONSTRUCTION_WEIGHT``."""
+    return flag.lstrip("-").replace("-", "_").upper()
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each default printed once: not appended to a help text that already states one, and not for a
+    default that says nothing (None, False); lines are not broken inside a hyphenated flag name."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        # not inside a flag's name: "--token-weighted-weight" stays on one line
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "default" in help_text.lower() or action.default is None or action.default is False:
+            return help_text
+        return super()._get_help_string(action)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, sections: list[str] | None = None) -> None:
@@ -610,19 +699,28 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: list[str] | 
             optional = type(None) in typing.get_args(hint)
             kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kwargs["help"] = f"{f.metadata['help']} (default: {default})"
+            help_text = f.metadata["help"]
+            # the default once: a help text that already states its default keeps its own words; None says nothing
+            stated = "default" in help_text.lower() or default is None
+            kwargs["help"] = help_text if stated else f"{help_text} (default: {default})"
             choices = [c for c in literal_values(hint) if c is not None]
+            alias, hidden = flag_spellings(f.name, field_flag(f))
+            if alias:
+                kwargs["help"] += f" Also {alias}."
             if base is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif typing.get_origin(base) is list:
                 kwargs["nargs"] = "+"
+                kwargs["metavar"] = flag_metavar(field_flag(f))
             else:
                 cast = base if base in (int, float, str) else str
                 kwargs["type"] = (lambda text, c=cast: _optional(text, c)) if optional else cast
-                kwargs["metavar"] = f.name.upper()
-                if choices:
+                if choices:  # listed in --help and the usage as {a,b,c}
                     kwargs["choices"] = choices
+                else:
+                    kwargs["metavar"] = flag_metavar(field_flag(f))
             group.add_argument(field_flag(f), **kwargs)
+            register_flag_aliases(parser, field_flag(f), [alias, *hidden], negatable=base is bool)
 
 
 class _DuplicateKey(Exception):
@@ -721,30 +819,40 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     for key, value in raw.items():
         if key in SECTIONS and isinstance(value, dict):
             for sub_key, sub_value in value.items():
-                if sub_key not in FIELDS or FIELDS[sub_key][0] != key:
+                name = canonical_field(sub_key)  # a field's name or its flag's, with - or _
+                if name is None or FIELDS[name][0] != key:
                     raise ConfigError(f"config file {path}: unknown key {key}.{sub_key}")
-                put(sub_key, sub_value, f"{key}.{sub_key}")
-        elif key in FIELDS:
-            put(key, value, key)
+                put(name, sub_value, f"{key}.{sub_key}")
+        elif canonical_field(key) is not None:
+            put(canonical_field(key), value, key)
         elif key in SECTIONS:
             raise ConfigError(
                 f"config file {path}: section {key!r} must be a mapping of its field names to values, "
                 f"got {value!r} ({type(value).__name__})"
             )
         else:
-            raise ConfigError(f"config file {path}: unknown key {key!r} (expected a field name or section)")
+            raise ConfigError(
+                f"config file {path}: {unknown_field_message(key).replace('config field', 'key')} "
+                "(expected a field name, a flag name or a section)"
+            )
     return flat
 
 
 def build_config(values: dict[str, Any] | None = None) -> RunConfig:
-    """A validated :class:`RunConfig` from flat ``{field: value}`` (unknown keys are an error)."""
+    """A validated :class:`RunConfig` from flat ``{field: value}`` (unknown keys are an error). A key may be a
+    field's name or its flag's (``token-weighted-reconstruction-weight``), with ``-`` or ``_``."""
     values = dict(values or {})
     per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    spelled: dict[str, Any] = {}
     for key, value in values.items():
-        if key not in FIELDS:
-            raise ConfigError(f"unknown config field {key!r}")
-        section, _ = FIELDS[key]
-        per_section[section][key] = value
+        name = canonical_field(key)
+        if name is None:
+            raise ConfigError(unknown_field_message(key))
+        if name in spelled:
+            raise ConfigError(f"config field {name!r} is given twice (as {spelled[name]!r} and as {key!r})", field=name)
+        spelled[name] = key
+        section, _ = FIELDS[name]
+        per_section[section][name] = value
     return RunConfig(**{s: SECTIONS[s](**kw) for s, kw in per_section.items()})
 
 

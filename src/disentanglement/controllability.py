@@ -288,8 +288,10 @@ def controllability(
     prior_latents: int = 8,
     seed: int = 0,
     batch_size: int = 16,
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """The controllability report of a model on held-out data (see the module docstring).
+    """The controllability report of a model on held-out data (see the module docstring); ``progress`` shows
+    a progress bar over the generations.
 
     ``examples`` and ``cache`` are the evaluated data and its frozen-pass features (as for
     ``evaluation.evaluate``), ``pairs`` their raw pairs (same order; the prompts' texts). Returns a JSON-able
@@ -322,7 +324,7 @@ def controllability(
         targets = _targets(model, features, latents, factors, prior_latents)
         vectors = torch.stack([t["vector"] for t in targets])  # [G, L]
         rows = [prompt_ids[t["prompt"]] for t in targets]
-        texts = generate_texts(model, tokenizer, rows, vectors, sampling, batch_size)
+        texts = generate_texts(model, tokenizer, rows, vectors, sampling, batch_size, progress)
         generated = generated_examples(tokenizer, config, [prompts[t["prompt"]] for t in targets], texts)
         encoded = reencode(model, generated, pad, batch_size)
         prior_mu = None if discrete else model.prior(features)[0].cpu()

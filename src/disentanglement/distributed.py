@@ -9,9 +9,10 @@ exactly what they were before multi-process support existed.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads when a collective runs: the command line asks is_main_process before dispatch
+    import torch
 
 
 def launched_processes() -> int:
@@ -61,6 +62,8 @@ def broadcast_(state, tensors: list[torch.Tensor]) -> None:
     """Overwrite ``tensors`` in place, on every process, with the main process's values."""
     if state is None or state.num_processes == 1:
         return
+    import torch
+
     for tensor in tensors:
         tensor.data.copy_(_on_backend(state, torch.distributed.broadcast, tensor.data.clone(), src=0))
 
@@ -69,6 +72,8 @@ def all_reduce_max_(state, tensor: torch.Tensor) -> None:
     """The element-wise maximum over the processes, in place."""
     if state is None or state.num_processes == 1:
         return
+    import torch
+
     tensor.copy_(_on_backend(state, torch.distributed.all_reduce, tensor.clone(), op=torch.distributed.ReduceOp.MAX))
 
 

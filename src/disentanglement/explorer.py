@@ -286,6 +286,7 @@ def explore(
                 vectors.repeat_interleave(len(prompts), dim=0),
                 sampling,
                 batch_size=batch_size,
+                progress=progress,
             )
 
     shown: dict[int, int] = {}  # row index -> position in the page's examples

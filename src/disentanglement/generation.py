@@ -206,15 +206,20 @@ def generate_texts(
     vectors: torch.Tensor,
     sampling: SamplingOptions,
     batch_size: int = 16,
+    progress: bool = False,
 ) -> list[str]:
-    """One response per row (``prompt_ids[r]`` under latent ``vectors[r]``), new tokens only.
+    """One response per row (``prompt_ids[r]`` under latent ``vectors[r]``), new tokens only; with ``progress``
+    a progress bar (stderr) counts the responses.
 
     Uses the global torch generator for sampling (the caller seeds it).
     """
+    from tqdm.auto import tqdm
+
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
     texts: list[str] = []
-    with eval_mode(model):
+    bar = tqdm(total=len(prompt_ids), desc="generate", unit="response", disable=not progress)
+    with eval_mode(model), bar:
         for start in range(0, len(prompt_ids), batch_size):
             chunk = list(prompt_ids[start : start + batch_size])
             chunk_vectors = vectors[start : start + batch_size]
@@ -232,6 +237,7 @@ def generate_texts(
             for row in out.tolist():
                 cut = next((i for i, t in enumerate(row) if t in eos), len(row))
                 texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+            bar.update(len(chunk))
     return texts
 
 
@@ -487,8 +493,9 @@ def _steering_plan(
         for offset in offsets:
             z = steered.clone()
             z[traverse] = steered[traverse] + offset
-            label = f"{name} dim{traverse}{offset:+.2f}"
-            description = {**common, "dim": traverse, "offset": offset, "value": float(z[traverse]), "z": z_list(z)}
+            value = float(z[traverse])
+            label = f"{name} dim{traverse}{offset:+.2f} (z[{traverse}]={value:+.3f})"  # the offset and the value
+            description = {**common, "dim": traverse, "offset": offset, "value": value, "z": z_list(z)}
             choices.append(LatentChoice(p, label, description, z))
     return choices
 
@@ -645,8 +652,10 @@ def generate(
     code_examples: int = 0,
     sampling: SamplingOptions | None = None,
     batch_size: int = 16,
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Generate responses to ``prompts`` under chosen latents (see the module docstring).
+    """Generate responses to ``prompts`` under chosen latents (see the module docstring); ``progress`` shows a
+    progress bar over the responses.
 
     ``latents`` is an encode file's path, its :class:`encode.LatentRows` or its rows; ``row``,
     ``attributes`` and ``code_examples`` need it. Example (a notebook)::
@@ -702,6 +711,8 @@ def generate(
             )
             for choice in choices:
                 choice.description.update(steering.row_description)
+                if steering.row_value is not None:  # the output names the row
+                    choice.label = f"row {row} {choice.label}"
         elif mode in STEERING_MODES:
             row_mu = None if steering.row_value is None else torch.tensor(steering.row_value)
             choices = _steering_plan(
@@ -720,7 +731,7 @@ def generate(
         rows = [(c, s) for c in choices for s in range(repeats)]
         vectors = torch.stack([c.vector for c, _ in rows])
         texts = generate_texts(
-            model, tokenizer, [prompt_ids[c.prompt_index] for c, _ in rows], vectors, sampling, batch_size
+            model, tokenizer, [prompt_ids[c.prompt_index] for c, _ in rows], vectors, sampling, batch_size, progress
         )
     generations = [
         {
@@ -765,6 +776,15 @@ def generate(
 def format_generations(result: dict[str, Any]) -> str:
     """A readable text table: per prompt, one line per latent and sample, then the diversity."""
     lines: list[str] = []
+    if result.get("row") is not None:
+        described = next(
+            (g["latent_description"] for g in result["generations"] if "row_source" in g["latent_description"]), {}
+        )
+        source = f" ({described['row_source']})" if described.get("row_source") else ""
+        lines += [f"latent of row {result['row']} of {result.get('latents')}{source}", ""]
+    if result.get("traverse"):
+        t = result["traverse"]
+        lines += [f"traversal of dimension {t['dim']}: offsets {', '.join(f'{o:+g}' for o in t['offsets'])}", ""]
     for p, prompt in enumerate(result["prompts"]):
         rows = [g for g in result["generations"] if g["prompt_index"] == p]
         labels = [g["latent"] + (f" #{g['sample']}" if g["sample"] else "") for g in rows]

@@ -43,7 +43,7 @@ from typing import Any
 
 import yaml
 
-from .config import FIELDS, ConfigError, build_config, read_config_file
+from .config import FIELDS, ConfigError, build_config, canonical_field, read_config_file, unknown_field_message
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +79,12 @@ def parse_value(text: str) -> Any:
 
 
 def field_name(key: str) -> str:
-    """``kl.beta`` or ``beta`` -> ``beta`` (checked against the config's fields and sections)."""
-    section, _, name = key.rpartition(".")
-    if name not in FIELDS:
-        raise ConfigError(f"sweep: unknown config field {key!r}")
+    """``kl.beta`` or ``beta`` -> ``beta``; a flag's name works too (``token-weighted-reconstruction-weight`` ->
+    ``token_weighted_weight``); checked against the config's fields and sections."""
+    section, _, spelled = key.rpartition(".")
+    name = canonical_field(spelled)  # a field's name or its flag's (token-weighted-reconstruction-weight)
+    if name is None:
+        raise ConfigError(f"sweep: {unknown_field_message(key)}")
     if section and FIELDS[name][0] != section:
         raise ConfigError(f"sweep: {key!r}: field {name!r} is in section {FIELDS[name][0]!r}, not {section!r}")
     if name in RESERVED:
@@ -136,7 +138,7 @@ class SweepSpec:
         values = dict(self.base, **self.cells[cell])
         values.update(
             seed=seed,
-            output_dir=str(output_dir / "runs" / cell / f"seed-{seed}"),
+            output_dir=str(spec_run_dir(output_dir, cell, seed)),
             feature_cache_dir=str(output_dir / "feature_cache" / f"seed-{seed}"),
             progress=False,
         )
@@ -255,19 +257,32 @@ def _run_in_process(args: tuple) -> tuple[str, int, dict[str, float]]:
     return cell, seed, run_one(spec, cell, seed, output_dir, model_factory, threads)
 
 
+def spec_run_dir(output_dir: Path, cell: str, seed: int) -> Path:
+    """The run directory of one (cell, seed) (as :meth:`SweepSpec.config` sets it)."""
+    return Path(output_dir) / "runs" / cell / f"seed-{seed}"
+
+
 def run_sweep(
     spec: SweepSpec,
     output_dir: str | Path,
     jobs: int = 1,
     model_factory: Callable[[], tuple[Any, Any]] | None = None,
+    say: Callable[[str], None] = lambda line: print(line, flush=True),
 ) -> list[dict[str, Any]]:
-    """Run every (cell, seed) not yet done; write sweep.csv, sweep.md, sweep.png; return the CSV rows."""
+    """Run every (cell, seed) not yet done; write sweep.csv, sweep.md, sweep.png; return the CSV rows.
+    ``say`` gets a "run k of N" line as each run starts (one process) or finishes (``jobs`` > 1)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     _check_or_write_spec(spec, output_dir / "sweep.json")
     results: dict[tuple[str, int], dict[str, float]] = {}
+    total = len(spec.runs())
     if jobs <= 1:
-        for cell, seed in spec.runs():
+        for k, (cell, seed) in enumerate(spec.runs(), start=1):
+            done = (spec_run_dir(output_dir, cell, seed) / "eval" / "sweep_eval.json").is_file()
+            say(
+                f"sweep: run {k} of {total}: {cell} seed {seed}"
+                + (" (done before: its report is read)" if done else "")
+            )
             results[cell, seed] = run_one(spec, cell, seed, output_dir, model_factory)
     else:
         import multiprocessing
@@ -276,8 +291,10 @@ def run_sweep(
         threads = max(1, (os.cpu_count() or 1) // jobs)
         work = [(spec, cell, seed, output_dir, model_factory, threads) for cell, seed in spec.runs()]
         context = multiprocessing.get_context("spawn")
+        say(f"sweep: {total} runs, {jobs} at a time")
         with ProcessPoolExecutor(jobs, mp_context=context, initializer=_die_with_parent) as pool:
-            for cell, seed, flat in pool.map(_run_in_process, work):
+            for k, (cell, seed, flat) in enumerate(pool.map(_run_in_process, work), start=1):
+                say(f"sweep: run {k} of {total} finished: {cell} seed {seed}")
                 results[cell, seed] = flat
     rows = []
     for cell, seed in spec.runs():
@@ -430,6 +447,12 @@ def add_sweep_subcommand(subparsers) -> None:
     parser.set_defaults(func=_sweep_main)
 
 
+def without_reserved(base: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(base without the fields the sweep sets itself, those fields' values in base)``: a base config may set
+    ``seed`` or ``output_dir`` (``configs/default.yaml`` does); the sweep overrides them."""
+    return {k: v for k, v in base.items() if k not in RESERVED}, {k: v for k, v in base.items() if k in RESERVED}
+
+
 def _sweep_main(args: argparse.Namespace) -> int:
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -438,9 +461,12 @@ def _sweep_main(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     base = read_config_file(args.config) if args.config else {}
-    for name in RESERVED:
-        if name in base:
-            raise ConfigError(f"sweep: the base config sets {name!r}, which the sweep sets itself; remove it")
+    base, overridden = without_reserved(base)
+    if overridden:
+        print(
+            f"sweep: the base config {args.config} sets {', '.join(f'{k}={v!r}' for k, v in overridden.items())}; "
+            "the sweep sets these itself (--seeds, --output-dir): overriding them"
+        )
     spec = build_spec(
         base, args.cell, args.set, seeds, eval_data=args.eval_data, eval_max_examples=args.eval_max_examples
     )
