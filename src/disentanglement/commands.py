@@ -166,11 +166,12 @@ def _slug(data: str | None) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
 
-def _write_json(path: str | Path, obj: Any) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=1, allow_nan=False, default=str) + "\n")
-    return path
+def _write_json(path: str | Path, obj: Any, root: str | Path | None = None) -> Path:
+    """``obj`` as JSON at ``path``, never through a symbolic link (:func:`safe_io.write_json`; ``root``: the
+    run directory when the path is the command's default inside it, whose folders must be real)."""
+    from .safe_io import write_json
+
+    return write_json(path, obj, root, indent=1, default=str)
 
 
 # --------------------------------------------------------------------------- options
@@ -493,6 +494,10 @@ def run_eval(
         Path(options.output) if options.output is not None else run_dir / "eval" / f"eval_{_slug(options.data)}.json"
     )
     check_writable_target(json_path, "--output")
+    if options.output is None:  # RUN/eval must be a real folder of the run, not a link to elsewhere
+        from .safe_io import ensure_dir
+
+        ensure_dir(json_path.parent, run_dir)
     # Under ``accelerate launch --num_processes N`` the frozen pass and the scoring are shared out among
     # the processes and gathered; the main process alone writes the report.
     from . import distributed, trainer
@@ -543,7 +548,7 @@ def run_eval(
             seed=options.seed,
             batch_size=options.batch_size,
         )
-    _write_json(json_path, report)
+    _write_json(json_path, report, root=run_dir if options.output is None else None)
     md_path = write_markdown_summary(report, json_path.with_suffix(".md"))
     return report, json_path, md_path
 
@@ -677,6 +682,7 @@ def run_inspect(
     """
     from .features import build_feature_cache
     from .inspection import write_example_report, write_run_plots
+    from .safe_io import ensure_dir
 
     options = _with(InspectOptions, options, overrides)
     # options first, before the model loads (the upper bound of --index needs the examples)
@@ -695,6 +701,8 @@ def run_inspect(
         raise ValueError(f"--output-dir {options.output_dir} exists and is not a directory")
     check_data_option(checkpoint, options.data)
     check_writable_target(options.output_dir or resolve_run(checkpoint)[1] / "inspect", "--output-dir", directory=True)
+    if options.output_dir is None:  # RUN/inspect must be a real folder of the run, not a link to elsewhere
+        ensure_dir(resolve_run(checkpoint)[1] / "inspect", resolve_run(checkpoint)[1])
     model, tokenizer, config, state, checkpoint_dir, run_dir = load_checkpoint(
         checkpoint, model_and_tokenizer, options.device
     )

@@ -777,4 +777,6 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 
 def write_run_config(config: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    from .safe_io import atomic_write
+
+    atomic_write(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

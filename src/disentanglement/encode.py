@@ -260,13 +260,16 @@ def _parquet_bytes(rows: list[dict[str, Any]]) -> bytes:
 def write_rows(rows: list[dict[str, Any]], output: str | Path) -> Path:
     """Write ``rows`` as JSON lines or Parquet (by the suffix), to a temporary file then renamed."""
     from .checkpoints import replace_file_durably
+    from .safe_io import first_nonfinite, json_text
 
     path = _check_output(output)
+    bad = next((found for found in map(first_nonfinite, rows) if found), None)
+    if bad:  # Parquet would store NaN silently; JSON cannot hold it: refused for both
+        raise ValueError(f"{path}: not written: {bad} (a non-finite result: the model or the data produced NaN)")
     if path.suffix.lower() == ".parquet":
         data = _parquet_bytes(rows)
     else:
-        data = "".join(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n" for row in rows).encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
+        data = "".join(json_text(row, path, ensure_ascii=False) + "\n" for row in rows).encode()
     replace_file_durably(path, data)
     return path
 

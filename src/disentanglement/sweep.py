@@ -29,6 +29,7 @@ import argparse
 import csv
 import dataclasses
 import fnmatch
+import io
 import itertools
 import json
 import logging
@@ -44,6 +45,7 @@ from typing import Any
 import yaml
 
 from .config import FIELDS, ConfigError, build_config, read_config_file
+from .safe_io import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +289,7 @@ def run_sweep(
         rows.append(row)
     write_csv(rows, output_dir / "sweep.csv")
     summary = summarise(rows, list(spec.cells))
-    (output_dir / "sweep.md").write_text(summary_markdown(summary, spec))
+    atomic_write(output_dir / "sweep.md", summary_markdown(summary, spec))
     plot_summary(summary, output_dir / "sweep.png")
     return rows
 
@@ -308,7 +310,7 @@ def _check_or_write_spec(spec: SweepSpec, path: Path) -> None:
         clash = [c for c in stored["cells"] if c in current["cells"] and stored["cells"][c] != current["cells"][c]]
         if clash:
             raise ConfigError(f"{path}: cells {clash} had other settings in the earlier sweep; rename them")
-    path.write_text(json.dumps(current, indent=1, default=str) + "\n")
+    atomic_write(path, json.dumps(current, indent=1, default=str) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -319,10 +321,11 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
     keys: list[str] = []
     for row in rows:
         keys.extend(k for k in row if k not in keys)
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
+    handle = io.StringIO(newline="")
+    writer = csv.DictWriter(handle, fieldnames=keys)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(path, handle.getvalue())
 
 
 def mean_and_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, int]:
@@ -403,7 +406,9 @@ def plot_summary(summary: dict[str, dict[str, tuple[float, float, int]]], path: 
         axis.set_title(key, fontsize=8)
         axis.grid(axis="x", alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    from .report import save_figure
+
+    save_figure(figure, path, dpi=110)
     return path
 
 
