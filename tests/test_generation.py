@@ -493,7 +493,7 @@ def test_latent_file_errors(discrete, continuous, discrete_latents, continuous_l
         (dict(latents=d_path, row=0, codes="1"), "both fix the codes"),
         (dict(latents=d_path, attributes=["1:1"]), "--attribute needs a continuous model"),
         (dict(traverse=0), "--traverse needs a continuous model"),
-        (dict(code_examples=1), "need --latents FILE"),
+        (dict(code_examples=1), "--code-examples needs --latents FILE"),  # was "need" (grammar fixed)
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

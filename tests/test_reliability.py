@@ -472,3 +472,212 @@ def test_parameter_norms_match_an_independent_computation():
     assert trainer.parameter_norms(state) == {"encoder": 5.0, "latent": 3.0, "decoder": 13.0}
     assert trainer.norm_jump({"latent": 100.0}, {"latent": 0.5}) is None  # 100 x max(1, 0.5)
     assert "latent 301 against 3 before" in trainer.norm_jump({"latent": 301.0}, {"latent": 3.0})
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. options accepted and ignored or misread
+
+
+@pytest.mark.parametrize("flags", [["--codes", "0"], ["--slot", "0"], ["--all-combinations"]])
+def test_generate_on_a_continuous_checkpoint_refuses_code_options(tiny_run, loader, capsys, flags):
+    err = fails(["generate", str(tiny_run), "--prompt", "hi", "--max-new-tokens", "2", *flags], capsys)
+    assert f"{flags[0]}: an option of a discrete model (codes); this checkpoint is continuous" in err
+
+
+def test_a_posterior_of_another_codebook_size_is_refused():
+    from types import SimpleNamespace
+
+    from disentanglement.encode import code_examples
+
+    model = SimpleNamespace(is_discrete=True, num_slots=1, codebook_size=4)
+    rows = [{"codes": [1], "posterior": [[0.5, 0.5]], "response": "a"}]
+    with pytest.raises(ValueError, match=r"row 0: 'posterior' of slot 0 must have 4 probabilities .* got 2 entries"):
+        code_examples(model, rows, 0, 1, 1)
+    with pytest.raises(ValueError, match=r"row 0: 'posterior' must be 1 list\(s\) of 4 probabilities"):
+        code_examples(model, [{"codes": [1], "posterior": [[0.5] * 4, [0.5] * 4]}], 0, 1, 1)
+    with pytest.raises(ValueError, match=r"holds 1.5; expected probabilities in \[0, 1\]"):
+        code_examples(model, [{"codes": [1], "posterior": [[0, 1.5, 0, 0]]}], 0, 1, 1)
+    good = code_examples(model, [{"codes": [1], "posterior": [[0.1, 0.7, 0.1, 0.1]], "response": "a"}], 0, 1, 1)
+    assert good["examples"][0]["probability"] == 0.7
+
+
+def test_integer_and_string_labels_that_would_merge_are_refused(tmp_path):
+    from disentanglement.data import DataError, load_jsonl
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        '{"prompt": "p", "response": "r", "label": 1}\n{"prompt": "p", "response": "r", "label": "1"}\n'
+        '{"prompt": "p", "response": "r", "label": 2}\n{"prompt": "p", "response": "r", "label": "b"}\n'
+    )
+    with pytest.raises(
+        DataError, match=r"d\.jsonl:2: key 'label' is '1' \(a string\) but line 1 gives 1 \(an integer\)"
+    ):
+        load_jsonl(path)
+    factors = tmp_path / "f.jsonl"
+    factors.write_text(
+        '{"prompt": "p", "response": "r", "label": {"s": "3", "t": 1}}\n{"prompt": "p", "response": "r", "label": {"s": 3, "t": 1}}\n'
+    )
+    with pytest.raises(
+        DataError, match=r"f\.jsonl:2: factor 's' is 3 \(an integer\) but line 1 gives '3' \(a string\)"
+    ):
+        load_jsonl(factors)
+    # integers and strings that differ as text stay allowed (and read as text, as documented)
+    path.write_text('{"prompt": "p", "response": "r", "label": 1}\n{"prompt": "p", "response": "r", "label": "b"}\n')
+    assert [p.label for p in load_jsonl(path)] == ["1", "b"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1_0", "1_0"), ("1:30", "1:30"), ("017", 17), ("0o17", 15), ("0x1f", 31), ("1e-3", 0.001), ("2", 2), (".5", 0.5)],
+)
+def test_config_numbers_are_read_as_in_yaml_1_2(tmp_path, text, expected):
+    from disentanglement.config import read_config_file
+    from disentanglement.sweep import parse_value
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"max_steps: {text}\n")
+    value = read_config_file(path)["max_steps"]
+    assert value == expected and type(value) is type(expected)
+    assert parse_value(text) == expected and type(parse_value(text)) is type(expected)
+
+
+def test_yaml_1_0_is_refused_not_read_as_ten(tmp_path, capsys, no_model):
+    path = tmp_path / "c.yaml"
+    path.write_text("max_steps: 1_0\n")
+    err = fails(["train", "--config", str(path), "--output-dir", str(tmp_path / "run")], capsys)
+    assert "TrainConfig.max_steps must be an integer, got '1_0' (str)" in err
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. sweeps cannot fake an interval
+
+
+def sweep_fails(argv: list[str], capsys) -> str:
+    return fails(["sweep", *argv], capsys)
+
+
+@pytest.fixture
+def sweep_data(tmp_path) -> Path:
+    return write_data(tmp_path / "d.jsonl")
+
+
+def test_sweep_refuses_repeated_seeds(tmp_path, capsys, no_model):
+    err = sweep_fails(["--output-dir", str(tmp_path / "s"), "--seeds", "0,0"], capsys)
+    assert "--seeds repeats 0: a seed is one run" in err
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("sets", [["--set", "beta=0.5"], ["--set", "beta=0.5,0.7"]])
+def test_sweep_refuses_a_cell_and_a_set_of_the_same_field(tmp_path, capsys, no_model, sets):
+    err = sweep_fails(["--output-dir", str(tmp_path / "s"), "--cell", "a beta=0.1", *sets], capsys)
+    assert f"--cell 'a' sets beta=0.1 and --set beta={sets[1].split('=')[1]} sets it too" in err
+
+
+def test_sweep_checks_eval_options_before_training(tmp_path, capsys, no_model, sweep_data, monkeypatch):
+    monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("nothing may train"))
+    base = ["--output-dir", str(tmp_path / "s"), "--seeds", "0", "--set", f"data={sweep_data}"]
+    err = sweep_fails([*base, "--eval-data", str(tmp_path / "missing.jsonl")], capsys)
+    assert (
+        f"sweep: --eval-data {tmp_path / 'missing.jsonl'}: data file {tmp_path / 'missing.jsonl'} does not exist" in err
+    )
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "p"}\n')
+    err = sweep_fails([*base, "--eval-data", str(bad)], capsys)
+    assert f"sweep: --eval-data {bad}: 1 invalid line(s)" in err
+    err = sweep_fails([*base, "--eval-max-examples", "0"], capsys)
+    assert "sweep: --eval-max-examples must be an integer >= 1, got 0" in err
+
+
+def test_sweep_output_dir_that_is_a_file(tmp_path, capsys, no_model):
+    out = tmp_path / "file"
+    out.write_text("x")
+    err = sweep_fails(["--output-dir", str(out), "--seeds", "0"], capsys)
+    assert f"sweep: --output-dir {out} is a file, not a directory" in err
+
+
+def test_sweep_empty_cell(tmp_path, capsys, no_model):
+    err = sweep_fails(["--output-dir", str(tmp_path / "s"), "--cell", ""], capsys)
+    assert "sweep: --cell '' is empty: expected NAME FIELD=VALUE" in err
+
+
+@pytest.mark.parametrize(
+    ("field", "hint"),
+    [("output_dir", "--output-dir"), ("seed", "--seeds"), ("resume", "resumes an unfinished run by itself")],
+)
+def test_sweep_reserved_field_refusal_suggests_the_right_flag(tmp_path, capsys, no_model, field, hint):
+    err = sweep_fails(["--output-dir", str(tmp_path / "s"), "--set", f"{field}=x"], capsys)
+    assert f"sweep: '{field}' is set by the sweep itself (" in err and hint in err
+    if field != "seed":
+        assert "--seeds" not in err
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. clear messages, and every numeric option range-checked before the model loads
+
+
+@pytest.fixture
+def weightless_run(tmp_path) -> Path:
+    """A run directory with one checkpoint that has a trainer state and a config, and no weights."""
+    from disentanglement.config import build_config, write_run_config
+
+    data = write_data(tmp_path / "train.jsonl")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000001"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 1, "zfree_reference_scale": 1.0}))
+    write_run_config(build_config({"data": str(data), "output_dir": str(tmp_path)}), checkpoint / "config.yaml")
+    return tmp_path / "run"
+
+
+def _numeric_cases():
+    from disentanglement.commands import OPTION_RANGES, SUBCOMMAND_OPTIONS, numeric_fields
+    from disentanglement.config import field_flag
+
+    for command, cls in SUBCOMMAND_OPTIONS.items():
+        for f in numeric_fields(cls):
+            bound = OPTION_RANGES.get(f.name)
+            if bound is None:  # a numeric option without a range: the test below fails on it
+                yield pytest.param(command, field_flag(f), None, id=f"{command}-{f.name}-unchecked")
+                continue
+            bad = bound.low - 1 if not bound.low_open else bound.low
+            yield pytest.param(command, field_flag(f), bad, id=f"{command}-{f.name}")
+            if bound.high is not None:
+                yield pytest.param(command, field_flag(f), bound.high + 0.5, id=f"{command}-{f.name}-high")
+
+
+@pytest.mark.parametrize(("command", "flag", "bad"), list(_numeric_cases()))
+def test_every_numeric_option_is_range_checked_before_the_model_loads(
+    weightless_run, tmp_path, capsys, no_model, command, flag, bad
+):
+    assert bad is not None, f"{command} {flag} has no range in commands.OPTION_RANGES"
+    value = str(int(bad)) if float(bad).is_integer() else str(bad)
+    extra = {"generate": ["--prompt", "hi"], "encode": ["--output", str(tmp_path / "x.jsonl")]}.get(command, [])
+    if flag.startswith("--explore") or flag == "--clusters":
+        extra = ["--explore"]
+    err = fails([command, str(weightless_run), *extra, f"{flag}={value}"], capsys)
+    assert f"{flag} must be " in err and f"got {bad!r}" in err.replace(f"got {float(bad)!r}", f"got {bad!r}")
+
+
+def test_generate_batch_size_zero_is_a_clear_error(weightless_run, capsys, no_model):
+    err = fails(["generate", str(weightless_run), "--prompt", "hi", "--batch-size", "0"], capsys)
+    assert "--batch-size must be an integer >= 1, got 0" in err and "range()" not in err
+
+
+def test_invalid_control_character_message_reads_once(tmp_path):
+    from disentanglement.data import DataError, load_jsonl
+
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a\tb", "response": "r"}\n')
+    with pytest.raises(DataError) as error:
+        load_jsonl(path)
+    assert "invalid JSON (Invalid control character at column 14)" in str(error.value)
+    assert "at at" not in str(error.value)
+
+
+def test_row_needs_latents_reads_well():
+    from types import SimpleNamespace
+
+    from disentanglement.generation import _check_steering
+
+    model = SimpleNamespace(latent_vector_dim=4)
+    with pytest.raises(ValueError, match=r"^--row needs --latents FILE"):
+        _check_steering(model, False, "row", None, 0, [], None, None, 0)

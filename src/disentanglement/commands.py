@@ -130,6 +130,80 @@ def _check_at_least(flag: str, value: int | None, low: int, *, optional: bool = 
         raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric option accepts: ``low`` (excluded with ``low_open``) up to ``high`` (included)."""
+
+    low: float
+    high: float | None = None
+    integer: bool = True
+    low_open: bool = False
+
+    def check(self, flag: str, value: Any) -> None:
+        """A ``ValueError`` naming ``flag``, what it must be and what it got, unless ``value`` is in range."""
+        if self.integer:
+            _check_at_least(flag, value, int(self.low))
+            return
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        ok = ok and (value > self.low if self.low_open else value >= self.low)
+        ok = ok and (self.high is None or value <= self.high)
+        if not ok:
+            low = f"> {self.low:g}" if self.low_open else f">= {self.low:g}"
+            what = f"in ({self.low:g}, {self.high:g}]" if self.high is not None and self.low_open else low
+            if self.high is not None and not self.low_open:
+                what = f"in [{self.low:g}, {self.high:g}]"
+            raise ValueError(f"{flag} must be a finite number {what}, got {value!r}")
+
+
+#: The range of every numeric option of ``eval``, ``generate``, ``inspect`` and ``encode`` (by field name):
+#: :func:`check_numeric_options` checks them before any model loads; a numeric field missing here is a test
+#: failure (tests/test_reliability.py walks every options dataclass).
+OPTION_RANGES: dict[str, Range] = {
+    "seed": Range(0),
+    "max_examples": Range(1),
+    "prior_samples": Range(1),
+    "exact_limit": Range(0),
+    "batch_size": Range(1),
+    "iw_samples": Range(1),
+    "generation_prompts": Range(1),
+    "generation_max_new_tokens": Range(1),
+    "generation_latents": Range(2),
+    "index": Range(0),
+    "alpha": Range(0, integer=False),
+    "explore_examples": Range(1),
+    "explore_prompts": Range(0),
+    "explore_tokens": Range(1),
+    "clusters": Range(1),
+    "row": Range(0),
+    "code_examples": Range(0),
+    "slot": Range(0),
+    "max_combinations": Range(1),
+    "steps": Range(1),
+    "traverse": Range(0),
+    "num_samples": Range(1),
+    "temperature": Range(0, integer=False, low_open=True),
+    "top_p": Range(0, 1, integer=False, low_open=True),
+    "max_new_tokens": Range(1),
+}
+
+
+def numeric_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of an options dataclass whose type is an int or a float (optional or not)."""
+    hints = typing.get_type_hints(cls)
+    return [f for f in dataclasses.fields(cls) if base_type(hints[f.name]) in (int, float)]
+
+
+def check_numeric_options(options: Any) -> None:
+    """Every numeric option of ``options`` in its :data:`OPTION_RANGES` range (None where the field allows it),
+    else a ``ValueError`` naming the flag: before the model loads."""
+    hints = typing.get_type_hints(type(options))
+    for f in numeric_fields(type(options)):
+        value = getattr(options, f.name)
+        if value is None and type(None) in typing.get_args(hints[f.name]):
+            continue
+        OPTION_RANGES[f.name].check(field_flag(f), value)
+
+
 def check_data_option(checkpoint: str | Path, data: str | None) -> None:
     """Fail on a ``--data`` that cannot be loaded, before any model loads (see the module docstring).
 
@@ -479,6 +553,7 @@ def run_eval(
 
     options = _with(EvalOptions, options, overrides)
     # options first, before the model loads
+    check_numeric_options(options)
     scoring = options.scoring()
     _check_at_least("--batch-size", options.batch_size, 1)
     _check_at_least("--max-examples", options.max_examples, 1, optional=True)
@@ -625,6 +700,7 @@ def run_generate(
     for a command line). Writes the result as JSON to ``output`` when given."""
     from .generation import generate, parse_range
 
+    _check_at_least("--batch-size", batch_size, 1)
     if output is not None:
         check_writable_target(output, "--output")
     # the latent file and the steering options before the model loads
@@ -652,6 +728,7 @@ def _generate_main(args: argparse.Namespace) -> int:
     from .generation import format_generations
 
     options = options_from(GenerateOptions, args)
+    check_numeric_options(options)
     result = run_generate(
         args.checkpoint,
         options.prompt,
@@ -686,6 +763,7 @@ def run_inspect(
 
     options = _with(InspectOptions, options, overrides)
     # options first, before the model loads (the upper bound of --index needs the examples)
+    check_numeric_options(options)
     _check_at_least("--index", options.index, 0)
     scoring = options.scoring()
     _check_at_least("--batch-size", options.batch_size, 1)
@@ -736,6 +814,7 @@ def run_inspect(
 def _explore_main(checkpoint: str, options: InspectOptions) -> int:
     from .explorer import run_explore
 
+    check_numeric_options(options)
     output = options.output
     if output is None and options.output_dir is not None:
         output = Path(options.output_dir) / "explorer.html"

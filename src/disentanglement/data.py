@@ -262,7 +262,10 @@ def load_jsonl(
             try:
                 record = json.loads(line, object_pairs_hook=_unique_keys(duplicates))
             except json.JSONDecodeError as exc:
-                report(lineno, f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); expected one JSON object")
+                report(
+                    lineno,
+                    f"{where}: invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno}); expected one JSON object",
+                )
                 continue
             if duplicates:
                 keys = ", ".join(repr(k) for k in duplicates)

@@ -1196,11 +1196,11 @@ def _save(run: _Training, progress: _Progress, log: _MetricsLog) -> None:
     if suspect:
         good = last_good_checkpoint(run.output_dir, progress.step)
         logger.warning(
-            "step %d: checkpoint %s is suspect (%s); the last good checkpoint %s is kept",
+            "step %d: checkpoint %s is suspect (%s); the last good checkpoint (kept) is %s",
             progress.step,
             checkpoint,
             suspect,
-            good,
+            good or "none",
         )
     protect = checkpoint if good == checkpoint else [checkpoint, good]
     prune_checkpoints(run.output_dir, run.config.train.keep_checkpoints, protect=protect)
