@@ -208,11 +208,3 @@ def remove_all(paths: Sequence[Path] | Iterable[Path]) -> None:
     fsync_dir(parent)
     shutil.rmtree(trash)  # never follows the links inside
 
-
-def clear_leftovers(directory: Path) -> None:
-    """Remove ``.removing-*`` folders an interrupted :func:`remove_all` left in ``directory``."""
-    if not directory.is_dir():
-        return
-    for entry in directory.iterdir():
-        if entry.name.startswith(REMOVING_PREFIX) and not entry.is_symlink() and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
