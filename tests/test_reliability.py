@@ -216,8 +216,13 @@ def test_a_linked_checkpoints_folder_is_refused(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "checkpoints").symlink_to(tmp_path / "outside", target_is_directory=True)
-    with pytest.raises(ValueError, match="checkpoints is a symbolic link"):
-        train_tiny(run, overwrite=True, max_steps=1)
+    steps = []
+    with pytest.raises(trainer.ConfigError, match="checkpoints is a symbolic link; a run writes only into real"):
+        train_tiny(run, overwrite=True, max_steps=1, callbacks=[lambda step, record: steps.append(step)])
+    assert steps == [], "refused before training"
+    assert not list((tmp_path / "outside").iterdir())
+    with pytest.raises(safe_io.UnsafePathError, match="checkpoints is a symbolic link"):  # the save checks too
+        checkpoints.save_checkpoint(run, 1, {}, {"state": {}}, {}, {}, trainer_config(run))
     assert not list((tmp_path / "outside").iterdir())
 
 

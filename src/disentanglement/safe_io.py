@@ -207,4 +207,3 @@ def remove_all(paths: Sequence[Path] | Iterable[Path]) -> None:
         raise
     fsync_dir(parent)
     shutil.rmtree(trash)  # never follows the links inside
-

@@ -299,6 +299,7 @@ def check_run_directory(
                 f"TrainConfig.output_dir: {folder} is not writable ({exc.strerror or exc}); checkpoints could not be saved"
             ) from exc
     present = _run_entries(output_dir)
+    _check_run_folders(output_dir, present if overwrite and resume is None else [])
     if resume == "auto":
         return []
     if resume is not None and resumed is not None:
@@ -330,6 +331,18 @@ def check_run_directory(
             "--overwrite only replaces a run directory: choose another --output-dir"
         )
     return [output_dir / name for name in present]
+
+
+def _check_run_folders(output_dir: Path, removed: Sequence[str]) -> None:
+    """The folders training writes into (``checkpoints/``, ``tensorboard/``) are real folders of the run, not
+    links to elsewhere (one that ``--overwrite`` removes is removed as a link): checked before anything runs."""
+    for name in ("checkpoints", "tensorboard"):
+        path = output_dir / name
+        if path.is_symlink() and name not in removed:
+            raise ConfigError(
+                f"TrainConfig.output_dir: {path} is a symbolic link; a run writes only into real folders of its "
+                "own: remove the link (or choose another --output-dir)"
+            )
 
 
 def _remove(paths: Sequence[Path], output_dir: Path) -> None:
