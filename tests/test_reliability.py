@@ -122,6 +122,12 @@ def test_atomic_write_replaces_a_link_and_never_writes_its_target(tmp_path):
     safe_io.atomic_write(dangling, "x")
     assert not (tmp_path / "outside" / "created-through-link.txt").exists()
     assert not list(tmp_path.glob(".*.tmp")), "no temporary file is left"
+    umask = os.umask(0o027)
+    try:
+        safe_io.atomic_write(tmp_path / "mode.txt", "x")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "mode.txt").stat().st_mode & 0o777 == 0o640, "the mode follows the umask, as open()'s"
 
 
 def test_a_linked_folder_under_the_root_is_refused(tmp_path):
@@ -300,8 +306,10 @@ def test_rng_file_is_byte_identical_for_the_same_state():
 def test_rng_file_of_two_identical_runs_hashes_the_same(tmp_path):
     for name in ("a", "b"):
         train_tiny(tmp_path / name, max_steps=1)
-    a, b = (latest_checkpoint(tmp_path / n) / "rng.safetensors" for n in ("a", "b"))
-    assert a.read_bytes() == b.read_bytes()
+    a, b = (latest_checkpoint(tmp_path / n) for n in ("a", "b"))
+    # (config.yaml and trainer_state.json name the run's own directory, so they differ by that)
+    for name in ("rng.safetensors", "model.safetensors", "optimizer.pt", "scheduler.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
 def test_rng_file_of_the_older_layout_still_reads(tmp_path):

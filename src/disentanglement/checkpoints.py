@@ -136,8 +136,9 @@ def prune_checkpoints(output_dir: Path, keep: int, protect: Path | Iterable[Path
 
 
 def write_durably(path: Path, data: bytes) -> str:
-    """Write ``data`` to ``path`` and fsync it; returns its SHA-256 (hex)."""
-    with open(path, "wb") as handle:
+    """Write ``data`` to the new file ``path`` (one that exists, or a link, is an error: ``O_EXCL``) and fsync
+    it; returns its SHA-256 (hex)."""
+    with open(path, "xb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())

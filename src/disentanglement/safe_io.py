@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import shutil
 import stat
 import tempfile
@@ -93,6 +94,19 @@ def _check_not_link(path: Path, root: Path) -> None:
         raise UnsafePathError(f"{path} is not a directory, so nothing can be written under it")
 
 
+def _new_temporary(path: Path) -> tuple[int, Path]:
+    """A new file ``.NAME.RANDOM.tmp`` beside ``path``, opened for writing: ``O_EXCL`` never follows a link
+    (nor opens a file that exists), and the mode follows the umask as ``open()``'s would."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{path.parent}: could not create a temporary file for {path.name}")
+
+
 def atomic_write(path: str | Path, data: bytes | str, root: str | Path | None = None, durable: bool = True) -> Path:
     """Write ``data`` (str: UTF-8) to ``path`` atomically, never through a symbolic link (see the module
     docstring); ``root``: the directory under which every folder must be real (:func:`ensure_dir`).
@@ -103,17 +117,13 @@ def atomic_write(path: str | Path, data: bytes | str, root: str | Path | None = 
     ensure_dir(path.parent, root)
     if path.is_dir() and not path.is_symlink():
         raise UnsafePathError(f"{path} is a directory; expected a file path")
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # O_EXCL: no link
-    tmp = Path(tmp_name)
+    fd, tmp = _new_temporary(path)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             if durable:
                 os.fsync(handle.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> what open() would have given
         os.replace(tmp, path)  # replaces a link at ``path`` itself, never its target
     except BaseException:
         tmp.unlink(missing_ok=True)

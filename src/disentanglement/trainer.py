@@ -732,6 +732,11 @@ def _set_up(
     state = accelerator.state if accelerator.num_processes > 1 else None
     main = accelerator.is_main_process
     _check_processes(resumed, accelerator.num_processes)
+    # scikit-learn's first import (k-means starts the codebook) draws from Python's global generator (rich's
+    # style ids): imported before seeding, so that the first run in a process saves the same rng.safetensors
+    # as any later one.
+    import sklearn.cluster  # noqa: F401
+
     set_seed(tcfg.seed)
     decoder, tokenizer = _decoder_and_tokenizer(config, model_and_tokenizer, device)
     data = prepare_data(config, tokenizer, pairs)
