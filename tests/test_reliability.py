@@ -492,9 +492,18 @@ def test_parameter_norms_match_an_independent_computation():
 
 
 @pytest.mark.parametrize("flags", [["--codes", "0"], ["--slot", "0"], ["--all-combinations"]])
-def test_generate_on_a_continuous_checkpoint_refuses_code_options(tiny_run, loader, capsys, flags):
+def test_generate_on_a_continuous_checkpoint_refuses_code_options(tiny_run, no_model, capsys, flags):
     err = fails(["generate", str(tiny_run), "--prompt", "hi", "--max-new-tokens", "2", *flags], capsys)
     assert f"{flags[0]}: an option of a discrete model (codes); this checkpoint is continuous" in err
+
+
+def test_generate_refuses_code_options_on_a_loaded_continuous_model_too(tiny_run, loader):
+    from disentanglement.commands import load_checkpoint
+    from disentanglement.generation import generate
+
+    model, tokenizer, config, *_ = load_checkpoint(tiny_run, device="cpu")
+    with pytest.raises(ValueError, match="--slot, --all-combinations: options of a discrete model"):
+        generate(model, tokenizer, config, ["hi"], slot=0, all_combinations=True)
 
 
 def test_a_posterior_of_another_codebook_size_is_refused():

@@ -704,6 +704,17 @@ def run_generate(
     if output is not None:
         check_writable_target(output, "--output")
     # the latent file and the steering options before the model loads
+    if options.get("codes") is not None or options.get("slot") is not None or options.get("all_combinations"):
+        from .config import load_run_config
+        from .generation import _check_discrete_options
+
+        stored = load_run_config(resolve_run(checkpoint)[0] / "config.yaml")
+        _check_discrete_options(
+            stored.latent.latent == "discrete",
+            options.get("slot"),
+            options.get("codes"),
+            options.get("all_combinations"),
+        )
     if isinstance(options.get("latents"), str | Path):
         from .encode import read_latents
 
