@@ -190,6 +190,15 @@ def test_inspect_replaces_planted_links(fresh_run, tmp_path, loader, capsys):
     assert (fresh_run / "inspect" / "kl.png").read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.parametrize("explore", [False, True])
+def test_inspect_refuses_a_linked_inspect_folder_before_the_model_loads(fresh_run, tmp_path, capsys, no_model, explore):
+    (tmp_path / "outside").mkdir()
+    (fresh_run / "inspect").symlink_to(tmp_path / "outside", target_is_directory=True)
+    err = fails(["inspect", str(fresh_run), "--no-progress", *(["--explore"] if explore else [])], capsys)
+    assert f"{fresh_run / 'inspect'} is a symbolic link" in err
+    assert not list((tmp_path / "outside").iterdir())
+
+
 def test_train_refuses_a_linked_lock_and_metrics_never_follow_a_link(tmp_path):
     victim = outside_file(tmp_path)
     run = tmp_path / "run"

@@ -607,6 +607,10 @@ def run_explore(
     run_dir = commands.resolve_run(checkpoint)[1]
     target = Path(output) if output is not None else run_dir / "inspect" / "explorer.html"
     commands.check_writable_target(target, "--output")
+    if output is None:  # RUN/inspect must be a real folder of the run, not a link to elsewhere
+        from .safe_io import ensure_dir
+
+        ensure_dir(target.parent, run_dir)
     model, tokenizer, config, state, checkpoint_dir, _ = commands.load_checkpoint(
         checkpoint, model_and_tokenizer, device
     )
