@@ -132,15 +132,14 @@ def _surrogate_problem(value: str, what: str) -> str | None:
 
 def _label_surrogate_problem(label: Any, label_key: str) -> str | None:
     """:func:`_surrogate_problem` for a label's strings (its value, or its factors' names and values)."""
-    items = label.items() if isinstance(label, dict) else [(None, label)]
-    for name, value in items:
-        for text, what in ((name, f"key {label_key!r} factor name"), (value, f"key {label_key!r}")):
-            if isinstance(text, str):
-                problem = _surrogate_problem(
-                    text, what if name is None or "name" in what else f"{what} factor {name!r}"
-                )
-                if problem:
-                    return problem
+    if not isinstance(label, dict):
+        return _surrogate_problem(label, f"key {label_key!r}") if isinstance(label, str) else None
+    for name, value in label.items():
+        problem = _surrogate_problem(name, f"key {label_key!r} factor name") or (
+            _surrogate_problem(value, f"key {label_key!r} factor {name!r}") if isinstance(value, str) else None
+        )
+        if problem:
+            return problem
     return None
 
 
