@@ -205,18 +205,25 @@ def capture_figures():
     (filled as files are saved; the files are written as usual)."""
     from matplotlib.figure import Figure
 
+    from disentanglement import report
+
     figures: dict[str, Figure] = {}
-    original = Figure.savefig
+    original, original_save = Figure.savefig, report.save_figure
 
     def savefig(self, fname, *args, **kwargs):
-        figures[Path(fname).name] = self
+        if isinstance(fname, str | Path):
+            figures[Path(fname).name] = self
         return original(self, fname, *args, **kwargs)
 
-    Figure.savefig = savefig
+    def save_figure(fig, path, **kwargs):  # the package saves into memory, then writes the file safely
+        figures[Path(path).name] = fig
+        return original_save(fig, path, **kwargs)
+
+    Figure.savefig, report.save_figure = savefig, save_figure
     try:
         yield figures
     finally:
-        Figure.savefig = original
+        Figure.savefig, report.save_figure = original, original_save
 
 
 def visible_axes(figure) -> list:

@@ -472,7 +472,7 @@ def test_latent_file_errors(discrete, continuous, discrete_latents, continuous_l
         (dict(latents=d_path, row=0), "has 'codes', not 'mu': it is an encode file of a discrete model"),
         (dict(latents=c_path, row=len(c_rows)), rf"--row {len(c_rows)} is outside \[0, {len(c_rows)}\)"),
         (dict(latents=[{"mu": [0.0] * 3}], row=0), "row 0: 'mu' has 3 entries; this checkpoint's latent has 4"),
-        (dict(row=0), "need --latents FILE"),
+        (dict(row=0), "--row needs --latents FILE"),  # was "need" (grammar fixed)
         (dict(latents=c_path), "is read by --row, --attribute or --code-examples"),
         (dict(latents=c_path, attributes=["1"]), "must be LABEL:SCALE"),
         (dict(latents=c_path, attributes=["1:x"]), "not a number"),
@@ -493,7 +493,7 @@ def test_latent_file_errors(discrete, continuous, discrete_latents, continuous_l
         (dict(latents=d_path, row=0, codes="1"), "both fix the codes"),
         (dict(latents=d_path, attributes=["1:1"]), "--attribute needs a continuous model"),
         (dict(traverse=0), "--traverse needs a continuous model"),
-        (dict(code_examples=1), "need --latents FILE"),
+        (dict(code_examples=1), "--code-examples needs --latents FILE"),  # was "need" (grammar fixed)
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -44,6 +44,7 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
 from .config import ConfigError, RunConfig, load_run_config
+from .safe_io import atomic_write, ensure_dir, fsync_dir, remove_path
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 2  # 2: pickle-free RNG and scheduler files, checksums in trainer_state.json
 TRAINER_STATE = "trainer_state.json"
 REQUIRED_STATE_KEYS = ("step", "data_order", "zfree_reference_scale")
+RNG_METADATA_KEY = "scalars"  # rng.safetensors: the Python and numpy generators' scalars, one JSON object
 
 
 class CheckpointError(ValueError):
@@ -113,50 +115,46 @@ def resolve_run(checkpoint: str | Path) -> tuple[Path, Path]:
     return path, run_dir
 
 
-def prune_checkpoints(output_dir: Path, keep: int, protect: Path | None = None) -> None:
-    """Keep the ``keep`` newest complete checkpoints (and ``protect``); remove older ones and leftovers."""
+def prune_checkpoints(output_dir: Path, keep: int, protect: Path | Iterable[Path | None] | None = None) -> None:
+    """Keep the ``keep`` newest complete checkpoints (and ``protect``, one path or several); remove older
+    ones and leftovers. A checkpoint that is a symbolic link is removed as a link (its target is kept)."""
     root = output_dir / "checkpoints"
     complete = complete_checkpoints(output_dir)
-    for old in complete[:-keep]:
-        if protect is None or old.resolve() != protect.resolve():
-            shutil.rmtree(old)
+    protected = {p.resolve() for p in ([protect] if isinstance(protect, Path) else protect or ()) if p is not None}
+    doomed = [old for old in complete[:-keep] if old.is_symlink() or old.resolve() not in protected]
+    for old in doomed:  # a link goes as a link; a directory is first renamed away, so no half-removed step-*
+        if old.is_symlink():
+            old.unlink()
+        else:
+            away = root / f".old-{old.name}"
+            remove_path(away)
+            os.replace(old, away)
     for leftover in root.iterdir():
         if leftover.name.startswith(TMP_PREFIX) or leftover.name.startswith(".old-"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            try:
+                remove_path(leftover)
+            except OSError as exc:
+                logger.warning("could not remove %s (%s)", leftover, exc.strerror or exc)
 
 
 # ------------------------------------------------------------------------------------------------
 # durable writes
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (created, renamed files) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_durably(path: Path, data: bytes) -> str:
-    """Write ``data`` to ``path`` and fsync it; returns its SHA-256 (hex)."""
-    with open(path, "wb") as handle:
+    """Write ``data`` to the new file ``path`` (one that exists, or a link, is an error: ``O_EXCL``) and fsync
+    it; returns its SHA-256 (hex)."""
+    with open(path, "xb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
     return hashlib.sha256(data).hexdigest()
 
 
-def replace_file_durably(path: Path, data: bytes) -> None:
-    """Replace ``path`` atomically with ``data`` (a temporary file, fsync, rename, fsync of the directory)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write_durably(tmp, data)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+def replace_file_durably(path: Path, data: bytes, root: Path | None = None) -> None:
+    """Replace ``path`` atomically with ``data`` (a temporary file, fsync, rename, fsync of the directory),
+    never writing through a symbolic link (:func:`safe_io.atomic_write`)."""
+    atomic_write(path, data, root)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -190,10 +188,13 @@ def rng_state_to_safetensors(state: Mapping[str, Any]) -> bytes:
     }
     for i, cuda in enumerate(state.get("cuda", [])):
         tensors[f"cuda_{i}"] = cuda
-    metadata = {
-        "python": json.dumps({"version": version, "gauss_next": gauss_next}),
-        "numpy": json.dumps({"kind": kind, "pos": int(pos), "has_gauss": int(has_gauss), "cached": cached_gaussian}),
+    scalars = {
+        "python": {"version": version, "gauss_next": gauss_next},
+        "numpy": {"kind": kind, "pos": int(pos), "has_gauss": int(has_gauss), "cached": cached_gaussian},
     }
+    # One metadata key: safetensors keeps the metadata in a hash map whose order changes from one call to
+    # the next, so several keys would make two identical states differ byte for byte.
+    metadata = {RNG_METADATA_KEY: json.dumps(scalars, sort_keys=True)}
     return save_safetensors_bytes({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
 
 
@@ -203,7 +204,11 @@ def rng_state_from_safetensors(path: Path) -> dict[str, Any]:
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-    python, numpy_meta = json.loads(metadata["python"]), json.loads(metadata["numpy"])
+    if RNG_METADATA_KEY in metadata:
+        scalars = json.loads(metadata[RNG_METADATA_KEY])
+        python, numpy_meta = scalars["python"], scalars["numpy"]
+    else:  # written before the scalars shared one key
+        python, numpy_meta = json.loads(metadata["python"]), json.loads(metadata["numpy"])
     state: dict[str, Any] = {
         "python": (python["version"], tuple(int(v) for v in tensors["python_mt"].tolist()), python["gauss_next"]),
         "numpy": (
@@ -266,9 +271,8 @@ def save_checkpoint(
     final = root / f"{CHECKPOINT_PREFIX}{step:06d}"
     tmp = root / f"{TMP_PREFIX}{final.name}"
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        ensure_dir(root, output_dir)  # a real directory of the run, not a link to elsewhere
+        remove_path(tmp)  # a leftover (a link is removed as a link)
         tmp.mkdir()
         optimizer_bytes = io.BytesIO()
         torch.save(dict(optimizer_state), optimizer_bytes)
@@ -286,12 +290,15 @@ def save_checkpoint(
         write_durably(tmp / TRAINER_STATE, json.dumps(state, indent=2, allow_nan=False).encode())  # written last
         fsync_dir(tmp)
         old = root / f".old-{final.name}"
-        shutil.rmtree(old, ignore_errors=True)  # a leftover of a crash between the two renames below
-        if final.exists():  # a re-run of the same step (resumed from an earlier checkpoint)
+        remove_path(old)  # a leftover of a crash between the two renames below
+        if os.path.lexists(final):  # a re-run of the same step (resumed from an earlier checkpoint)
             os.replace(final, old)
         os.replace(tmp, final)
         fsync_dir(root)
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            remove_path(old)
+        except OSError as exc:
+            logger.warning("could not remove %s (%s); the next save removes it", old, exc.strerror or exc)
     except ValueError:  # a state that cannot be written as it must be read back (e.g. NaN in the JSON)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -377,6 +384,14 @@ def _check_trainer_state(state: Any, path: Path, checkpoint: Path) -> None:
         for k, v in monitor.items()
     ):
         raise bad(f"'loss_monitor' must hold finite numbers, got {monitor!r}")
+    for key in ("param_norms", "param_norm_reference"):
+        norms = state.get(key, {})
+        if not isinstance(norms, dict) or not all(
+            isinstance(k, str) and _is_number(v) and v >= 0 for k, v in norms.items()
+        ):
+            raise bad(f"{key!r} must map group names to finite numbers >= 0, got {norms!r}")
+    if "suspect" in state and not isinstance(state["suspect"], str):
+        raise bad(f"'suspect' must be a string, got {state['suspect']!r}")
     files = state.get("files", {})
     if not isinstance(files, dict) or not all(
         isinstance(k, str) and isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) for k, v in files.items()
@@ -414,9 +429,17 @@ def read_model_state(checkpoint: Path, state: Mapping[str, Any] | None = None) -
     state = read_trainer_state(checkpoint) if state is None else state
     data = _read_verified(checkpoint, "model.safetensors", state)
     try:
-        return load_safetensors_bytes(data)
+        tensors = load_safetensors_bytes(data)
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{checkpoint / 'model.safetensors'}: not a valid safetensors file ({exc})") from exc
+    bad = nonfinite_tensors(tensors)
+    if bad:  # a run never saves one (NonFiniteState): the file was forged or damaged
+        raise CheckpointError(
+            f"{checkpoint / 'model.safetensors'}: refused: tensor {bad[0]} holds NaN or infinity"
+            + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+            + "; a run never saves a non-finite state"
+        )
+    return tensors
 
 
 def read_checkpoint(checkpoint: str | Path, for_resume: bool = False) -> CheckpointContents:
@@ -454,6 +477,12 @@ def read_checkpoint(checkpoint: str | Path, for_resume: bool = False) -> Checkpo
         and isinstance(contents.optimizer_state.get("param_groups"), list)
     ):
         raise CheckpointError(f"{checkpoint / 'optimizer.pt'}: corrupt (not an optimizer state dict)")
+    bad = nonfinite_tensors(contents.optimizer_state["state"], "state")
+    if bad:
+        raise CheckpointError(
+            f"{checkpoint / 'optimizer.pt'}: refused: tensor {bad[0]} holds NaN or infinity; a run never saves a "
+            "non-finite state"
+        )
     scheduler_path = checkpoint / "scheduler.json"
     try:
         contents.scheduler_state = _strict_json(_read_verified(checkpoint, "scheduler.json", state), scheduler_path)

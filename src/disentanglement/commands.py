@@ -140,6 +140,80 @@ def _check_at_least(flag: str, value: int | None, low: int, *, optional: bool = 
         raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric option accepts: ``low`` (excluded with ``low_open``) up to ``high`` (included)."""
+
+    low: float
+    high: float | None = None
+    integer: bool = True
+    low_open: bool = False
+
+    def check(self, flag: str, value: Any) -> None:
+        """A ``ValueError`` naming ``flag``, what it must be and what it got, unless ``value`` is in range."""
+        if self.integer:
+            _check_at_least(flag, value, int(self.low))
+            return
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        ok = ok and (value > self.low if self.low_open else value >= self.low)
+        ok = ok and (self.high is None or value <= self.high)
+        if not ok:
+            low = f"> {self.low:g}" if self.low_open else f">= {self.low:g}"
+            what = f"in ({self.low:g}, {self.high:g}]" if self.high is not None and self.low_open else low
+            if self.high is not None and not self.low_open:
+                what = f"in [{self.low:g}, {self.high:g}]"
+            raise ValueError(f"{flag} must be a finite number {what}, got {value!r}")
+
+
+#: The range of every numeric option of ``eval``, ``generate``, ``inspect`` and ``encode`` (by field name):
+#: :func:`check_numeric_options` checks them before any model loads; a numeric field missing here is a test
+#: failure (tests/test_reliability.py walks every options dataclass).
+OPTION_RANGES: dict[str, Range] = {
+    "seed": Range(0),
+    "max_examples": Range(1),
+    "prior_samples": Range(1),
+    "exact_limit": Range(0),
+    "batch_size": Range(1),
+    "iw_samples": Range(1),
+    "generation_prompts": Range(1),
+    "generation_max_new_tokens": Range(1),
+    "generation_latents": Range(2),
+    "index": Range(0),
+    "alpha": Range(0, integer=False),
+    "explore_examples": Range(1),
+    "explore_prompts": Range(0),
+    "explore_tokens": Range(1),
+    "clusters": Range(1),
+    "row": Range(0),
+    "code_examples": Range(0),
+    "slot": Range(0),
+    "max_combinations": Range(1),
+    "steps": Range(1),
+    "traverse": Range(0),
+    "num_samples": Range(1),
+    "temperature": Range(0, integer=False, low_open=True),
+    "top_p": Range(0, 1, integer=False, low_open=True),
+    "max_new_tokens": Range(1),
+}
+
+
+def numeric_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of an options dataclass whose type is an int or a float (optional or not)."""
+    hints = typing.get_type_hints(cls)
+    return [f for f in dataclasses.fields(cls) if base_type(hints[f.name]) in (int, float)]
+
+
+def check_numeric_options(options: Any) -> None:
+    """Every numeric option of ``options`` in its :data:`OPTION_RANGES` range (None where the field allows it),
+    else a ``ValueError`` naming the flag: before the model loads."""
+    hints = typing.get_type_hints(type(options))
+    for f in numeric_fields(type(options)):
+        value = getattr(options, f.name)
+        if value is None and type(None) in typing.get_args(hints[f.name]):
+            continue
+        OPTION_RANGES[f.name].check(field_flag(f), value)
+
+
 def check_data_option(checkpoint: str | Path, data: str | None) -> None:
     """Fail on a ``--data`` that cannot be loaded, before any model loads (see the module docstring).
 
@@ -176,11 +250,12 @@ def _slug(data: str | None) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
 
-def _write_json(path: str | Path, obj: Any) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=1, allow_nan=False, default=str) + "\n")
-    return path
+def _write_json(path: str | Path, obj: Any, root: str | Path | None = None) -> Path:
+    """``obj`` as JSON at ``path``, never through a symbolic link (:func:`safe_io.write_json`; ``root``: the
+    run directory when the path is the command's default inside it, whose folders must be real)."""
+    from .safe_io import write_json
+
+    return write_json(path, obj, root, indent=1, default=str)
 
 
 # --------------------------------------------------------------------------- options
@@ -496,6 +571,7 @@ def run_eval(
 
     options = _with(EvalOptions, options, overrides)
     # options first, before the model loads
+    check_numeric_options(options)
     scoring = options.scoring()
     _check_at_least("--batch-size", options.batch_size, 1)
     _check_at_least("--max-examples", options.max_examples, 1, optional=True)
@@ -511,6 +587,10 @@ def run_eval(
         Path(options.output) if options.output is not None else run_dir / "eval" / f"eval_{_slug(options.data)}.json"
     )
     check_writable_target(json_path, "--output")
+    if options.output is None:  # RUN/eval must be a real folder of the run, not a link to elsewhere
+        from .safe_io import ensure_dir
+
+        ensure_dir(json_path.parent, run_dir)
     # Under ``accelerate launch --num_processes N`` the frozen pass and the scoring are shared out among
     # the processes and gathered; the main process alone writes the report.
     from . import distributed, trainer
@@ -562,7 +642,7 @@ def run_eval(
             batch_size=options.batch_size,
             progress=options.progress,
         )
-    _write_json(json_path, report)
+    _write_json(json_path, report, root=run_dir if options.output is None else None)
     md_path = write_markdown_summary(report, json_path.with_suffix(".md"))
     return report, json_path, md_path
 
@@ -639,9 +719,21 @@ def run_generate(
     for a command line). Writes the result as JSON to ``output`` when given."""
     from .generation import generate, parse_range
 
+    _check_at_least("--batch-size", batch_size, 1)
     if output is not None:
         check_writable_target(output, "--output")
     # the latent file and the steering options before the model loads
+    if options.get("codes") is not None or options.get("slot") is not None or options.get("all_combinations"):
+        from .config import load_run_config
+        from .generation import _check_discrete_options
+
+        stored = load_run_config(resolve_run(checkpoint)[0] / "config.yaml")
+        _check_discrete_options(
+            stored.latent.latent == "discrete",
+            options.get("slot"),
+            options.get("codes"),
+            options.get("all_combinations"),
+        )
     if isinstance(options.get("latents"), str | Path):
         from .encode import read_latents
 
@@ -666,6 +758,7 @@ def _generate_main(args: argparse.Namespace) -> int:
     from .generation import format_generations
 
     options = options_from(GenerateOptions, args)
+    check_numeric_options(options)
     result = run_generate(
         args.checkpoint,
         options.prompt,
@@ -696,9 +789,11 @@ def run_inspect(
     """
     from .features import build_feature_cache
     from .inspection import write_example_report, write_run_plots
+    from .safe_io import ensure_dir
 
     options = _with(InspectOptions, options, overrides)
     # options first, before the model loads (the upper bound of --index needs the examples)
+    check_numeric_options(options)
     _check_at_least("--index", options.index, 0)
     scoring = options.scoring()
     _check_at_least("--batch-size", options.batch_size, 1)
@@ -714,6 +809,8 @@ def run_inspect(
         raise ValueError(f"--output-dir {options.output_dir} exists and is not a directory")
     check_data_option(checkpoint, options.data)
     check_writable_target(options.output_dir or resolve_run(checkpoint)[1] / "inspect", "--output-dir", directory=True)
+    if options.output_dir is None:  # RUN/inspect must be a real folder of the run, not a link to elsewhere
+        ensure_dir(resolve_run(checkpoint)[1] / "inspect", resolve_run(checkpoint)[1])
     model, tokenizer, config, state, checkpoint_dir, run_dir = load_checkpoint(
         checkpoint, model_and_tokenizer, options.device
     )
@@ -747,6 +844,7 @@ def run_inspect(
 def _explore_main(checkpoint: str, options: InspectOptions) -> int:
     from .explorer import run_explore
 
+    check_numeric_options(options)
     output = options.output
     if output is None and options.output_dir is not None:
         output = Path(options.output_dir) / "explorer.html"

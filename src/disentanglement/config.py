@@ -733,7 +733,8 @@ class _DuplicateKey(Exception):
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last),
-    and that floats need no dot (``1e-3`` is a float, as in YAML 1.2 and JSON; YAML 1.1 reads it as a string).
+    and that numbers are read as in YAML 1.2 and JSON (see the resolvers below: ``1e-3`` is a float, ``1_0``
+    a string, ``017`` is 17).
 
     Keys merged in with ``<<`` may still be overridden, as YAML intends.
     """
@@ -755,11 +756,37 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# Numbers as in YAML 1.2's core schema (and JSON), not PyYAML's YAML 1.1: ``1_0`` and ``1:30`` are strings
+# (1.1 reads 10 and 90), ``017`` is 17 (1.1: octal 15), ``0o17`` is 15, ``1e-3`` is a float (1.1: a string).
+# Booleans and null stay PyYAML's (``yes``/``no`` are booleans, which a typed field then refuses or accepts).
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 _UniqueKeyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
+    _INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
 )
+_UniqueKeyLoader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def _construct_int_12(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """A YAML 1.2 core integer: decimal (leading zeros allowed), ``0o`` octal or ``0x`` hexadecimal."""
+    text = loader.construct_scalar(node)
+    if text.startswith("0o"):
+        return int(text[2:], 8)
+    if text.startswith("0x"):
+        return int(text[2:], 16)
+    return int(text, 10)
+
+
+_UniqueKeyLoader.add_constructor(_INT, _construct_int_12)
 
 
 def _unique_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -885,4 +912,6 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 
 def write_run_config(config: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    from .safe_io import atomic_write
+
+    atomic_write(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

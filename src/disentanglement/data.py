@@ -117,6 +117,58 @@ def _parse_label(label: Any, label_key: str) -> tuple[Label, str | None]:
 # JSONL
 
 
+def _surrogate_problem(value: str, what: str) -> str | None:
+    """A problem naming a lone surrogate escape (``"\\ud800"``: half a UTF-16 pair, which JSON accepts but
+    which is not text a tokenizer can read) in the string ``value``, else None."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"{what} holds a lone surrogate escape \\u{ord(value[exc.start]):04x} at character {exc.start + 1} "
+            "(half of a UTF-16 pair, not a character); write the whole pair or the character itself"
+        )
+    return None
+
+
+def _label_surrogate_problem(label: Any, label_key: str) -> str | None:
+    """:func:`_surrogate_problem` for a label's strings (its value, or its factors' names and values)."""
+    if not isinstance(label, dict):
+        return _surrogate_problem(label, f"key {label_key!r}") if isinstance(label, str) else None
+    for name, value in label.items():
+        problem = _surrogate_problem(name, f"key {label_key!r} factor name") or (
+            _surrogate_problem(value, f"key {label_key!r} factor {name!r}") if isinstance(value, str) else None
+        )
+        if problem:
+            return problem
+    return None
+
+
+def _label_kinds(label: Any, label_key: str) -> dict[str, tuple[str, str]]:
+    """``{factor: (text, "an integer" | "a string")}`` of a valid raw label (a plain label is the factor
+    ``label_key``), to find an integer and a string that would read as the same label."""
+    if label is None:
+        return {}
+    items = label.items() if isinstance(label, dict) else [(label_key, label)]
+    return {name: (str(value), "an integer" if isinstance(value, int) else "a string") for name, value in items}
+
+
+def _mixed_label_problem(
+    label: Any, label_key: str, lineno: int, seen: dict[tuple[str, str], tuple[str, int]]
+) -> str | None:
+    """Integer ``1`` and string ``"1"`` would be the same label (labels are compared as text): refused,
+    naming the line where the other kind came first. ``seen`` records each (factor, text)'s kind."""
+    for name, (text, kind) in _label_kinds(label, label_key).items():
+        first = seen.setdefault((name, text), (kind, lineno))
+        if first[0] != kind:
+            where = f"key {label_key!r}" if name == label_key and not isinstance(label, dict) else f"factor {name!r}"
+            return (
+                f"{where} is {text if kind == 'an integer' else repr(text)} ({kind}) but line {first[1]} gives "
+                f"{text if first[0] == 'an integer' else repr(text)} ({first[0]}); labels are compared as text, so "
+                "the two would merge: write every value of this label one way (all strings or all integers)"
+            )
+    return None
+
+
 def _format_line_numbers(numbers: Sequence[int]) -> str:
     """``[1, 2, 3, 7]`` -> ``"1-3, 7"`` (every number is covered)."""
     parts: list[str] = []
@@ -193,6 +245,7 @@ def load_jsonl(
         invalid_lines.add(lineno)
 
     empty_responses: list[int] = []
+    seen_labels: dict[tuple[str, str], tuple[str, int]] = {}  # (factor, text) -> (kind, first line)
     offset = 0
     with path.open("rb") as handle:
         for lineno, raw in enumerate(handle, start=1):
@@ -208,7 +261,10 @@ def load_jsonl(
             try:
                 record = json.loads(line, object_pairs_hook=_unique_keys(duplicates))
             except json.JSONDecodeError as exc:
-                report(lineno, f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); expected one JSON object")
+                report(
+                    lineno,
+                    f"{where}: invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno}); expected one JSON object",
+                )
                 continue
             if duplicates:
                 keys = ", ".join(repr(k) for k in duplicates)
@@ -226,9 +282,16 @@ def load_jsonl(
                 elif not isinstance(record[key], str):
                     report(lineno, f"{where}: key {key!r} must be a string, got {type(record[key]).__name__}")
                     bad = True
+                elif problem := _surrogate_problem(record[key], f"key {key!r}"):
+                    report(lineno, f"{where}: {problem}")
+                    bad = True
                 else:
                     values[key] = record[key]
             label, problem = _parse_label(record.get(label_key), label_key)
+            if problem is None:
+                problem = _label_surrogate_problem(record.get(label_key), label_key)
+            if problem is None:
+                problem = _mixed_label_problem(record.get(label_key), label_key, lineno, seen_labels)
             if problem is not None:
                 report(lineno, f"{where}: {problem}")
                 bad = True

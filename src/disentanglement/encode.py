@@ -260,13 +260,16 @@ def _parquet_bytes(rows: list[dict[str, Any]]) -> bytes:
 def write_rows(rows: list[dict[str, Any]], output: str | Path) -> Path:
     """Write ``rows`` as JSON lines or Parquet (by the suffix), to a temporary file then renamed."""
     from .checkpoints import replace_file_durably
+    from .safe_io import first_nonfinite, json_text
 
     path = _check_output(output)
+    bad = next((found for found in map(first_nonfinite, rows) if found), None)
+    if bad:  # Parquet would store NaN silently; JSON cannot hold it: refused for both
+        raise ValueError(f"{path}: not written: {bad} (a non-finite result: the model or the data produced NaN)")
     if path.suffix.lower() == ".parquet":
         data = _parquet_bytes(rows)
     else:
-        data = "".join(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n" for row in rows).encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
+        data = "".join(json_text(row, path, ensure_ascii=False) + "\n" for row in rows).encode()
     replace_file_durably(path, data)
     return path
 
@@ -275,6 +278,7 @@ def _encode_to_file(
     checkpoint: str | Path, options: commands.EncodeOptions, model_and_tokenizer=None
 ) -> tuple[Path, int]:
     # options first, before the model loads
+    commands.check_numeric_options(options)
     scoring = options.scoring()
     commands._check_at_least("--batch-size", options.batch_size, 1)
     commands._check_at_least("--max-examples", options.max_examples, 1, optional=True)
@@ -499,6 +503,28 @@ def _row_value(model: CVAEBase, file: LatentRows, index: int) -> list:
     return [float(v) for v in value]
 
 
+def _row_posterior(model: CVAEBase, file: LatentRows, index: int) -> list[list[float]]:
+    """Row ``index``'s ``posterior``: ``M`` lists of ``K`` probabilities (this checkpoint's slots and codebook);
+    a ``ValueError`` naming the file, row and field otherwise (a posterior of another K is never read)."""
+    M, K = model.num_slots, model.codebook_size
+    posterior = file.rows[index].get("posterior")
+    where = f"--latents {file.path} row {index}: 'posterior'"
+    if not isinstance(posterior, list | tuple) or len(posterior) != M:
+        got = f"{len(posterior)} entries" if isinstance(posterior, list | tuple) else repr(posterior)
+        raise ValueError(f"{where} must be {M} list(s) of {K} probabilities (this checkpoint's slots), got {got}")
+    for m, probs in enumerate(posterior):
+        if not isinstance(probs, list | tuple) or len(probs) != K:
+            got = f"{len(probs)} entries" if isinstance(probs, list | tuple) else repr(probs)
+            raise ValueError(
+                f"{where} of slot {m} must have {K} probabilities (this checkpoint's codebook size), got {got}: "
+                "an encode file of another checkpoint?"
+            )
+        for p in probs:
+            if isinstance(p, bool) or not isinstance(p, int | float) or not (math.isfinite(p) and 0 <= p <= 1):
+                raise ValueError(f"{where} of slot {m} holds {p!r}; expected probabilities in [0, 1]")
+    return [[float(p) for p in probs] for probs in posterior]
+
+
 def row_latent(model: CVAEBase, latents: LatentRows | str | Path | Sequence[Mapping[str, Any]], index: int) -> list:
     """The latent of row ``index`` of an encode file: its ``codes`` (discrete) or ``mu`` (continuous), checked
     against the model (family, number of slots or dimensions, code range) with errors naming the file,
@@ -613,16 +639,10 @@ def code_examples(
         raise ValueError(f"slot {slot} / code {code} is outside [0, {model.num_slots}) x [0, {model.codebook_size})")
     commands._check_at_least("--code-examples", count, 1)
     assigned = []
-    for i, row in enumerate(file.rows):
+    for i in range(len(file.rows)):
         if _row_value(model, file, i)[slot] != code:
             continue
-        posterior = row.get("posterior")
-        try:
-            probability = float(posterior[slot][code])  # type: ignore[index]
-        except (TypeError, IndexError, KeyError, ValueError):
-            raise ValueError(
-                f"--latents {file.path} row {i}: no 'posterior' probability of slot {slot} code {code}"
-            ) from None
+        probability = _row_posterior(model, file, i)[slot][code]
         assigned.append((probability, i))
     assigned.sort(key=lambda t: (-t[0], t[1]))
     examples = [

@@ -565,14 +565,12 @@ def render_explorer_html(page: Mapping[str, Any]) -> str:
     )
 
 
-def write_explorer(path: str | Path, page: Mapping[str, Any]) -> Path:
-    """Write :func:`render_explorer_html` of ``page`` to ``path`` (its folder made), durably replaced."""
-    from .checkpoints import replace_file_durably
+def write_explorer(path: str | Path, page: Mapping[str, Any], root: str | Path | None = None) -> Path:
+    """Write :func:`render_explorer_html` of ``page`` to ``path`` (its folder made, every folder below
+    ``root`` a real one), durably replaced, never through a symbolic link."""
+    from .safe_io import atomic_write
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    replace_file_durably(path, render_explorer_html(page).encode("utf-8"))
-    return path
+    return atomic_write(path, render_explorer_html(page).encode("utf-8"), root)
 
 
 # --------------------------------------------------------------------------- the command
@@ -607,8 +605,13 @@ def run_explore(
     if prompts is not None and any(not str(p).strip() for p in prompts):
         raise ValueError("--explore-prompt must not be empty")
     commands.check_data_option(checkpoint, data)
-    target = Path(output) if output is not None else commands.resolve_run(checkpoint)[1] / "inspect" / "explorer.html"
+    run_dir = commands.resolve_run(checkpoint)[1]
+    target = Path(output) if output is not None else run_dir / "inspect" / "explorer.html"
     commands.check_writable_target(target, "--output")
+    if output is None:  # RUN/inspect must be a real folder of the run, not a link to elsewhere
+        from .safe_io import ensure_dir
+
+        ensure_dir(target.parent, run_dir)
     model, tokenizer, config, state, checkpoint_dir, _ = commands.load_checkpoint(
         checkpoint, model_and_tokenizer, device
     )
@@ -632,4 +635,4 @@ def run_explore(
         progress=progress,
         meta=meta,
     )
-    return write_explorer(target, page)
+    return write_explorer(target, page, root=run_dir if output is None else None)

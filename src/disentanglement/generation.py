@@ -559,7 +559,8 @@ def _check_steering(
     steering = _Steering()
     if latents is None:
         if needs_file:
-            raise ValueError(f"{' and '.join(needs_file)} need --latents FILE (an output of disentangle encode)")
+            verb = "needs" if len(needs_file) == 1 else "need"
+            raise ValueError(f"{' and '.join(needs_file)} {verb} --latents FILE (an output of disentangle encode)")
         return steering
     if not needs_file:
         raise ValueError(
@@ -607,6 +608,25 @@ def _check_mode_inputs(
         raise ValueError(f"mode {mode!r} needs --reference-response")
     if mode == "interpolate" and reference_response_b is None:
         raise ValueError("mode 'interpolate' needs --reference-response-b")
+
+
+def _check_discrete_options(discrete: bool, slot: int | None, codes: Any, all_combinations: bool) -> None:
+    """``--codes``, ``--slot`` and ``--all-combinations`` choose codes: refused on a continuous model
+    (which would otherwise sample from the prior as if they were not given)."""
+    given = [
+        flag
+        for flag, used in (
+            ("--codes", codes is not None),
+            ("--slot", slot is not None),
+            ("--all-combinations", all_combinations),
+        )
+        if used
+    ]
+    if given and not discrete:
+        raise ValueError(
+            f"{', '.join(given)}: {'an option' if len(given) == 1 else 'options'} of a discrete model (codes); this "
+            "checkpoint is continuous: use --mode prior, posterior, interpolate, row, attribute or traverse"
+        )
 
 
 def diversity(prompts: Sequence[str], generations: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -677,6 +697,7 @@ def generate(
     steering = _check_steering(model, discrete, mode, latents, row, attributes, traverse, codes, code_examples)
     offsets = traversal_offsets(*parse_range(traverse_range), steps) if mode == "traverse" else []
     _check_mode_inputs(mode, discrete, reference_response, reference_response_b)
+    _check_discrete_options(discrete, slot, codes, all_combinations)
     if num_samples < 1 or steps < 1 or max_combinations < 1:
         raise ValueError("num_samples, steps and max_combinations must be >= 1")
     if codes is not None and not isinstance(codes, str):

@@ -8,12 +8,15 @@ matplotlib's Agg canvas directly (no pyplot state, no display needed).
 from __future__ import annotations
 
 import html
+import io
 import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from .safe_io import atomic_write, write_json
 
 # Quantities that are centred on zero and drawn on a blue-white-red scale even when the
 # values passed happen to be non-negative. Any quantity with a negative value is too.
@@ -83,6 +86,13 @@ def _token_text_html(token: str) -> str:
 
 def _format_value(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.4g}"
+
+
+def save_figure(fig: Any, path: str | Path, **kwargs: Any) -> Path:
+    """``fig.savefig`` into memory, then :func:`safe_io.atomic_write` (never through a symbolic link)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=Path(path).suffix.lstrip(".") or "png", **kwargs)
+    return atomic_write(path, buffer.getvalue())
 
 
 def _json_for_script(obj: Any) -> str:
@@ -238,10 +248,10 @@ def write_token_report(
     path_html.parent.mkdir(parents=True, exist_ok=True)
     tokens = [str(t) for t in tokens]
     vals = _clean_values(tokens, values)
-    path_html.write_text(render_token_html(tokens, vals, title, meta), encoding="utf-8")
+    atomic_write(path_html, render_token_html(tokens, vals, title, meta))
     path_json = path_html.with_suffix(".json")
     sidecar = {"title": title, "meta": dict(meta or {}), "tokens": tokens, "values": vals}
-    path_json.write_text(json.dumps(sidecar, ensure_ascii=False, allow_nan=False, default=str, indent=1) + "\n")
+    write_json(path_json, sidecar, ensure_ascii=False, default=str, indent=1)
     return path_html, path_json
 
 
@@ -320,7 +330,7 @@ def _grid_figure(series: Mapping[str, tuple[list[float], list[float]]], keys: Se
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys) :]:
         ax.set_visible(False)
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     return path
 
 
@@ -354,7 +364,7 @@ def plot_training_curves(metrics: Sequence[Mapping[str, Any]], out_dir: str | Pa
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         path = out_dir / "kl.png"
-        fig.savefig(path, dpi=100)
+        save_figure(fig, path, dpi=100)
         written.append(path)
 
     schedule_keys = [k for k in keys if _is_schedule_key(k)]
@@ -384,7 +394,7 @@ def plot_code_usage(usage_per_slot: Sequence[Mapping[str, Any]], out_path: str |
         ax.tick_params(labelsize=7)
         ax.set_xlim(-0.6, len(hist) - 0.4)
     axes[-1].set_xlabel("code")
-    fig.savefig(out_path, dpi=100)
+    save_figure(fig, out_path, dpi=100)
     return out_path
 
 
@@ -412,7 +422,7 @@ def plot_contingency_heatmap(contingency: Mapping[str, Any], out_path: str | Pat
             for j in range(nc):
                 colour = "white" if top > 0 and counts[i, j] > 0.6 * top else "black"
                 ax.text(j, i, f"{counts[i, j]:g}", ha="center", va="center", fontsize=7, color=colour)
-    fig.savefig(out_path, dpi=100)
+    save_figure(fig, out_path, dpi=100)
     return out_path
 
 
@@ -544,5 +554,5 @@ def write_markdown_summary(report: Mapping[str, Any], path: str | Path) -> Path:
     title = report.get("title", "Evaluation summary")
     body = {k: v for k, v in report.items() if k != "title"}
     lines = [f"# {title}", "", *_md_section(body, 2)]
-    path.write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")
+    atomic_write(path, "\n".join(lines).rstrip("\n") + "\n")
     return path

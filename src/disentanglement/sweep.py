@@ -29,6 +29,7 @@ import argparse
 import csv
 import dataclasses
 import fnmatch
+import io
 import itertools
 import json
 import logging
@@ -44,6 +45,7 @@ from typing import Any
 import yaml
 
 from .config import FIELDS, ConfigError, build_config, canonical_field, read_config_file, unknown_field_message
+from .safe_io import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,14 @@ HEADLINE_METRICS = (
 )
 #: Fields a sweep sets itself.
 RESERVED = ("seed", "output_dir", "resume", "overwrite", "feature_cache_dir")
+#: What to do instead of setting a reserved field.
+RESERVED_HINTS = {
+    "seed": "give the seeds with --seeds",
+    "output_dir": "give the sweep's directory with --output-dir; each run goes to OUTPUT_DIR/runs/CELL/seed-S",
+    "resume": "a sweep resumes an unfinished run by itself when run again",
+    "overwrite": "a sweep never overwrites a run: choose another --output-dir",
+    "feature_cache_dir": "the sweep keeps one per seed under OUTPUT_DIR/feature_cache",
+}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -70,9 +80,11 @@ RESERVED = ("seed", "output_dir", "resume", "overwrite", "feature_cache_dir")
 
 def parse_value(text: str) -> Any:
     """A YAML scalar: ``1`` -> 1, ``0.5`` -> 0.5, ``true`` -> True, ``none`` -> None, else the string."""
+    from .config import _UniqueKeyLoader
+
     if text.lower() in ("none", "null"):
         return None
-    value = yaml.safe_load(text)
+    value = yaml.load(text, Loader=_UniqueKeyLoader)  # numbers as in YAML 1.2, as a config file's: 1_0 is a string
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)", text):
         return float(text)  # YAML 1.1 reads 1e-3 as a string
     return value
@@ -88,7 +100,7 @@ def field_name(key: str) -> str:
     if section and FIELDS[name][0] != section:
         raise ConfigError(f"sweep: {key!r}: field {name!r} is in section {FIELDS[name][0]!r}, not {section!r}")
     if name in RESERVED:
-        raise ConfigError(f"sweep: {name!r} is set by the sweep itself (use --seeds for the seed)")
+        raise ConfigError(f"sweep: {name!r} is set by the sweep itself ({RESERVED_HINTS[name]})")
     return name
 
 
@@ -108,6 +120,8 @@ def parse_grid(sets: Sequence[str]) -> dict[str, list[Any]]:
 
 def parse_cell(text: str) -> tuple[str, dict[str, Any]]:
     """``"term3 reconstruction_weight=0 token_weighted_weight=1"`` -> ``("term3", {...})``."""
+    if not text.split():
+        raise ConfigError(f"sweep: --cell {text!r} is empty: expected NAME FIELD=VALUE ... (e.g. 'low beta=0.01')")
     name, *assignments = text.split()
     if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name) or "=" in name:
         raise ConfigError(f"sweep: --cell {text!r}: expected NAME FIELD=VALUE ... (NAME of letters, digits, _.+-)")
@@ -157,6 +171,19 @@ def build_spec(
     if cells and len(named) != len(cells):
         raise ConfigError("sweep: two --cell options have the same name")
     grid = parse_grid(sets)
+    for cell_name, cell_values in named.items():  # one field set in two places: neither may silently win
+        for name in sorted(set(cell_values) & set(grid)):
+            listed = ",".join(map(str, grid[name]))
+            raise ConfigError(
+                f"sweep: --cell {cell_name!r} sets {name}={cell_values[name]} and --set {name}={listed} sets it "
+                "too; give the field in one place (in every cell, or as a --set axis)"
+            )
+    repeated = sorted({s for s in seeds if list(seeds).count(s) > 1})
+    if repeated:
+        raise ConfigError(
+            f"sweep: --seeds repeats {', '.join(map(str, repeated))}: a seed is one run, and counting it twice "
+            "would narrow the interval without a second run; give distinct seeds"
+        )
     base = dict(base, **{k: v[0] for k, v in grid.items() if len(v) == 1})  # one value: a setting of every cell
     grid = {k: v for k, v in grid.items() if len(v) > 1}
     combined: dict[str, dict[str, Any]] = {}
@@ -272,6 +299,9 @@ def run_sweep(
     """Run every (cell, seed) not yet done; write sweep.csv, sweep.md, sweep.png; return the CSV rows.
     ``say`` gets a "run k of N" line as each run starts (one process) or finishes (``jobs`` > 1)."""
     output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"sweep: --output-dir {output_dir} is a file, not a directory; choose a directory")
+    check_eval_options(spec)
     output_dir.mkdir(parents=True, exist_ok=True)
     _check_or_write_spec(spec, output_dir / "sweep.json")
     results: dict[tuple[str, int], dict[str, float]] = {}
@@ -304,9 +334,37 @@ def run_sweep(
         rows.append(row)
     write_csv(rows, output_dir / "sweep.csv")
     summary = summarise(rows, list(spec.cells))
-    (output_dir / "sweep.md").write_text(summary_markdown(summary, spec))
+    atomic_write(output_dir / "sweep.md", summary_markdown(summary, spec))
     plot_summary(summary, output_dir / "sweep.png")
     return rows
+
+
+def check_eval_options(spec: SweepSpec) -> None:
+    """``--eval-data`` and ``--eval-max-examples`` before any run trains (a typo must not cost a sweep): the
+    data loaded with every cell's keys, as eval will load it; errors name the sweep's flag."""
+    from .commands import SPLITS, _check_at_least
+    from .data import chatterbot_corpus_dir, load_pairs
+
+    try:
+        _check_at_least("--eval-max-examples", spec.eval_max_examples, 1, optional=True)
+    except ValueError as exc:
+        raise ConfigError(f"sweep: {exc}") from None
+    data = spec.eval_data
+    if data is None or data in SPLITS:
+        return
+    try:
+        if data == "chatterbot":
+            chatterbot_corpus_dir()
+            return
+        checked = set()
+        for cell in spec.cells:
+            config = spec.config(cell, spec.seeds[0], Path("."))
+            keys = (config.data.prompt_key, config.data.response_key, config.data.label_key)
+            if keys not in checked:
+                checked.add(keys)
+                load_pairs(dataclasses.replace(config.data, data=data))
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"sweep: --eval-data {data}: {exc}") from None
 
 
 def _setting_keys(spec: SweepSpec) -> list[str]:
@@ -325,7 +383,7 @@ def _check_or_write_spec(spec: SweepSpec, path: Path) -> None:
         clash = [c for c in stored["cells"] if c in current["cells"] and stored["cells"][c] != current["cells"][c]]
         if clash:
             raise ConfigError(f"{path}: cells {clash} had other settings in the earlier sweep; rename them")
-    path.write_text(json.dumps(current, indent=1, default=str) + "\n")
+    atomic_write(path, json.dumps(current, indent=1, default=str) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -336,10 +394,11 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
     keys: list[str] = []
     for row in rows:
         keys.extend(k for k in row if k not in keys)
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
+    handle = io.StringIO(newline="")
+    writer = csv.DictWriter(handle, fieldnames=keys)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(path, handle.getvalue())
 
 
 def mean_and_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, int]:
@@ -420,7 +479,9 @@ def plot_summary(summary: dict[str, dict[str, tuple[float, float, int]]], path: 
         axis.set_title(key, fontsize=8)
         axis.grid(axis="x", alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    from .report import save_figure
+
+    save_figure(figure, path, dpi=110)
     return path
 
 

@@ -715,15 +715,11 @@ def write_synthetic(name: str, path: str | Path, rows: int | None = None, seed: 
     out = _check_output_path(path)
     data = spec(rows, seed)
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in data)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # opened normally: the file mode follows the umask
+    from .safe_io import atomic_write
+
     try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, out)
+        atomic_write(out, text)  # the file mode follows the umask; a link at the path is replaced, not followed
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise ValueError(f"cannot write output path {path}: {exc.strerror or exc}") from exc
     return len(data)
 

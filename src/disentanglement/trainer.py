@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import tempfile
 import warnings
 from collections import deque
@@ -58,6 +57,7 @@ from .checkpoints import (
     prune_checkpoints,
     read_checkpoint,
     read_resumable,
+    read_trainer_state,
     replace_file_durably,
     save_checkpoint,
     set_rng_state,
@@ -69,6 +69,7 @@ from .features import FeatureCache, batch_features, feature_fingerprint, load_or
 from .losses import estimate_zfree_reference_scale
 from .models import build_cvae
 from .reference import eval_mode
+from .safe_io import REMOVING_PREFIX, UnsafePathError, ensure_dir, json_text, open_append, remove_all
 
 __all__ = [  # checkpoint I/O lives in checkpoints.py; these names stay importable from here
     "DataOrder",
@@ -192,7 +193,16 @@ def make_optimizer(model: CVAEBase, config: RunConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, weight_decay=config.train.weight_decay, fused=True)
 
 
-def choose_device(preference: str) -> torch.device:
+def choose_device(preference: str, flag: str = "--device") -> torch.device:
+    """``cuda`` when asked for (or ``auto`` and present), else ``cpu``; ``cuda`` without a usable GPU is a
+    :class:`ConfigError` naming ``flag`` and what was found (never a silent run on the CPU)."""
+    if preference == "cuda" and not torch.cuda.is_available():
+        found = (
+            f"this torch {torch.__version__} is built without CUDA"
+            if torch.version.cuda is None
+            else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds {torch.cuda.device_count()} GPU(s)"
+        )
+        raise ConfigError(f"{flag} cuda: no usable CUDA device here ({found}); use --device cpu or auto")
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")
     return torch.device("cpu")
@@ -253,7 +263,11 @@ def _run_entries(output_dir: Path) -> list[str]:
 
 
 def _is_run_artefact(name: str) -> bool:
-    return name in RUN_ARTEFACTS or (name.startswith(".") and name.endswith(".tmp"))  # .tmp: an interrupted write
+    return (
+        name in RUN_ARTEFACTS
+        or (name.startswith(".") and name.endswith(".tmp"))  # .tmp: an interrupted write
+        or name.startswith(REMOVING_PREFIX)  # an interrupted --overwrite
+    )
 
 
 def check_run_directory(
@@ -285,6 +299,7 @@ def check_run_directory(
                 f"TrainConfig.output_dir: {folder} is not writable ({exc.strerror or exc}); checkpoints could not be saved"
             ) from exc
     present = _run_entries(output_dir)
+    _check_run_folders(output_dir, present if overwrite and resume is None else [])
     if resume == "auto":
         return []
     if resume is not None and resumed is not None:
@@ -318,11 +333,25 @@ def check_run_directory(
     return [output_dir / name for name in present]
 
 
+def _check_run_folders(output_dir: Path, removed: Sequence[str]) -> None:
+    """The folders training writes into (``checkpoints/``, ``tensorboard/``) are real folders of the run, not
+    links to elsewhere (one that ``--overwrite`` removes is removed as a link): checked before anything runs."""
+    for name in ("checkpoints", "tensorboard"):
+        path = output_dir / name
+        if path.is_symlink() and name not in removed:
+            raise ConfigError(
+                f"TrainConfig.output_dir: {path} is a symbolic link; a run writes only into real folders of its "
+                "own: remove the link (or choose another --output-dir)"
+            )
+
+
 def _remove(paths: Sequence[Path], output_dir: Path) -> None:
+    """Remove ``paths`` all or nothing (:func:`safe_io.remove_all`: links as links, never their targets);
+    later checkpoints of a branch (``checkpoints/step-*``) are entries of ``checkpoints/``."""
     if paths:
         logger.warning("--overwrite: removing %s from %s", ", ".join(p.name for p in paths), output_dir)
-    for path in paths:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for parent in sorted({p.parent for p in paths}):
+        remove_all([p for p in paths if p.parent == parent])
 
 
 def _flat_fields(config: RunConfig) -> dict[str, Any]:
@@ -450,8 +479,73 @@ class LossMonitor:
         self.strikes = int(state.get("strikes", 0))
 
 
+#: A checkpoint is suspect when a group's parameter norm exceeds this many times max(1, its largest norm at
+#: the run's start and at its earlier good checkpoints): finite, saved, but from after a blow-up.
+NORM_JUMP = 100.0
+
+
+def parameter_norms(state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The L2 norm of a trainable state's floating-point tensors per learning-rate group (as
+    :meth:`CVAEBase.parameter_groups`: ``decoder.*``; ``latent_projection.*``/``codebook*``; the rest)."""
+    sums = {"encoder": 0.0, "latent": 0.0, "decoder": 0.0}
+    for name, tensor in state.items():
+        if not tensor.is_floating_point():
+            continue
+        group = (
+            "decoder"
+            if name.startswith("decoder.")
+            else "latent"
+            if name.startswith(("latent_projection.", "codebook"))
+            else "encoder"
+        )
+        sums[group] += float(tensor.detach().double().pow(2).sum())
+    return {group: math.sqrt(total) for group, total in sums.items() if total or group != "decoder"}
+
+
+def norm_jump(norms: dict[str, float], reference: dict[str, float]) -> str | None:
+    """Why ``norms`` are suspect against ``reference`` (see :data:`NORM_JUMP`), or None."""
+    jumped = [
+        f"{group} {value:.4g} against {reference.get(group, 0.0):.4g} before"
+        for group, value in norms.items()
+        if not math.isfinite(value) or value > NORM_JUMP * max(1.0, reference.get(group, 0.0))
+    ]
+    if not jumped:
+        return None
+    return f"parameter norms jumped more than {NORM_JUMP:g}x ({'; '.join(jumped)})"
+
+
+def last_good_checkpoint(output_dir: Path, before: int | None = None) -> Path | None:
+    """The newest complete checkpoint (of step <= ``before``) not marked suspect in its trainer state."""
+    for checkpoint in reversed(complete_checkpoints(output_dir)):
+        if before is not None and checkpoint_step(checkpoint) > before:
+            continue
+        try:
+            if not read_trainer_state(checkpoint).get("suspect"):
+                return checkpoint
+        except CheckpointError:
+            continue
+    return None
+
+
+def _checkpoint_note(checkpoint: Path | None) -> str:
+    """``the last good checkpoint is X``, saying when the newest one is suspect and which is good instead."""
+    if checkpoint is None:
+        return "no checkpoint was written"
+    try:
+        suspect = read_trainer_state(checkpoint).get("suspect")
+    except CheckpointError:
+        suspect = None
+    if not suspect:
+        return f"the last good checkpoint is {checkpoint}"
+    good = last_good_checkpoint(checkpoint.parent.parent, checkpoint_step(checkpoint))
+    return (
+        f"the last checkpoint {checkpoint} is suspect ({suspect}); the last good checkpoint is "
+        f"{good if good is not None else 'none (every checkpoint is suspect: start a new run)'}"
+    )
+
+
 def _diverged(step: int, what: str, checkpoint: Path | None) -> TrainingDiverged:
-    last = f"the last good checkpoint is {checkpoint}" if checkpoint is not None else "no checkpoint was written"
+    last = _checkpoint_note(checkpoint)
     return TrainingDiverged(
         f"training diverged at step {step}: {what}; {last}. Lower the learning rates (they may change on "
         "resume: --resume auto --latent-lr ...) or check the data."
@@ -466,7 +560,9 @@ def run_lock(output_dir: Path):
         raise ConfigError(f"TrainConfig.output_dir {output_dir} is a file, not a directory")
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
-        handle = open(output_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held for the whole run
+        handle = open_append(output_dir / LOCK_FILE, mode="a+")  # held for the whole run; never through a link
+    except UnsafePathError as exc:
+        raise ConfigError(f"TrainConfig.output_dir: {exc}") from exc
     except OSError as exc:
         raise ConfigError(f"TrainConfig.output_dir {output_dir}: cannot be used ({exc.strerror or exc})") from exc
     try:
@@ -501,7 +597,7 @@ def train(
     One process at a time trains a run directory (:func:`run_lock`). Under ``accelerate launch
     --num_processes N`` the N processes train one run: the main process holds the lock and alone
     writes the run directory (see :func:`_set_up` for what is shared and how)."""
-    state = distributed.process_state(cpu=choose_device(config.train.device).type == "cpu")
+    state = distributed.process_state(cpu=choose_device(config.train.device, "TrainConfig.device").type == "cpu")
     lock = run_lock(Path(config.train.output_dir)) if distributed.is_main(state) else nullcontext()
     with lock:
         return _train(config, model_and_tokenizer, pairs, callbacks, state)
@@ -599,6 +695,7 @@ class _Progress:
     order: DataOrder
     monitor: LossMonitor
     checkpoint: Path | None
+    norm_reference: dict[str, float] = field(default_factory=dict)  # largest norms before (see NORM_JUMP)
     last: dict[str, float] = field(default_factory=dict)
 
 
@@ -617,7 +714,7 @@ def _set_up(
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
     tcfg = config.train
-    device = choose_device(tcfg.device)
+    device = choose_device(tcfg.device, "TrainConfig.device")
     # Several processes: the trainable parameters' gradients are averaged by DDP (a frozen decoder has
     # requires_grad off already, so it is in no gradient bucket). find_unused_parameters, so that an option
     # that leaves a head out of some forward cannot stop DDP (in the configurations tested none is; it
@@ -635,6 +732,11 @@ def _set_up(
     state = accelerator.state if accelerator.num_processes > 1 else None
     main = accelerator.is_main_process
     _check_processes(resumed, accelerator.num_processes)
+    # scikit-learn's first import (k-means starts the codebook) draws from Python's global generator (rich's
+    # style ids): imported before seeding, so that the first run in a process saves the same rng.safetensors
+    # as any later one.
+    import sklearn.cluster  # noqa: F401
+
     set_seed(tcfg.seed)
     decoder, tokenizer = _decoder_and_tokenizer(config, model_and_tokenizer, device)
     data = prepare_data(config, tokenizer, pairs)
@@ -756,6 +858,8 @@ def _frozen_pass(
         return _FrozenPass(None, None, None, None)
     examples = data.train + data.validation
     cache_dir = (tcfg.feature_cache_dir or output_dir / "feature_cache") if tcfg.feature_cache else None
+    if cache_dir is not None and tcfg.feature_cache_dir is None and distributed.is_main(state):
+        ensure_dir(cache_dir, output_dir)  # RUN/feature_cache: a real folder of the run, not a link to elsewhere
     cache = load_or_build_feature_cache(
         model,
         examples,
@@ -817,7 +921,7 @@ def _warn_term5_amplification(config: RunConfig, train_cache: FeatureCache | Non
 
 def _write_run_files(output_dir: Path, config: RunConfig, data: PreparedData, c_base: float) -> None:
     replace_file_durably(output_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False).encode())
-    stats = json.dumps(dict(data.stats, zfree_reference_scale=c_base), indent=2)
+    stats = json_text(dict(data.stats, zfree_reference_scale=c_base), output_dir / "data_stats.json", indent=2)
     replace_file_durably(output_dir / "data_stats.json", stats.encode())
 
 
@@ -840,11 +944,25 @@ def _start_or_restore(
     monitor = LossMonitor(tcfg.max_loss_ratio, run.c_base)
     n_train = len(run.data.train)
     if resumed is None:
-        return _Progress(0, 0, DataOrder(n_train, tcfg.seed), monitor, checkpoint=None)
+        norms = parameter_norms(run.model.trainable_state_dict())
+        return _Progress(0, 0, DataOrder(n_train, tcfg.seed), monitor, checkpoint=None, norm_reference=norms)
     step, nonfinite, order = _restore(
         resumed, run.model, run.optimizer, run.scheduler, monitor, applied, run.config, n_train
     )
-    return _Progress(step, nonfinite, order, monitor, checkpoint=resumed.path)
+    state = resumed.trainer_state
+    reference = dict(state.get("param_norm_reference") or {})
+    if state.get("suspect"):
+        good = last_good_checkpoint(resumed.path.parent.parent, resumed.step)
+        logger.warning(
+            "resuming from %s, which is suspect (%s); the last good checkpoint is %s",
+            resumed.path,
+            state["suspect"],
+            good if good is not None else "none",
+        )
+    else:
+        norms = state.get("param_norms") or parameter_norms(run.model.trainable_state_dict())
+        reference = {g: max(v, reference.get(g, 0.0)) for g, v in norms.items()}
+    return _Progress(step, nonfinite, order, monitor, checkpoint=resumed.path, norm_reference=reference)
 
 
 # --------------------------------------------------------------------------- one step
@@ -1043,7 +1161,7 @@ def _metrics_log(output_dir: Path, tcfg: TrainConfig, step: int, main: bool = Tr
     writer = _tensorboard_writer(output_dir) if tcfg.tensorboard else None
     bar = tqdm(total=tcfg.max_steps, initial=step, desc="train", disable=not tcfg.progress, unit="step")
     try:
-        with path.open("a") as file:
+        with open_append(path) as file:  # never through a link planted at the path
             yield _MetricsLog(path, file, writer, bar)
     finally:
         bar.close()
@@ -1065,6 +1183,13 @@ def _save(run: _Training, progress: _Progress, log: _MetricsLog) -> None:
         "loss_monitor": progress.monitor.state(),
         "frozen_pass_fingerprint": run.fingerprint,
     }
+    norms = parameter_norms(run.model.trainable_state_dict())
+    suspect = norm_jump(norms, progress.norm_reference)
+    trainer_state.update(param_norms=norms, param_norm_reference=dict(progress.norm_reference))
+    if suspect:
+        trainer_state["suspect"] = suspect
+    else:
+        progress.norm_reference = {g: max(v, progress.norm_reference.get(g, 0.0)) for g, v in norms.items()}
     if run.state is not None:  # several processes (a checkpoint without the key was trained by one)
         trainer_state["processes"] = run.state.num_processes
     if not run.main:  # the main process writes the checkpoint; the others learn its path when it is complete
@@ -1085,7 +1210,18 @@ def _save(run: _Training, progress: _Progress, log: _MetricsLog) -> None:
     except NonFiniteState as exc:
         raise _diverged(progress.step, f"{exc}; not saved", progress.checkpoint) from exc
     progress.checkpoint = checkpoint
-    prune_checkpoints(run.output_dir, run.config.train.keep_checkpoints, protect=checkpoint)
+    good = checkpoint
+    if suspect:
+        good = last_good_checkpoint(run.output_dir, progress.step)
+        logger.warning(
+            "step %d: checkpoint %s is suspect (%s); the last good checkpoint (kept) is %s",
+            progress.step,
+            checkpoint,
+            suspect,
+            good or "none",
+        )
+    protect = checkpoint if good == checkpoint else [checkpoint, good]
+    prune_checkpoints(run.output_dir, run.config.train.keep_checkpoints, protect=protect)
     distributed.barrier(run.state)
 
 
@@ -1176,4 +1312,4 @@ def _tensorboard_writer(output_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:  # pragma: no cover - depends on the optional package
         raise RuntimeError("--tensorboard needs the tensorboard package: pip install tensorboard") from exc
-    return SummaryWriter(str(output_dir / "tensorboard"))
+    return SummaryWriter(str(ensure_dir(output_dir / "tensorboard", output_dir)))
