@@ -77,7 +77,8 @@ def test_html_colour_scales():
         "background-color:rgb(255,255,255)",
         "background-color:rgb(255,128,128)",
     ]
-    assert 'id="legend-min">-2<' in page and 'id="legend-max">1<' in page
+    # the legend's ends are the values drawn in its end colours: -max|v| (blue) and +max|v| (red), not min and max
+    assert 'id="legend-min">-2<' in page and 'id="legend-max">2<' in page
 
 
 def test_html_rejects_bad_input():

@@ -43,7 +43,15 @@ from typing import TYPE_CHECKING, Any
 from . import commands
 from .config import DEFAULT_SCORING, Scoring
 from .data import label_factors
-from .report import TOKEN_COLOUR_JS, _colour, _format_value, _json_for_script, _scale, _token_text_html
+from .report import (
+    TOKEN_COLOUR_JS,
+    _colour,
+    _format_value,
+    _json_for_script,
+    _scale,
+    _token_text_html,
+    legend_html,
+)
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -360,6 +368,8 @@ td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; vertical-al
 .controls { position: sticky; top: 0; background: #fff; padding: 0.5em 0; border-bottom: 1px solid #ddd; z-index: 1; }
 .legend { display: inline-flex; align-items: center; gap: 0.4em; margin-left: 1.5em; font-size: 0.9em; }
 .legend .bar { display: inline-block; width: 12em; height: 0.9em; border: 1px solid #999; }
+.legend .swatch { display: inline-block; width: 0.9em; height: 0.9em; border: 1px solid #999; }
+.legend .range { color: #666; }
 section.group { border: 1px solid #bbb; border-radius: 4px; padding: 0.8em; margin: 1em 0; }
 section.group.empty { opacity: 0.75; }
 .sharebar { display: inline-block; height: 0.8em; background: #4a7bd0; vertical-align: middle; }
@@ -387,11 +397,7 @@ _JS = (
       var e = Number(spans[i].getAttribute("data-e")), t = Number(spans[i].getAttribute("data-i"));
       spans[i].style.backgroundColor = colour(data.values[e][key][t], sc);
     }
-    document.getElementById("legend-min").textContent = fmt(sc.min);
-    document.getElementById("legend-max").textContent = fmt(sc.max);
-    document.getElementById("legend-bar").style.background = sc.signed
-      ? "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
-      : "linear-gradient(to right, #fff, rgb(255,0,0))";
+    legend(sc);
     document.body.setAttribute("data-quantity", key);
   }
   select.addEventListener("change", update);
@@ -536,12 +542,6 @@ def render_explorer_html(page: Mapping[str, Any]) -> str:
     )
     meta = dict(page["meta"], latent=page["latent"], examples=page["examples_total"])
     meta_rows = "".join(f"<tr><th>{_esc(str(k))}</th><td>{_esc(v)}</td></tr>" for k, v in meta.items())
-    sc = scales[default]
-    gradient = (
-        "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
-        if sc["signed"]
-        else "linear-gradient(to right, #fff, rgb(255,0,0))"
-    )
     payload = {
         "scales": scales,
         "values": [{q: _clean(e["values"][q]) for q in page["quantities"]} for e in page["examples"]],
@@ -555,9 +555,7 @@ def render_explorer_html(page: Mapping[str, Any]) -> str:
         f'<h1>{title}</h1>\n<table class="meta">{meta_rows}</table>\n'
         '<div class="controls"><label for="quantity">Colour tokens by: </label>'
         f'<select id="quantity">{options}</select>'
-        f'<span class="legend"><span id="legend-min">{_format_value(sc["min"])}</span>'
-        f'<span class="bar" id="legend-bar" style="background:{gradient}"></span>'
-        f'<span id="legend-max">{_format_value(sc["max"])}</span></span></div>\n'
+        f"{legend_html(scales[default])}</div>\n"
         f"{_overview_html(page)}\n{sections}\n"
         f'<script type="application/json" id="explorer-data">{_json_for_script(payload)}</script>\n'
         f"<script>{_JS}</script>\n</body>\n</html>\n"

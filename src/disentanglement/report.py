@@ -53,6 +53,36 @@ def _scale(vals: Sequence[float | None], signed: bool) -> dict[str, Any]:
     return {"min": lo, "max": hi, "signed": signed, "ref": ref}
 
 
+def legend_ends(scale: Mapping[str, Any]) -> tuple[float, float]:
+    """The values at the legend's two ends, the values :func:`_colour` draws in its end colours: ``0`` (white)
+    and ``ref`` (red) for a non-negative quantity, ``-ref`` (blue) and ``ref`` (red) for a signed one. (Not the
+    data's minimum: a token at the minimum is coloured by ``min / ref``, white only when the minimum is 0.)"""
+    ref = float(scale["ref"])
+    return (-ref if scale["signed"] else 0.0, ref)
+
+
+def legend_html(scale: Mapping[str, Any]) -> str:
+    """The colour legend of a token page: a swatch and the value at each end of the gradient bar (both the
+    colours of :func:`_colour` at those values), and the data's range beside it. Ids ``legend-lo-swatch``,
+    ``legend-min``, ``legend-bar``, ``legend-max``, ``legend-hi-swatch``, ``legend-range`` (the pages' script
+    updates them, :data:`TOKEN_COLOUR_JS`'s ``legend``)."""
+    lo, hi = legend_ends(scale)
+    gradient = (
+        "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
+        if scale["signed"]
+        else "linear-gradient(to right, #fff, rgb(255,0,0))"
+    )
+    return (
+        f'<span class="legend"><span class="swatch" id="legend-lo-swatch" style="background-color:{_colour(lo, scale)}">'
+        f'</span><span id="legend-min">{_format_value(lo)}</span>'
+        f'<span class="bar" id="legend-bar" style="background:{gradient}"></span>'
+        f'<span id="legend-max">{_format_value(hi)}</span>'
+        f'<span class="swatch" id="legend-hi-swatch" style="background-color:{_colour(hi, scale)}"></span>'
+        f'<span id="legend-range" class="range">(tokens range {_format_value(scale["min"])} to '
+        f"{_format_value(scale['max'])})</span></span>"
+    )
+
+
 def _colour(v: float | None, scale: Mapping[str, Any]) -> str:
     """Background colour: white->red by v/max, or blue-white-red by v/max|v| when signed."""
     if v is None:
@@ -99,6 +129,8 @@ table.meta td, table.meta th { border: 1px solid #ccc; padding: 2px 6px; text-al
 .controls { margin: 0.5em 0 1em 0; }
 .legend { display: inline-flex; align-items: center; gap: 0.4em; margin-left: 1.5em; font-size: 0.9em; }
 .legend .bar { display: inline-block; width: 12em; height: 0.9em; border: 1px solid #999; }
+.legend .swatch { display: inline-block; width: 0.9em; height: 0.9em; border: 1px solid #999; }
+.legend .range { color: #666; }
 #tokens { font-family: ui-monospace, Menlo, Consolas, monospace; white-space: pre-wrap; line-height: 1.7;
   border: 1px solid #ddd; padding: 0.8em; word-break: break-word; }
 span.tok { border-radius: 2px; padding: 0 0.5px; }
@@ -115,6 +147,17 @@ TOKEN_COLOUR_JS = """  function colour(v, sc) {
     return s >= 0 ? "rgb(255," + f + "," + f + ")" : "rgb(" + f + "," + f + ",255)";
   }
   function fmt(v) { return v === null ? "n/a" : Number(v.toPrecision(4)).toString(); }
+  function legend(sc) {
+    var lo = sc.signed ? -sc.ref : 0, hi = sc.ref;
+    document.getElementById("legend-min").textContent = fmt(lo);
+    document.getElementById("legend-max").textContent = fmt(hi);
+    document.getElementById("legend-lo-swatch").style.backgroundColor = colour(lo, sc);
+    document.getElementById("legend-hi-swatch").style.backgroundColor = colour(hi, sc);
+    document.getElementById("legend-range").textContent = "(tokens range " + fmt(sc.min) + " to " + fmt(sc.max) + ")";
+    document.getElementById("legend-bar").style.background = sc.signed
+      ? "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
+      : "linear-gradient(to right, #fff, rgb(255,0,0))";
+  }
 """
 
 _JS = (
@@ -130,11 +173,7 @@ _JS = (
     for (var i = 0; i < spans.length; i++) {
       spans[i].style.backgroundColor = colour(vals[Number(spans[i].getAttribute("data-i"))], sc);
     }
-    document.getElementById("legend-min").textContent = fmt(sc.min);
-    document.getElementById("legend-max").textContent = fmt(sc.max);
-    document.getElementById("legend-bar").style.background = sc.signed
-      ? "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
-      : "linear-gradient(to right, #fff, rgb(255,0,0))";
+    legend(sc);
   }
   select.addEventListener("change", update);
   update();
@@ -161,7 +200,9 @@ def render_token_html(
     blue-white-red around 0 by ``value / max|value|``. Every token is one
     ``<span class="tok">`` with ``data-i`` (its index), ``data-token`` and one ``data-*``
     attribute per quantity, and a tooltip; the values are also embedded as JSON in
-    ``<script type="application/json" id="token-data">``. No network resources are used.
+    ``<script type="application/json" id="token-data">``. No network resources are used. The legend's ends
+    are labelled with the values drawn in their colours (:func:`legend_html`): 0 and the maximum, or
+    minus and plus the largest magnitude when signed; the data's range is shown beside it.
     """
     tokens = [str(t) for t in tokens]
     vals = _clean_values(tokens, values)
@@ -192,12 +233,6 @@ def render_token_html(
         for k, v in (meta or {}).items()
     )
     meta_html = f'<table class="meta">{meta_rows}</table>' if meta_rows else ""
-    sc = scales[default]
-    gradient = (
-        "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
-        if sc["signed"]
-        else "linear-gradient(to right, #fff, rgb(255,0,0))"
-    )
     payload = {
         "title": title,
         "meta": dict(meta or {}),
@@ -213,9 +248,7 @@ def render_token_html(
         f"<h1>{esc(title)}</h1>\n{meta_html}\n"
         '<div class="controls"><label for="quantity">Colour by: </label>'
         f'<select id="quantity">{options}</select>'
-        f'<span class="legend"><span id="legend-min">{_format_value(sc["min"])}</span>'
-        f'<span class="bar" id="legend-bar" style="background:{gradient}"></span>'
-        f'<span id="legend-max">{_format_value(sc["max"])}</span></span></div>\n'
+        f"{legend_html(scales[default])}</div>\n"
         f'<div id="tokens">{"".join(spans)}</div>\n'
         f'<script type="application/json" id="token-data">{_json_for_script(payload)}</script>\n'
         f"<script>{_JS}</script>\n</body>\n</html>\n"
