@@ -201,3 +201,60 @@ def test_train_ends_with_the_verdict_on_its_validation_split(tmp_path, monkeypat
     assert block == verdict_lines(report, result)
     assert block[0].startswith("code usage:  slot 0 ") and block[2].startswith("factor label: NMI ")
     assert block[-1].startswith("verdict: ") and result["verdict"] in VERDICTS
+
+
+# --------------------------------------------------------------------------- the explorer page
+
+
+def page_with_verdict():
+    from disentanglement.explorer import label_distribution
+    from test_explorer import _page
+
+    page = _page(label="a")
+    report = discrete(factors={"label": factor(1.0, 0.43)})
+    result = judge(report)
+    page["verdict"] = {"verdict": result["verdict"], "reason": result["reason"], "lines": verdict_lines(report, result)}
+    page["labels"] = label_distribution(["a", "b", "b", "a"])  # base rates 0.5 / 0.5
+    return page, report
+
+
+def test_explorer_shows_the_verdict_at_its_top_and_base_rates_beside_shares():
+    from disentanglement.explorer import render_explorer_html
+    from helpers import check_html
+
+    page, report = page_with_verdict()
+    text = render_explorer_html(page)
+    check_html(text)
+    top = text.split("<h1>")[1]
+    assert top.index('id="verdict"') < top.index('class="meta"') < top.index('class="overview"')
+    block = top.split('id="verdict"')[1].split("</div>")[0]
+    assert 'data-verdict="beats every baseline"' in text and "<b>verdict: beats every baseline</b>" in block
+    for line in verdict_lines(report)[:-1]:
+        assert f"<li>{line}</li>" in block.replace("&#x27;", "'")
+    # the overview's most common label with the share it would have by chance
+    assert "label=a 1.00 (base rate 0.50)" in text
+    assert '<td class="base-rate">0.500</td>' in text and "<th>base rate (all data)</th>" in text
+    # a page without them (as built before) still renders, without the block or the rates
+    bare = render_explorer_html({k: v for k, v in page.items() if k not in ("verdict", "labels")})
+    assert 'id="verdict"' not in bare and "base rate" not in bare and "label=a 1.00" in bare
+
+
+def test_explorer_of_a_trained_run_has_eval_s_verdict(discrete_run, tmp_path):
+    from disentanglement.explorer import run_explore
+
+    path = run_explore(
+        discrete_run.checkpoint,
+        output=tmp_path / "page.html",
+        examples_per_group=1,
+        num_prompts=0,
+        progress=False,
+        model_and_tokenizer=model_and_tokenizer(),
+    )
+    text = path.read_text()
+    report, result = fixture_verdict(discrete_run)  # the validation split, as the page's default data
+    assert result["verdict"] == BEATS and f'data-verdict="{BEATS}"' in text
+    assert f"<li>{verdict_lines(report, result)[0]}</li>" in text
+    # every group's labels beside the split's base rates (4 hidden factors, about a quarter each)
+    rates = [float(c.split("<")[0]) for c in text.split('<td class="base-rate">')[1:]]
+    assert rates and all(0.1 < r < 0.4 for r in rates)
+    assert "(base rate 0." in text.split('class="overview"')[1]

@@ -4,7 +4,9 @@
         [--explore-examples 3] [--explore-prompts 3 | --explore-prompt TEXT ...] [--explore-tokens 16]
         [--clusters N] [--max-examples N]
 
-The page has one section per **group** of the data:
+At its top the page shows the run's verdict on that data (``verdict.verdict_lines``, as ``eval`` prints it:
+code usage or active units, latent gain, each factor's NMI beside its best baseline, then collapsed / matches
+clustering of its own features / beats every baseline). Below it, one section per **group** of the data:
 
 - discrete latents: per slot, every code of the codebook (a code no example takes is shown too, empty);
   an example belongs to code ``k`` of slot ``m`` when its argmax code there is ``k``
@@ -15,7 +17,8 @@ The page has one section per **group** of the data:
 
 Per group: its share of the data (per slot, the shares sum to 1), the mean KL and latent gain of its
 examples, its label distribution per factor (a string label is the factor ``label``; unlabelled examples
-are counted apart), its most confident examples (discrete: the highest posterior probability of the code,
+are counted apart) beside each value's base rate (its share of all the page's data: the share a group shows
+by chance), its most confident examples (discrete: the highest posterior probability of the code,
 as ``encode.code_examples``; continuous: the nearest posterior means to the cluster's centroid), each with
 its response tokens coloured as ``inspect`` colours one example (:func:`inspection.token_values`; a
 selector switches the quantity: z-free surprisal ``b_t``, token weight ``pi_t``, gain ``b_t - l_t``, latent
@@ -239,23 +242,29 @@ def explore(
     import torch
 
     from .encode import encode_examples, latent_vector
+    from .features import build_feature_cache
     from .generation import SamplingOptions, encode_prompts, generate_texts
     from .inspection import QUANTITIES, token_values
+    from .verdict import validation_verdict, verdict_lines
 
     _check_options(examples_per_group, num_prompts, max_new_tokens, clusters)
     if not examples or len(pairs) != len(examples):
         raise ValueError(f"{len(pairs)} pairs for {len(examples)} examples; the explorer needs one pair per example")
     device = next(model.parameters()).device
+    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, batch_size, progress=progress)
     rows = encode_examples(
         model,
         examples,
-        None,
+        cache,
         tokenizer.pad_token_id,
         pairs=pairs,
         scoring=dataclasses.replace(scoring, iw_samples=1),
         batch_size=batch_size,
         seed=seed,
         progress=progress,
+    )
+    report, judged = validation_verdict(
+        model, examples, cache, tokenizer.pad_token_id, seed=seed, batch_size=batch_size, scoring=scoring
     )
     discrete = model.is_discrete
     labels = [r["label"] for r in rows]
@@ -344,6 +353,8 @@ def explore(
         "meta": dict(meta or {}),
         "latent": "discrete" if discrete else "continuous",
         "examples_total": len(rows),
+        "verdict": {"verdict": judged["verdict"], "reason": judged["reason"], "lines": verdict_lines(report, judged)},
+        "labels": label_distribution(labels),
         "quantities": [q for q in QUANTITY_LABELS if q in QUANTITIES],
         "default": DEFAULT_QUANTITY,
         "groups": out_groups,
@@ -380,6 +391,9 @@ section.group.empty { opacity: 0.75; }
   border: 1px solid #ddd; padding: 0.4em; word-break: break-word; }
 span.tok { border-radius: 2px; padding: 0 0.5px; }
 span.tok:hover { outline: 1px solid #333; }
+.verdict { border: 2px solid #4a7bd0; border-radius: 4px; padding: 0.3em 0.8em; margin: 0.5em 0 1em 0; }
+.verdict ul { margin: 0.2em 0; font-size: 0.9em; }
+td.base-rate { color: #666; }
 .gen { font-family: ui-monospace, Menlo, Consolas, monospace; white-space: pre-wrap; }
 """
 
@@ -431,20 +445,39 @@ def _clean(values: Sequence[Any]) -> list[float | None]:
     return [float(v) if v is not None and math.isfinite(float(v)) else None for v in values]
 
 
-def _label_html(labels: Mapping[str, Any]) -> str:
+def base_rates(page: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """Per factor, each value's share of the whole page's labelled data (``page["labels"]``; empty for a page
+    without it): the share a group would show by chance."""
+    overall = page.get("labels") or {"factors": {}}
+    return {name: {v["value"]: v["share"] for v in values} for name, values in overall["factors"].items()}
+
+
+def _base_rate(rates: Mapping[str, Mapping[str, float]], name: str, value: str) -> str:
+    rate = rates.get(name, {}).get(value)
+    return "" if rate is None else f" (base rate {rate:.2f})"
+
+
+def _label_html(labels: Mapping[str, Any], rates: Mapping[str, Mapping[str, float]] | None = None) -> str:
     if not labels["factors"]:
         return '<p class="stats">no labels</p>'
+    rates = rates or {}
     parts = []
     unlabelled = labels["examples"] - labels["labelled"]
     for name, values in labels["factors"].items():
+        with_rates = name in rates
         rows = "".join(
             f"<tr><td>{_esc(v['value'])}</td><td>{v['count']}</td><td>{v['share']:.3f} "
-            f'<span class="sharebar" style="width:{6 * v["share"]:.2f}em"></span></td></tr>'
+            f'<span class="sharebar" style="width:{6 * v["share"]:.2f}em"></span></td>'
+            + (f'<td class="base-rate">{rates[name].get(v["value"], 0.0):.3f}</td>' if with_rates else "")
+            + "</tr>"
             for v in values
         )
+        head = "<tr><th>value</th><th>examples</th><th>share</th>" + (
+            "<th>base rate (all data)</th></tr>" if with_rates else "</tr>"
+        )
         parts.append(
-            f'<table class="labels" data-factor="{_esc(name)}"><tr><th colspan="3">factor {_esc(name)}</th></tr>'
-            f"<tr><th>value</th><th>examples</th><th>share</th></tr>{rows}</table>"
+            f'<table class="labels" data-factor="{_esc(name)}"><tr><th colspan="{4 if with_rates else 3}">'
+            f"factor {_esc(name)}</th></tr>{head}{rows}</table>"
         )
     note = f'<p class="stats">{unlabelled} unlabelled</p>' if unlabelled else ""
     return '<div class="label-tables">' + "".join(parts) + "</div>" + note
@@ -499,7 +532,7 @@ def _group_html(group: Mapping[str, Any], page: Mapping[str, Any], scales) -> st
         f'<span class="sharebar" style="width:{10 * group["share"]:.2f}em"></span> · mean KL '
         f"{_number(group['mean_kl'])} nats · mean latent gain {_number(group['mean_latent_gain'], 4)} nats/token · "
         f"latent {_esc(group['latent'])}</p>"
-        f"<h3>Labels</h3>{_label_html(group['labels'])}"
+        f"<h3>Labels</h3>{_label_html(group['labels'], base_rates(page))}"
         f"<h3>Most confident examples</h3>{examples}"
         f"<h3>Generations (greedy, at most {page['generation']['max_new_tokens']} tokens)</h3>{generated}"
         "</section>"
@@ -508,11 +541,13 @@ def _group_html(group: Mapping[str, Any], page: Mapping[str, Any], scales) -> st
 
 def _overview_html(page: Mapping[str, Any]) -> str:
     rows = []
+    rates = base_rates(page)
     for g in page["groups"]:
         top = []
         for name, values in g["labels"]["factors"].items():
             if values:
-                top.append(f"{name}={values[0]['value']} ({values[0]['share']:.2f})")
+                value = values[0]["value"]
+                top.append(f"{name}={value} {values[0]['share']:.2f}{_base_rate(rates, name, value)}")
         rows.append(
             f'<tr><td><a href="#group-{_esc(g["id"])}">{_esc(g["title"])}</a></td><td>{g["count"]}</td>'
             f'<td>{g["share"]:.3f} <span class="sharebar" style="width:{10 * g["share"]:.2f}em"></span></td>'
@@ -522,6 +557,19 @@ def _overview_html(page: Mapping[str, Any]) -> str:
         '<table class="overview"><tr><th>group</th><th>examples</th><th>share</th><th>most common label</th></tr>'
         + "".join(rows)
         + "</table>"
+    )
+
+
+def _verdict_html(page: Mapping[str, Any]) -> str:
+    """The verdict block at the top of the page (``verdict.verdict_lines``: usage, latent gain, each factor's
+    NMI beside its best baseline, the verdict); empty for a page without one."""
+    verdict = page.get("verdict")
+    if not verdict:
+        return ""
+    details = "".join(f"<li>{_esc(line)}</li>" for line in verdict["lines"][:-1])
+    return (
+        f'<div class="verdict" id="verdict" data-verdict="{_esc(verdict["verdict"])}">'
+        f"<p><b>verdict: {_esc(verdict['verdict'])}</b> ({_esc(verdict['reason'])})</p><ul>{details}</ul></div>"
     )
 
 
@@ -552,7 +600,8 @@ def render_explorer_html(page: Mapping[str, Any]) -> str:
         "<!DOCTYPE html>\n"
         '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f"<title>{title}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
-        f'<h1>{title}</h1>\n<table class="meta">{meta_rows}</table>\n'
+        f"<h1>{title}</h1>\n{_verdict_html(page)}\n"
+        f'<table class="meta">{meta_rows}</table>\n'
         '<div class="controls"><label for="quantity">Colour tokens by: </label>'
         f'<select id="quantity">{options}</select>'
         f"{legend_html(scales[default])}</div>\n"

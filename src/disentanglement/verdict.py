@@ -17,6 +17,7 @@ The thresholds and the verdicts are defined once, in :func:`judge`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -198,19 +199,29 @@ def verdict_lines(report: Mapping[str, Any], result: Mapping[str, Any] | None = 
 
 
 def validation_verdict(
-    model, examples, cache, pad_token_id: int, *, seed: int = 0, batch_size: int = 16, progress: bool = False
+    model,
+    examples,
+    cache,
+    pad_token_id: int,
+    *,
+    seed: int = 0,
+    batch_size: int = 16,
+    progress: bool = False,
+    scoring: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(report, judge(report))`` of ``model`` on ``examples`` (the end of ``train``: the validation split):
-    :func:`evaluation.evaluate` with one importance sample (the bound is not needed for the verdict)."""
+    :func:`evaluation.evaluate` with one importance sample (the bound is not needed for the verdict) and
+    ``scoring``'s prior samples (default :class:`config.Scoring`)."""
     from .config import Scoring
     from .evaluation import evaluate
 
+    scoring = Scoring(iw_samples=1) if scoring is None else dataclasses.replace(scoring, iw_samples=1)
     report = evaluate(
         model,
         examples,
         cache,
         pad_token_id,
-        scoring=Scoring(iw_samples=1),
+        scoring=scoring,
         batch_size=batch_size,
         seed=seed,
         progress=progress,
