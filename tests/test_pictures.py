@@ -4,6 +4,7 @@ and on constructed inputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -124,3 +125,107 @@ def test_kl_below_eight_dimensions_stays_one_axes(tmp_path):
     with capture_figures() as figures:
         R.plot_training_curves(kl_metrics(R.KL_HEATMAP_UNITS), tmp_path)
     assert len(figures["kl.png"].axes) == 3 and not math.isnan(R.KL_TOP_UNITS)
+
+
+# --------------------------------------------------------------------------- sweep.png
+
+
+def test_sweep_png_seeds_clipped_intervals_and_baselines_in_the_latent_s_panel(tmp_path):
+    from disentanglement import sweep
+
+    rows = []
+    for cell, nmis in (("a", (0.1, 0.9)), ("b", (0.95, 1.0))):
+        for seed, nmi in enumerate(nmis):
+            rows.append(
+                {
+                    "cell": cell,
+                    "seed": seed,
+                    "factors.label.latent.nmi": nmi,
+                    "factors.label.encoder_kmeans.nmi": 0.98,
+                    "factors.label.prior_kmeans.nmi": 0.05 + 0.01 * seed,
+                    "factors.label.random.nmi": 0.02,
+                    "label_nmi": nmi,
+                    "latent_gain_nats_per_token": 0.01 * (seed + 1),
+                }
+            )
+    summary = sweep.summarise(rows, ["a", "b"])
+    mean, half, n = summary["a"]["factors.label.latent.nmi"]
+    assert (mean, n) == (pytest.approx(0.5), 2) and half > 5  # two seeds: t(1) makes the interval huge
+    with capture_figures() as figures:
+        sweep.plot_summary(summary, tmp_path / "sweep.png", rows)
+    figure = figures["sweep.png"]
+    nmi, gain = figure.axes  # label_nmi is factors.label's latent: not drawn twice
+    assert nmi.get_title() == "factor label: NMI" and gain.get_title() == "latent_gain_nats_per_token"
+    assert nmi.get_xlim() == pytest.approx((-0.03, 1.03))
+    latent, own, prompt, random = nmi.containers  # the latent first, then its baselines, in its own panel
+    assert [text.get_text() for text in nmi.get_legend().get_texts()] == [
+        "latent",
+        "k-means of its own features",
+        "k-means of the prompt's features",
+        "random",
+    ]
+    points, _, (bars,) = latent
+    assert list(points.get_xdata()) == pytest.approx([0.5, 0.975])
+    ends = [x for segment in bars.get_segments() for x in (segment[0][0], segment[1][0])]
+    assert min(ends) >= 0.0 and max(ends) <= 1.0  # cut at NMI's range
+    assert ends[:2] == pytest.approx([0.0, 1.0])  # cell a: 0.5 +- 5 -> [0, 1]
+    own_points = own[0]
+    assert list(own_points.get_xdata()) == pytest.approx([0.98, 0.98])
+    assert all(y > row for y, row in zip(own_points.get_ydata(), (0, 1), strict=True))  # just below the row
+    # every seed drawn: cell a's two seeds at 0.1 and 0.9 on its row
+    from matplotlib.collections import PathCollection
+
+    scatters = [c for c in nmi.collections if isinstance(c, PathCollection)]
+    assert len(scatters) == 4  # the latent's and each baseline's seeds
+    seeds = scatters[0].get_offsets()
+    assert sorted(map(tuple, np.asarray(seeds).tolist())) == [(0.1, 0.0), (0.9, 0.0), (0.95, 1.0), (1.0, 1.0)]
+    # an unbounded metric keeps its interval whole
+    (_, _, (gain_bars,)) = gain.containers[0]
+    g_mean, g_half, _ = summary["a"]["latent_gain_nats_per_token"]
+    first = gain_bars.get_segments()[0]
+    assert (first[0][0], first[1][0]) == pytest.approx((g_mean - g_half, g_mean + g_half))
+    assert_reads(figure)
+
+
+# --------------------------------------------------------------------------- the latent x factor heat map
+
+
+def test_heat_map_names_the_factor_and_calls_clusters_clusters(continuous_run, tmp_path):
+    from disentanglement.commands import load_examples
+    from disentanglement.features import build_feature_cache
+    from disentanglement.inspection import write_run_plots
+
+    model, tok, config, _ = continuous_run.load()
+    examples, _ = load_examples("validation", config, tok)
+    examples = [
+        dataclasses.replace(e, label={"factor": e.label, "parity": ("even", "odd")[i % 2]})
+        for i, e in enumerate(examples)
+    ]
+    cache = build_feature_cache(model, examples, tok.pad_token_id, progress=False)
+    with capture_figures() as figures:
+        write_run_plots(tmp_path, model, examples, cache, tok.pad_token_id)
+    assert set(figures) == {"code_factor_heatmap.png", "code_parity_heatmap.png"}  # no code usage: continuous
+    ax, colourbar = figures["code_parity_heatmap.png"].axes
+    assert ax.get_xlabel() == "parity" and ax.get_ylabel() == "cluster (k-means of posterior means)"
+    assert ax.get_title() == "cluster (k-means of posterior means) x parity"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["even", "odd"]
+    assert colourbar.get_ylabel() == "count"
+    assert figures["code_factor_heatmap.png"].axes[0].get_xlabel() == "factor"
+    assert_reads(figures["code_parity_heatmap.png"])
+
+
+def test_heat_map_rows_by_hand(tmp_path):
+    from disentanglement.inspection import _rows_name
+
+    assert _rows_name({"codes": np.zeros((3, 1), dtype=int)}) == "code"
+    assert _rows_name({"codes": np.zeros((3, 2), dtype=int)}) == "code combination"
+    assert _rows_name({"mu": np.zeros((3, 4))}) == "cluster (k-means of posterior means)"
+    contingency = {"rows": [0, 1], "columns": ["a", "b"], "counts": [[1, 0], [0, 2]]}
+    with capture_figures() as figures:
+        R.plot_contingency_heatmap(contingency, tmp_path / "h.png", "style", "code combination")
+    ax = figures["h.png"].axes[0]
+    assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_title()) == (
+        "style",
+        "code combination",
+        "code combination x style",
+    )

@@ -608,8 +608,14 @@ def plot_code_usage(usage_per_slot: Sequence[Mapping[str, Any]], out_path: str |
     return out_path
 
 
-def plot_contingency_heatmap(contingency: Mapping[str, Any], out_path: str | Path) -> Path:
-    """Code x label heat map of a ``{"rows", "columns", "counts"}`` contingency table, counts annotated."""
+def plot_contingency_heatmap(
+    contingency: Mapping[str, Any], out_path: str | Path, factor: str = "label", rows_name: str = "code"
+) -> Path:
+    """Latent x factor heat map of a ``{"rows", "columns", "counts"}`` contingency table, counts annotated.
+
+    The x axis is named after the ``factor`` (its values along it), the y axis after what the rows are,
+    ``rows_name``: ``"code"`` (argmax codes), ``"code combination"`` (several slots) or ``"cluster"`` (k-means
+    clusters of posterior means, not codes); the title says both."""
     import numpy as np
 
     out_path = Path(out_path)
@@ -624,8 +630,9 @@ def plot_contingency_heatmap(contingency: Mapping[str, Any], out_path: str | Pat
     fig.colorbar(im, ax=ax, label="count")
     ax.set_xticks(range(nc), cols, rotation=45, ha="right", fontsize=8)
     ax.set_yticks(range(nr), rows, fontsize=8)
-    ax.set_xlabel("label")
-    ax.set_ylabel("code")
+    ax.set_xlabel(factor)
+    ax.set_ylabel(rows_name)
+    ax.set_title(f"{rows_name} x {factor}", fontsize=10)
     if nr * nc <= 2500:
         top = counts.max() if counts.size else 0.0
         for i in range(nr):
