@@ -191,16 +191,14 @@ def test_train_ends_with_the_verdict_on_its_validation_split(tmp_path, monkeypat
     printed = capsys.readouterr().out.splitlines()
     start = printed.index("on the validation split (15 examples):")
     block = printed[start + 1 :]
-    # the same lines as judging the saved checkpoint on the run's validation split afterwards
-    from disentanglement.commands import load_checkpoint
+    # the numbers `disentangle eval RUN` gives afterwards (the validation split, eval's defaults)
+    from disentanglement.commands import run_eval
 
-    model, tok, config, _, _, _ = load_checkpoint(run, device="cpu")
-    examples, _ = load_examples("validation", config, tok)
-    cache = build_feature_cache(model, examples, tok.pad_token_id, progress=False)
-    report, result = validation_verdict(model, examples, cache, tok.pad_token_id, batch_size=8)
-    assert block == verdict_lines(report, result)
+    report, _, _ = run_eval(run, output=str(tmp_path / "eval.json"), progress=False, device="cpu")
+    assert block == verdict_lines(report)
+    assert report["verdict"]["verdict"] == block[-1].split(" (")[0].removeprefix("verdict: ")
     assert block[0].startswith("code usage:  slot 0 ") and block[2].startswith("factor label: NMI ")
-    assert block[-1].startswith("verdict: ") and result["verdict"] in VERDICTS
+    assert block[-1].startswith("verdict: ") and report["verdict"]["verdict"] in VERDICTS
 
 
 # --------------------------------------------------------------------------- the explorer page

@@ -263,8 +263,10 @@ def explore(
         seed=seed,
         progress=progress,
     )
+    # eval's scoring (its importance samples too), so that the verdict's numbers are eval's on the same data
+    verdict_scoring = dataclasses.replace(scoring, iw_samples=DEFAULT_SCORING.iw_samples)
     report, judged = validation_verdict(
-        model, examples, cache, tokenizer.pad_token_id, seed=seed, batch_size=batch_size, scoring=scoring
+        model, examples, cache, tokenizer.pad_token_id, seed=seed, batch_size=batch_size, scoring=verdict_scoring
     )
     discrete = model.is_discrete
     labels = [r["label"] for r in rows]

@@ -17,7 +17,6 @@ The thresholds and the verdicts are defined once, in :func:`judge`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -120,7 +119,7 @@ def judge(report: Mapping[str, Any], gain_epsilon: float = GAIN_EPSILON, margin:
     if dead or gain <= gain_epsilon:
         reasons = [why_dead] if why_dead else []
         if gain <= gain_epsilon:
-            reasons.append(f"latent gain {gain:+.4f} <= {gain_epsilon:g} nats/token")
+            reasons.append(f"latent gain {gain:+.4f} <= {gain_epsilon:g} nats/token: the decoder does not use z")
         best = _best_factor(factors)
         if best is not None:
             f = factors[best]
@@ -209,19 +208,18 @@ def validation_verdict(
     progress: bool = False,
     scoring: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(report, judge(report))`` of ``model`` on ``examples`` (the end of ``train``: the validation split):
-    :func:`evaluation.evaluate` with one importance sample (the bound is not needed for the verdict) and
-    ``scoring``'s prior samples (default :class:`config.Scoring`)."""
-    from .config import Scoring
+    """``(report, judge(report))`` of ``model`` on ``examples``: :func:`evaluation.evaluate` with ``scoring``
+    (default :class:`config.Scoring`, ``eval``'s), so that with ``eval``'s ``--seed`` and ``--batch-size``
+    (0 and 16 by default) the numbers are the ones ``eval`` prints for the same data."""
+    from .config import DEFAULT_SCORING
     from .evaluation import evaluate
 
-    scoring = Scoring(iw_samples=1) if scoring is None else dataclasses.replace(scoring, iw_samples=1)
     report = evaluate(
         model,
         examples,
         cache,
         pad_token_id,
-        scoring=scoring,
+        scoring=DEFAULT_SCORING if scoring is None else scoring,
         batch_size=batch_size,
         seed=seed,
         progress=progress,
@@ -231,24 +229,29 @@ def validation_verdict(
 
 def train_verdict(result: Any, config: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """:func:`validation_verdict` of a finished ``trainer.train`` run (``result``, a ``TrainResult``) on its
-    validation split, reusing the run's frozen pass when it made one; None without validation examples."""
+    validation split with ``eval``'s defaults (seed, batch size, scoring: ``disentangle eval RUN`` prints the
+    same numbers), reusing the run's frozen pass when it made one; None without validation examples."""
+    from .commands import EvalOptions
     from .features import build_feature_cache
 
     validation = result.data.validation
     if not validation or result.pad_token_id is None:
         return None
-    batch_size = config.train.batch_size
+    defaults = EvalOptions()
     progress = bool(config.train.progress)
     if result.cache is not None and len(result.cache) == len(result.data.train) + len(validation):
         cache = result.cache.subset(len(result.data.train), len(result.cache))
     else:
-        cache = build_feature_cache(result.model, validation, result.pad_token_id, batch_size, progress=progress)
+        cache = build_feature_cache(
+            result.model, validation, result.pad_token_id, defaults.batch_size, progress=progress
+        )
     return validation_verdict(
         result.model,
         validation,
         cache,
         result.pad_token_id,
-        seed=config.train.seed,
-        batch_size=batch_size,
+        seed=defaults.seed,
+        batch_size=defaults.batch_size,
         progress=progress,
+        scoring=defaults.scoring(),
     )
