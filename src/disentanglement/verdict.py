@@ -86,8 +86,8 @@ def judge(report: Mapping[str, Any], gain_epsilon: float = GAIN_EPSILON, margin:
        (or none); continuous: 0 active units (no dimension's posterior mean varies by more than 0.01
        over the data); or either family: the latent gain (the larger of the uniform and the
        token-weighted, :func:`latent_gain`) is at most ``gain_epsilon`` (1e-3 nats per token). A high
-       NMI beside a collapsed latent only says that k-means of the posterior means re-clusters the
-       encoder's features; the decoder does not use them.
+       NMI beside a collapsed latent only says that the codes (or k-means of the posterior means)
+       follow the encoder's features; the decoder does not use them.
     2. ``uses its latent (no labels: ...)``: not collapsed, and no labelled factors to compare.
     3. ``beats every baseline``: for some factor the latent's NMI is above every baseline's (k-means of
        the encoder's own frozen features, k-means of the prompt's features, random) by at least
@@ -124,8 +124,8 @@ def judge(report: Mapping[str, Any], gain_epsilon: float = GAIN_EPSILON, margin:
         if best is not None:
             f = factors[best]
             reasons.append(
-                f"the NMI {f['nmi']:.2f} with {best} is only k-means re-clustering the encoder's features "
-                f"(k-means of its own features {f['own_kmeans']:.2f})"
+                f"the NMI {f['nmi']:.2f} with {best} reflects the encoder's features, which the decoder does "
+                f"not use (k-means of its own features {f['own_kmeans']:.2f})"
                 if f["own_kmeans"] is not None
                 else f"the NMI {f['nmi']:.2f} with {best} is not used by the decoder"
             )
