@@ -266,7 +266,14 @@ def explore(
     # eval's scoring (its importance samples too), so that the verdict's numbers are eval's on the same data
     verdict_scoring = dataclasses.replace(scoring, iw_samples=DEFAULT_SCORING.iw_samples)
     report, judged = validation_verdict(
-        model, examples, cache, tokenizer.pad_token_id, seed=seed, batch_size=batch_size, scoring=verdict_scoring
+        model,
+        examples,
+        cache,
+        tokenizer.pad_token_id,
+        seed=seed,
+        batch_size=batch_size,
+        scoring=verdict_scoring,
+        progress=progress,
     )
     discrete = model.is_discrete
     labels = [r["label"] for r in rows]
