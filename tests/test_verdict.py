@@ -256,3 +256,13 @@ def test_explorer_of_a_trained_run_has_eval_s_verdict(discrete_run, tmp_path):
     rates = [float(c.split("<")[0]) for c in text.split('<td class="base-rate">')[1:]]
     assert rates and all(0.1 < r < 0.4 for r in rates)
     assert "(base rate 0." in text.split('class="overview"')[1]
+
+
+def test_nothing_to_judge_without_a_validation_split():
+    from types import SimpleNamespace
+
+    from disentanglement.verdict import train_verdict
+
+    empty = SimpleNamespace(data=SimpleNamespace(train=[1], validation=[]), pad_token_id=0, cache=None, model=None)
+    assert train_verdict(empty, config=None) is None
+    assert train_verdict(SimpleNamespace(output_dir="x"), config=None) is None  # a stand-in result
