@@ -82,7 +82,8 @@ def test_plots_are_written_and_non_empty(discrete_inspection):
 def test_plots_draw_the_metrics_log_and_the_codes_of_the_data(discrete_run, discrete_inspection):
     paths, _, figures = discrete_inspection
     assert set(figures) == {p.name for p in paths["plots"]}
-    # the training curves: one panel per numeric key of the run's metrics log, each its logged values by step
+    # the training curves (issue 23: grouped panels, not one per key): the loss first in the objective's panel,
+    # its logged values by step
     log = read_metrics_jsonl(discrete_run.run_dir / "metrics.jsonl")
     numeric = {
         k: v
@@ -90,14 +91,17 @@ def test_plots_draw_the_metrics_log_and_the_codes_of_the_data(discrete_run, disc
         for k, v in r.items()
         if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
     }
-    panels = {ax.get_title(): ax for ax in visible_axes(figures["training_curves.png"])}
-    assert set(panels) == {k for k in numeric if any(math.isfinite(r.get(k, math.nan)) for r in log)}
-    assert "loss" in panels and all(ax.get_xlabel() == "step" for ax in panels.values())
+    panels = {ax.get_title(): ax for ax in visible_axes(figures["training_curves.png"]) if ax.get_title()}
+    assert list(panels)[0] == "objective (nats)" and len(figures["training_curves.png"].axes) <= 8
+    assert all(ax.get_xlabel() == "step" for ax in panels.values())
     logged = [r for r in log if math.isfinite(r.get("loss", math.nan))]
-    assert line_series(panels["loss"]) == [([float(r["step"]) for r in logged], [float(r["loss"]) for r in logged])]
-    (kl,) = visible_axes(figures["kl.png"])
+    assert line_series(panels["objective (nats)"])[0] == (
+        [float(r["step"]) for r in logged],
+        [float(r["loss"]) for r in logged],
+    )
+    (kl,) = visible_axes(figures["kl.png"])  # one slot: fewer units than the heat map needs
     assert kl.get_title() == "KL terms" and {line.get_label() for line in kl.get_lines()} == {
-        k for k in panels if "kl" in k.lower()
+        k for k in numeric if "kl" in k.lower() and not k.startswith("val_") and "objective_unit" not in k
     }
     assert {ax.get_title() for ax in visible_axes(figures["schedules.png"])} <= {"beta", "temperature", "lr"}
     # code usage: one bar chart per slot, a bar per code, the bars counting every example of the data
@@ -112,6 +116,7 @@ def test_plots_draw_the_metrics_log_and_the_codes_of_the_data(discrete_run, disc
     ax, colorbar = visible_axes(figures["code_label_heatmap.png"])
     (image,) = ax.get_images()
     assert (ax.get_xlabel(), ax.get_ylabel(), colorbar.get_ylabel()) == ("label", "code", "count")
+    assert ax.get_title() == "code x label"
     assert set(tick_labels(ax, "x")) == {str(e.label) for e in examples}
     assert set(tick_labels(ax, "y")) <= {str(k) for k in range(config.latent.codebook_size)}
     assert image.get_array().sum() == len(examples)

@@ -77,7 +77,8 @@ def test_html_colour_scales():
         "background-color:rgb(255,255,255)",
         "background-color:rgb(255,128,128)",
     ]
-    assert 'id="legend-min">-2<' in page and 'id="legend-max">1<' in page
+    # the legend's ends are the values drawn in its end colours: -max|v| (blue) and +max|v| (red), not min and max
+    assert 'id="legend-min">-2<' in page and 'id="legend-max">2<' in page
 
 
 def test_html_rejects_bad_input():
@@ -152,13 +153,21 @@ def test_plot_training_curves(tmp_path):
     def drawn(key):
         return steps, [float(r[key]) for r in metrics]
 
-    # the grid: one panel per numeric key with a finite value, titled by it, x = step (NaN, str, bool left out)
-    numeric = ["loss", "kl", "kl_per_slot_mean", "beta", "temperature", "lr"]
-    grid = visible_axes(figures["training_curves.png"])
-    assert [ax.get_title() for ax in grid] == numeric
-    for ax, key in zip(grid, numeric, strict=True):
-        assert ax.get_xlabel() == "step"
-        assert line_series(ax) == [drawn(key)]
+    # the panels (issue 23): grouped in a fixed order, not one per key; beta and temperature on KL's right axis
+    grid = figures["training_curves.png"]
+    panels = [ax for ax in grid.axes if ax.get_title()]
+    assert [ax.get_title() for ax in panels] == [
+        "objective (nats)",
+        "KL (nats) and beta",
+        "learning rates and gradient norm",
+    ]
+    assert len(grid.axes) == 4  # and beta's right axis
+    objective, kl_panel, rates = panels
+    (right,) = [ax for ax in grid.axes if not ax.get_title()]
+    assert line_series(objective) == [drawn("loss")] and objective.get_xlabel() == "step"
+    assert line_series(kl_panel) == [drawn("kl"), drawn("kl_per_slot_mean")]
+    assert line_series(right) == [drawn("beta"), drawn("temperature")] and right.get_ylabel() == "beta"
+    assert line_series(rates) == [drawn("lr")] and rates.get_yscale() == "log"
     # the KL plot: the keys containing "kl" on one axes, with a legend naming them
     (kl,) = visible_axes(figures["kl.png"])
     assert (kl.get_title(), kl.get_xlabel(), kl.get_ylabel()) == ("KL terms", "step", "nats")
@@ -176,14 +185,14 @@ def test_plot_training_curves(tmp_path):
         only = R.plot_training_curves([{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}], tmp_path / "b")
     assert [p.name for p in only] == ["training_curves.png"]
     (ax,) = visible_axes(figures["training_curves.png"])
-    assert ax.get_title() == "loss" and line_series(ax) == [([1.0, 2.0], [1.0, 0.5])]
+    assert ax.get_title() == "objective (nats)" and line_series(ax) == [([1.0, 2.0], [1.0, 0.5])]
     assert ax.get_lines()[0].get_marker() == "."  # few points: each one marked
-    # a record without a step is drawn at its index; a grid of 4 panels hides the two spare axes of 2 x 3
+    # a record without a step is drawn at its index; keys of no known panel share the panel "other"
     with capture_figures() as figures:
         R.plot_training_curves([{"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}, {"a": 0.5}], tmp_path / "d")
-    grid = figures["training_curves.png"]
-    assert len(grid.axes) == 6 and [ax.get_title() for ax in visible_axes(grid)] == ["a", "b", "c", "d"]
-    assert line_series(visible_axes(grid)[0]) == [([0.0, 1.0], [1.0, 0.5])]
+    (other,) = figures["training_curves.png"].axes
+    assert other.get_title() == "other" and [line.get_label() for line in other.get_lines()] == ["a", "b", "c", "d"]
+    assert line_series(other)[0] == ([0.0, 1.0], [1.0, 0.5])
     with capture_figures() as figures:
         assert R.plot_training_curves([{"step": 1, "note": "x"}], tmp_path / "c") == []
     assert figures == {}

@@ -128,11 +128,14 @@ def test_sweep_runs_every_cell_and_seed_resumes_and_skips_what_is_done(tmp_path,
     assert len(table) == 4 and {"cell", "seed", "reconstruction_weight", "label_nmi"} <= set(table[0])
     md = (tmp_path / "sweep.md").read_text()
     assert "| raw | reconstruction_weight=1 |" in md and "±" in md and (tmp_path / "sweep.png").stat().st_size > 1000
-    # sweep.png: one panel per headline metric, each cell's mean over its seeds, cells named down the side
+    # sweep.png: one panel per headline metric (a factor's NMI with its baselines in one panel, issue 23),
+    # each cell's mean over its seeds (the panel's first error bar: the latent's), cells named down the side
     keys = sweep.headline_keys(rows)
     panels = visible_axes(figures["sweep.png"])
-    assert "label_nmi" in keys and [ax.get_title() for ax in panels] == keys
-    for ax, key in zip(panels, keys, strict=True):
+    layout = sweep.summary_panels(keys)
+    assert "label_nmi" in keys and [ax.get_title() for ax in panels] == [title for title, _ in layout]
+    assert "factor label: NMI" in [title for title, _ in layout]
+    for ax, (_, (key, *_)) in zip(panels, layout, strict=True):
         assert tick_labels(ax, "y") == ["raw", "term3"]
         (points, _, _) = ax.containers[0]
         means = [sum(r[key] for r in rows if r["cell"] == c) / 2 for c in ("raw", "term3")]

@@ -107,6 +107,14 @@ def _run_train(args: argparse.Namespace) -> int:
     summary = {k: round(v, 4) for k, v in result.last_metrics.items() if k.startswith("val_") and "loss" in k}
     if summary:
         print("validation: " + json.dumps(summary))
+    from .verdict import train_verdict, verdict_lines
+
+    judged = train_verdict(result, config)
+    if judged is None:
+        print("verdict: none (the run has no validation split to judge the latent on)")
+    else:
+        print(f"on the validation split ({len(result.data.validation)} examples):")
+        print("\n".join(verdict_lines(*judged)))
     return 0
 
 

@@ -622,6 +622,10 @@ def run_eval(
         "data": description,
         **body,
     }
+    from .verdict import judge
+
+    result = judge(report)
+    report["verdict"] = {"verdict": result["verdict"], "reason": result["reason"]}
     if not main:
         return report, json_path, json_path.with_suffix(".md")
     if options.generation:
@@ -648,7 +652,8 @@ def run_eval(
 
 
 def eval_summary_lines(report: dict) -> list[str]:
-    """The headline numbers of an evaluation report, one per line."""
+    """The headline numbers of an evaluation report, one per line, and the verdict (:func:`verdict.judge`):
+    code usage or active units, each factor's NMI beside its baselines, then ``verdict: ...``."""
     lines = [
         f"examples: {report['examples']} ({report['response_tokens']} response tokens) from {report['data']}",
         f"latent gain:  {report['latent_gain_nats_per_token']:+.4f} nats/token "
@@ -670,8 +675,10 @@ def eval_summary_lines(report: dict) -> list[str]:
     ]
     if "code_perplexity" in report:
         lines.append(f"code perplexity per slot: {[round(v, 3) for v in report['code_perplexity']]}")
-    if "active_units" in report:
-        lines.append(f"active units: {report['active_units']}")
+    from .verdict import judge, usage_line
+
+    result = judge(report)
+    lines.append(usage_line(result["usage"]))
     if "label_nmi" in report:
         lines.append(
             f"labels: NMI {report['label_nmi']:.3f}, ARI {report['label_ari']:.3f}, homogeneity "
@@ -682,6 +689,7 @@ def eval_summary_lines(report: dict) -> list[str]:
             f"factor {name}: NMI {entry['latent']['nmi']:.2f} (encoder k-means {entry['encoder_kmeans']['nmi']:.2f}, "
             f"prior k-means {entry['prior_kmeans']['nmi']:.2f}, random {entry['random']['nmi']:.2f})"
         )
+    lines.append(f"verdict: {result['verdict']} ({result['reason']})")
     if "controllability" in report:
         from .controllability import summary_lines
 

@@ -4,7 +4,9 @@
         [--explore-examples 3] [--explore-prompts 3 | --explore-prompt TEXT ...] [--explore-tokens 16]
         [--clusters N] [--max-examples N]
 
-The page has one section per **group** of the data:
+At its top the page shows the run's verdict on that data (``verdict.verdict_lines``, as ``eval`` prints it:
+code usage or active units, latent gain, each factor's NMI beside its best baseline, then collapsed / matches
+clustering of its own features / beats every baseline). Below it, one section per **group** of the data:
 
 - discrete latents: per slot, every code of the codebook (a code no example takes is shown too, empty);
   an example belongs to code ``k`` of slot ``m`` when its argmax code there is ``k``
@@ -15,7 +17,8 @@ The page has one section per **group** of the data:
 
 Per group: its share of the data (per slot, the shares sum to 1), the mean KL and latent gain of its
 examples, its label distribution per factor (a string label is the factor ``label``; unlabelled examples
-are counted apart), its most confident examples (discrete: the highest posterior probability of the code,
+are counted apart) beside each value's base rate (its share of all the page's data: the share a group shows
+by chance), its most confident examples (discrete: the highest posterior probability of the code,
 as ``encode.code_examples``; continuous: the nearest posterior means to the cluster's centroid), each with
 its response tokens coloured as ``inspect`` colours one example (:func:`inspection.token_values`; a
 selector switches the quantity: z-free surprisal ``b_t``, token weight ``pi_t``, gain ``b_t - l_t``, latent
@@ -43,7 +46,15 @@ from typing import TYPE_CHECKING, Any
 from . import commands
 from .config import DEFAULT_SCORING, Scoring
 from .data import label_factors
-from .report import TOKEN_COLOUR_JS, _colour, _format_value, _json_for_script, _scale, _token_text_html
+from .report import (
+    TOKEN_COLOUR_JS,
+    _colour,
+    _format_value,
+    _json_for_script,
+    _scale,
+    _token_text_html,
+    legend_html,
+)
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -231,22 +242,37 @@ def explore(
     import torch
 
     from .encode import encode_examples, latent_vector
+    from .features import build_feature_cache
     from .generation import SamplingOptions, encode_prompts, generate_texts
     from .inspection import QUANTITIES, token_values
+    from .verdict import validation_verdict, verdict_lines
 
     _check_options(examples_per_group, num_prompts, max_new_tokens, clusters)
     if not examples or len(pairs) != len(examples):
         raise ValueError(f"{len(pairs)} pairs for {len(examples)} examples; the explorer needs one pair per example")
     device = next(model.parameters()).device
+    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, batch_size, progress=progress)
     rows = encode_examples(
         model,
         examples,
-        None,
+        cache,
         tokenizer.pad_token_id,
         pairs=pairs,
         scoring=dataclasses.replace(scoring, iw_samples=1),
         batch_size=batch_size,
         seed=seed,
+        progress=progress,
+    )
+    # eval's scoring (its importance samples too), so that the verdict's numbers are eval's on the same data
+    verdict_scoring = dataclasses.replace(scoring, iw_samples=DEFAULT_SCORING.iw_samples)
+    report, judged = validation_verdict(
+        model,
+        examples,
+        cache,
+        tokenizer.pad_token_id,
+        seed=seed,
+        batch_size=batch_size,
+        scoring=verdict_scoring,
         progress=progress,
     )
     discrete = model.is_discrete
@@ -337,6 +363,8 @@ def explore(
         "meta": dict(meta or {}),
         "latent": "discrete" if discrete else "continuous",
         "examples_total": len(rows),
+        "verdict": {"verdict": judged["verdict"], "reason": judged["reason"], "lines": verdict_lines(report, judged)},
+        "labels": label_distribution(labels),
         "quantities": [q for q in QUANTITY_LABELS if q in QUANTITIES],
         "default": DEFAULT_QUANTITY,
         "groups": out_groups,
@@ -361,6 +389,8 @@ td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; vertical-al
 .controls { position: sticky; top: 0; background: #fff; padding: 0.5em 0; border-bottom: 1px solid #ddd; z-index: 1; }
 .legend { display: inline-flex; align-items: center; gap: 0.4em; margin-left: 1.5em; font-size: 0.9em; }
 .legend .bar { display: inline-block; width: 12em; height: 0.9em; border: 1px solid #999; }
+.legend .swatch { display: inline-block; width: 0.9em; height: 0.9em; border: 1px solid #999; }
+.legend .range { color: #666; }
 section.group { border: 1px solid #bbb; border-radius: 4px; padding: 0.8em; margin: 1em 0; }
 section.group.empty { opacity: 0.75; }
 .sharebar { display: inline-block; height: 0.8em; background: #4a7bd0; vertical-align: middle; }
@@ -371,6 +401,9 @@ section.group.empty { opacity: 0.75; }
   border: 1px solid #ddd; padding: 0.4em; word-break: break-word; }
 span.tok { border-radius: 2px; padding: 0 0.5px; }
 span.tok:hover { outline: 1px solid #333; }
+.verdict { border: 2px solid #4a7bd0; border-radius: 4px; padding: 0.3em 0.8em; margin: 0.5em 0 1em 0; }
+.verdict ul { margin: 0.2em 0; font-size: 0.9em; }
+td.base-rate { color: #666; }
 .gen { font-family: ui-monospace, Menlo, Consolas, monospace; white-space: pre-wrap; }
 """
 
@@ -388,11 +421,7 @@ _JS = (
       var e = Number(spans[i].getAttribute("data-e")), t = Number(spans[i].getAttribute("data-i"));
       spans[i].style.backgroundColor = colour(data.values[e][key][t], sc);
     }
-    document.getElementById("legend-min").textContent = fmt(sc.min);
-    document.getElementById("legend-max").textContent = fmt(sc.max);
-    document.getElementById("legend-bar").style.background = sc.signed
-      ? "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
-      : "linear-gradient(to right, #fff, rgb(255,0,0))";
+    legend(sc);
     document.body.setAttribute("data-quantity", key);
   }
   select.addEventListener("change", update);
@@ -426,20 +455,39 @@ def _clean(values: Sequence[Any]) -> list[float | None]:
     return [float(v) if v is not None and math.isfinite(float(v)) else None for v in values]
 
 
-def _label_html(labels: Mapping[str, Any]) -> str:
+def base_rates(page: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """Per factor, each value's share of the whole page's labelled data (``page["labels"]``; empty for a page
+    without it): the share a group would show by chance."""
+    overall = page.get("labels") or {"factors": {}}
+    return {name: {v["value"]: v["share"] for v in values} for name, values in overall["factors"].items()}
+
+
+def _base_rate(rates: Mapping[str, Mapping[str, float]], name: str, value: str) -> str:
+    rate = rates.get(name, {}).get(value)
+    return "" if rate is None else f" (base rate {rate:.2f})"
+
+
+def _label_html(labels: Mapping[str, Any], rates: Mapping[str, Mapping[str, float]] | None = None) -> str:
     if not labels["factors"]:
         return '<p class="stats">no labels</p>'
+    rates = rates or {}
     parts = []
     unlabelled = labels["examples"] - labels["labelled"]
     for name, values in labels["factors"].items():
+        with_rates = name in rates
         rows = "".join(
             f"<tr><td>{_esc(v['value'])}</td><td>{v['count']}</td><td>{v['share']:.3f} "
-            f'<span class="sharebar" style="width:{6 * v["share"]:.2f}em"></span></td></tr>'
+            f'<span class="sharebar" style="width:{6 * v["share"]:.2f}em"></span></td>'
+            + (f'<td class="base-rate">{rates[name].get(v["value"], 0.0):.3f}</td>' if with_rates else "")
+            + "</tr>"
             for v in values
         )
+        head = "<tr><th>value</th><th>examples</th><th>share</th>" + (
+            "<th>base rate (all data)</th></tr>" if with_rates else "</tr>"
+        )
         parts.append(
-            f'<table class="labels" data-factor="{_esc(name)}"><tr><th colspan="3">factor {_esc(name)}</th></tr>'
-            f"<tr><th>value</th><th>examples</th><th>share</th></tr>{rows}</table>"
+            f'<table class="labels" data-factor="{_esc(name)}"><tr><th colspan="{4 if with_rates else 3}">'
+            f"factor {_esc(name)}</th></tr>{head}{rows}</table>"
         )
     note = f'<p class="stats">{unlabelled} unlabelled</p>' if unlabelled else ""
     return '<div class="label-tables">' + "".join(parts) + "</div>" + note
@@ -494,7 +542,7 @@ def _group_html(group: Mapping[str, Any], page: Mapping[str, Any], scales) -> st
         f'<span class="sharebar" style="width:{10 * group["share"]:.2f}em"></span> · mean KL '
         f"{_number(group['mean_kl'])} nats · mean latent gain {_number(group['mean_latent_gain'], 4)} nats/token · "
         f"latent {_esc(group['latent'])}</p>"
-        f"<h3>Labels</h3>{_label_html(group['labels'])}"
+        f"<h3>Labels</h3>{_label_html(group['labels'], base_rates(page))}"
         f"<h3>Most confident examples</h3>{examples}"
         f"<h3>Generations (greedy, at most {page['generation']['max_new_tokens']} tokens)</h3>{generated}"
         "</section>"
@@ -503,11 +551,13 @@ def _group_html(group: Mapping[str, Any], page: Mapping[str, Any], scales) -> st
 
 def _overview_html(page: Mapping[str, Any]) -> str:
     rows = []
+    rates = base_rates(page)
     for g in page["groups"]:
         top = []
         for name, values in g["labels"]["factors"].items():
             if values:
-                top.append(f"{name}={values[0]['value']} ({values[0]['share']:.2f})")
+                value = values[0]["value"]
+                top.append(f"{name}={value} {values[0]['share']:.2f}{_base_rate(rates, name, value)}")
         rows.append(
             f'<tr><td><a href="#group-{_esc(g["id"])}">{_esc(g["title"])}</a></td><td>{g["count"]}</td>'
             f'<td>{g["share"]:.3f} <span class="sharebar" style="width:{10 * g["share"]:.2f}em"></span></td>'
@@ -517,6 +567,19 @@ def _overview_html(page: Mapping[str, Any]) -> str:
         '<table class="overview"><tr><th>group</th><th>examples</th><th>share</th><th>most common label</th></tr>'
         + "".join(rows)
         + "</table>"
+    )
+
+
+def _verdict_html(page: Mapping[str, Any]) -> str:
+    """The verdict block at the top of the page (``verdict.verdict_lines``: usage, latent gain, each factor's
+    NMI beside its best baseline, the verdict); empty for a page without one."""
+    verdict = page.get("verdict")
+    if not verdict:
+        return ""
+    details = "".join(f"<li>{_esc(line)}</li>" for line in verdict["lines"][:-1])
+    return (
+        f'<div class="verdict" id="verdict" data-verdict="{_esc(verdict["verdict"])}">'
+        f"<p><b>verdict: {_esc(verdict['verdict'])}</b> ({_esc(verdict['reason'])})</p><ul>{details}</ul></div>"
     )
 
 
@@ -537,12 +600,6 @@ def render_explorer_html(page: Mapping[str, Any]) -> str:
     )
     meta = dict(page["meta"], latent=page["latent"], examples=page["examples_total"])
     meta_rows = "".join(f"<tr><th>{_esc(str(k))}</th><td>{_esc(v)}</td></tr>" for k, v in meta.items())
-    sc = scales[default]
-    gradient = (
-        "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
-        if sc["signed"]
-        else "linear-gradient(to right, #fff, rgb(255,0,0))"
-    )
     payload = {
         "scales": scales,
         "values": [{q: _clean(e["values"][q]) for q in page["quantities"]} for e in page["examples"]],
@@ -553,12 +610,11 @@ def render_explorer_html(page: Mapping[str, Any]) -> str:
         "<!DOCTYPE html>\n"
         '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f"<title>{title}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
-        f'<h1>{title}</h1>\n<table class="meta">{meta_rows}</table>\n'
+        f"<h1>{title}</h1>\n{_verdict_html(page)}\n"
+        f'<table class="meta">{meta_rows}</table>\n'
         '<div class="controls"><label for="quantity">Colour tokens by: </label>'
         f'<select id="quantity">{options}</select>'
-        f'<span class="legend"><span id="legend-min">{_format_value(sc["min"])}</span>'
-        f'<span class="bar" id="legend-bar" style="background:{gradient}"></span>'
-        f'<span id="legend-max">{_format_value(sc["max"])}</span></span></div>\n'
+        f"{legend_html(scales[default])}</div>\n"
         f"{_overview_html(page)}\n{sections}\n"
         f'<script type="application/json" id="explorer-data">{_json_for_script(payload)}</script>\n'
         f"<script>{_JS}</script>\n</body>\n</html>\n"

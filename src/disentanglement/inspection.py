@@ -156,7 +156,8 @@ def write_run_plots(
 
     Code usage and the heat map are computed over ``examples`` (argmax codes; continuous:
     k-means of posterior means with as many clusters as labels). The heat map needs a label on
-    every example. Returns the paths written.
+    every example; one per factor, its x axis named after the factor, its y axis "code", "code
+    combination" or "cluster (k-means of posterior means)". Returns the paths written.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -174,8 +175,16 @@ def write_run_plots(
         assignments = latent_assignments(latents, min(len(set(values)), len(examples)), seed=seed)
         agreement = label_agreement(assignments, values)
         file = "code_label_heatmap.png" if name == "label" else f"code_{_safe_name(name)}_heatmap.png"
-        written.append(plot_contingency_heatmap(agreement["contingency"], out_dir / file))
+        written.append(plot_contingency_heatmap(agreement["contingency"], out_dir / file, name, _rows_name(latents)))
     return written
+
+
+def _rows_name(latents: dict[str, Any]) -> str:
+    """What the heat map's rows are: argmax codes, code combinations (several slots) or k-means clusters."""
+    codes = latents.get("codes")
+    if codes is None:
+        return "cluster (k-means of posterior means)"
+    return "code" if codes.shape[1] == 1 else "code combination"
 
 
 def _safe_name(name: str) -> str:

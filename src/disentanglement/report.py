@@ -56,6 +56,36 @@ def _scale(vals: Sequence[float | None], signed: bool) -> dict[str, Any]:
     return {"min": lo, "max": hi, "signed": signed, "ref": ref}
 
 
+def legend_ends(scale: Mapping[str, Any]) -> tuple[float, float]:
+    """The values at the legend's two ends, the values :func:`_colour` draws in its end colours: ``0`` (white)
+    and ``ref`` (red) for a non-negative quantity, ``-ref`` (blue) and ``ref`` (red) for a signed one. (Not the
+    data's minimum: a token at the minimum is coloured by ``min / ref``, white only when the minimum is 0.)"""
+    ref = float(scale["ref"])
+    return (-ref if scale["signed"] else 0.0, ref)
+
+
+def legend_html(scale: Mapping[str, Any]) -> str:
+    """The colour legend of a token page: a swatch and the value at each end of the gradient bar (both the
+    colours of :func:`_colour` at those values), and the data's range beside it. Ids ``legend-lo-swatch``,
+    ``legend-min``, ``legend-bar``, ``legend-max``, ``legend-hi-swatch``, ``legend-range`` (the pages' script
+    updates them, :data:`TOKEN_COLOUR_JS`'s ``legend``)."""
+    lo, hi = legend_ends(scale)
+    gradient = (
+        "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
+        if scale["signed"]
+        else "linear-gradient(to right, #fff, rgb(255,0,0))"
+    )
+    return (
+        f'<span class="legend"><span class="swatch" id="legend-lo-swatch" style="background-color:{_colour(lo, scale)}">'
+        f'</span><span id="legend-min">{_format_value(lo)}</span>'
+        f'<span class="bar" id="legend-bar" style="background:{gradient}"></span>'
+        f'<span id="legend-max">{_format_value(hi)}</span>'
+        f'<span class="swatch" id="legend-hi-swatch" style="background-color:{_colour(hi, scale)}"></span>'
+        f'<span id="legend-range" class="range">(tokens range {_format_value(scale["min"])} to '
+        f"{_format_value(scale['max'])})</span></span>"
+    )
+
+
 def _colour(v: float | None, scale: Mapping[str, Any]) -> str:
     """Background colour: white->red by v/max, or blue-white-red by v/max|v| when signed."""
     if v is None:
@@ -109,6 +139,8 @@ table.meta td, table.meta th { border: 1px solid #ccc; padding: 2px 6px; text-al
 .controls { margin: 0.5em 0 1em 0; }
 .legend { display: inline-flex; align-items: center; gap: 0.4em; margin-left: 1.5em; font-size: 0.9em; }
 .legend .bar { display: inline-block; width: 12em; height: 0.9em; border: 1px solid #999; }
+.legend .swatch { display: inline-block; width: 0.9em; height: 0.9em; border: 1px solid #999; }
+.legend .range { color: #666; }
 #tokens { font-family: ui-monospace, Menlo, Consolas, monospace; white-space: pre-wrap; line-height: 1.7;
   border: 1px solid #ddd; padding: 0.8em; word-break: break-word; }
 span.tok { border-radius: 2px; padding: 0 0.5px; }
@@ -125,6 +157,17 @@ TOKEN_COLOUR_JS = """  function colour(v, sc) {
     return s >= 0 ? "rgb(255," + f + "," + f + ")" : "rgb(" + f + "," + f + ",255)";
   }
   function fmt(v) { return v === null ? "n/a" : Number(v.toPrecision(4)).toString(); }
+  function legend(sc) {
+    var lo = sc.signed ? -sc.ref : 0, hi = sc.ref;
+    document.getElementById("legend-min").textContent = fmt(lo);
+    document.getElementById("legend-max").textContent = fmt(hi);
+    document.getElementById("legend-lo-swatch").style.backgroundColor = colour(lo, sc);
+    document.getElementById("legend-hi-swatch").style.backgroundColor = colour(hi, sc);
+    document.getElementById("legend-range").textContent = "(tokens range " + fmt(sc.min) + " to " + fmt(sc.max) + ")";
+    document.getElementById("legend-bar").style.background = sc.signed
+      ? "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
+      : "linear-gradient(to right, #fff, rgb(255,0,0))";
+  }
 """
 
 _JS = (
@@ -140,11 +183,7 @@ _JS = (
     for (var i = 0; i < spans.length; i++) {
       spans[i].style.backgroundColor = colour(vals[Number(spans[i].getAttribute("data-i"))], sc);
     }
-    document.getElementById("legend-min").textContent = fmt(sc.min);
-    document.getElementById("legend-max").textContent = fmt(sc.max);
-    document.getElementById("legend-bar").style.background = sc.signed
-      ? "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
-      : "linear-gradient(to right, #fff, rgb(255,0,0))";
+    legend(sc);
   }
   select.addEventListener("change", update);
   update();
@@ -171,7 +210,9 @@ def render_token_html(
     blue-white-red around 0 by ``value / max|value|``. Every token is one
     ``<span class="tok">`` with ``data-i`` (its index), ``data-token`` and one ``data-*``
     attribute per quantity, and a tooltip; the values are also embedded as JSON in
-    ``<script type="application/json" id="token-data">``. No network resources are used.
+    ``<script type="application/json" id="token-data">``. No network resources are used. The legend's ends
+    are labelled with the values drawn in their colours (:func:`legend_html`): 0 and the maximum, or
+    minus and plus the largest magnitude when signed; the data's range is shown beside it.
     """
     tokens = [str(t) for t in tokens]
     vals = _clean_values(tokens, values)
@@ -202,12 +243,6 @@ def render_token_html(
         for k, v in (meta or {}).items()
     )
     meta_html = f'<table class="meta">{meta_rows}</table>' if meta_rows else ""
-    sc = scales[default]
-    gradient = (
-        "linear-gradient(to right, rgb(0,0,255), #fff, rgb(255,0,0))"
-        if sc["signed"]
-        else "linear-gradient(to right, #fff, rgb(255,0,0))"
-    )
     payload = {
         "title": title,
         "meta": dict(meta or {}),
@@ -223,9 +258,7 @@ def render_token_html(
         f"<h1>{esc(title)}</h1>\n{meta_html}\n"
         '<div class="controls"><label for="quantity">Colour by: </label>'
         f'<select id="quantity">{options}</select>'
-        f'<span class="legend"><span id="legend-min">{_format_value(sc["min"])}</span>'
-        f'<span class="bar" id="legend-bar" style="background:{gradient}"></span>'
-        f'<span id="legend-max">{_format_value(sc["max"])}</span></span></div>\n'
+        f"{legend_html(scales[default])}</div>\n"
         f'<div id="tokens">{"".join(spans)}</div>\n'
         f'<script type="application/json" id="token-data">{_json_for_script(payload)}</script>\n'
         f"<script>{_JS}</script>\n</body>\n</html>\n"
@@ -328,32 +361,157 @@ def _grid_figure(series: Mapping[str, tuple[list[float], list[float]]], keys: Se
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
+        _no_offset(ax)
     for ax in list(axes.flat)[len(keys) :]:
         ax.set_visible(False)
     save_figure(fig, path, dpi=100)
     return path
 
 
-def plot_training_curves(metrics: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
-    """Training-curve PNGs from a metrics log (a list of per-step dicts).
+#: The six reconstruction terms (DESIGN.md section 4, numbered as there) and their short names in the legend.
+TERM_LABELS = {
+    "reconstruction_loss": "1 token mean",
+    "sequence_reconstruction_loss": "2 sequence",
+    "token_weighted_reconstruction_loss": "3 token-weighted",
+    "normalized_concentration_corrected_token_weighted_reconstruction_loss": "4 concentration-corrected",
+    "normalized_inverse_surprisal_token_weighted_reconstruction_loss": "5 inverse-surprisal",
+    "zfree_relative_reconstruction_loss": "6 z-free relative",
+}
+#: The parts of the objective, drawn in its panel.
+OBJECTIVE_KEYS = ("loss", "reconstruction_total", "kl_term", "divergence_term", "codebook_loss", "commitment_loss")
+#: The validation numbers drawn (as lines with markers) in the validation panel.
+VALIDATION_KEYS = ("val_loss", "val_reconstruction_total", "val_kl")
+#: At this many KL units or more, ``kl.png`` draws the largest few as lines and every unit as a heat map.
+KL_HEATMAP_UNITS = 8
+#: Units drawn as lines above the heat map.
+KL_TOP_UNITS = 5
+_UNIT_KEY = re.compile(r"kl(_objective)?_unit_(\d+)$")
+#: The panels of ``training_curves.png``, in this order (titles; see :func:`training_panels`).
+PANEL_TITLES = (
+    "objective (nats)",
+    "reconstruction terms 1-6",
+    "KL (nats) and beta",
+    "codes",
+    "posterior",
+    "learning rates and gradient norm",
+    "validation",
+    "other",
+)
 
-    Writes ``training_curves.png`` (one subplot per numeric key but ``step``, x = step, or the
-    record index when a record has no step), ``kl.png`` (keys containing "kl", one axes) and
-    ``schedules.png`` (keys named temperature, beta, lr or learning_rate, possibly after a
-    ``/`` or ``.`` prefix), each only when it has something to draw. Non-finite values are
-    skipped; so are keys with no finite value. Returns the paths written.
+
+def _panel_of(key: str) -> str | None:
+    """The title of the panel ``key`` is drawn in (None: not in ``training_curves.png``)."""
+    last = re.split(r"[/.]", key.lower())[-1]
+    if _UNIT_KEY.match(key):
+        return None  # per unit: kl.png
+    if key.startswith("val_"):
+        return "validation" if key in VALIDATION_KEYS else None
+    if key in OBJECTIVE_KEYS:
+        return "objective (nats)"
+    if key in TERM_LABELS:
+        return "reconstruction terms 1-6"
+    if "kl" in key or last in ("beta", "temperature"):
+        return "KL (nats) and beta"
+    if key.startswith(("codes_used", "code_perplexity", "dead_codes")):
+        return "codes"
+    if key.startswith("posterior_"):
+        return "posterior"
+    if last in ("lr", "learning_rate", "grad_norm") or last.startswith("lr_"):
+        return "learning rates and gradient norm"
+    return "other"
+
+
+def training_panels(keys: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """The panels of ``training_curves.png`` for the metrics log's numeric ``keys``: ``[(title, keys), ...]`` in
+    the fixed order of :data:`PANEL_TITLES`, empty panels left out (at most seven, plus beta's right axis):
+
+    the objective and its additive parts; the six reconstruction terms (log scale); KL with beta and
+    temperature on a right axis; codes used and code perplexity per slot (discrete); the posterior's spread
+    (continuous); learning rates and gradient norm (log scale); validation loss, reconstruction and KL (lines
+    with markers, the training loss beside them); anything else. Per-unit KL keys go to ``kl.png``.
     """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    series = _series(metrics)
-    written: list[Path] = []
-    if not series:
-        return written
-    keys = list(series)
-    written.append(_grid_figure(series, keys, out_dir / "training_curves.png"))
+    panels: dict[str, list[str]] = {title: [] for title in PANEL_TITLES}
+    for key in keys:
+        title = _panel_of(key)
+        if title is not None:
+            panels[title].append(key)
+    if panels["validation"] and "loss" in keys:
+        panels["validation"].append("loss")
+    order = {key: i for i, key in enumerate(("loss", *OBJECTIVE_KEYS[1:], *TERM_LABELS, *VALIDATION_KEYS))}
+    return [(title, sorted(found, key=lambda k: order.get(k, len(order)))) for title, found in panels.items() if found]
 
-    kl_keys = [k for k in keys if "kl" in k.lower()]
-    if kl_keys:
+
+def _no_offset(ax) -> None:
+    """Plain tick labels: no "1e-5+9.915e-1" offset (linear axes; log axes have none)."""
+    from matplotlib.ticker import ScalarFormatter
+
+    for axis in (ax.xaxis, ax.yaxis):
+        formatter = axis.get_major_formatter()
+        if isinstance(formatter, ScalarFormatter):
+            formatter.set_useOffset(False)
+
+
+def _draw_panel(ax, title: str, keys: Sequence[str], series) -> None:
+    right = None
+    for key in keys:
+        xs, ys = series[key]
+        label = TERM_LABELS.get(key, key)
+        if title == "KL (nats) and beta" and re.split(r"[/.]", key.lower())[-1] in ("beta", "temperature"):
+            if right is None:
+                right = ax.twinx()
+                right.set_ylabel("beta", fontsize=8)
+                right.tick_params(labelsize=7)
+            right.plot(xs, ys, linewidth=1.0, linestyle="--", color="#555", label=key)
+            continue
+        if title == "validation":
+            if key == "loss":
+                ax.plot(xs, ys, linewidth=0.8, color="#bbb", label="loss (training)")
+            else:
+                ax.plot(xs, ys, marker="o", markersize=4, linewidth=1.2, label=key)
+            continue
+        ax.plot(xs, ys, marker="." if len(xs) < 30 else None, linewidth=1.2, label=label)
+    values = [y for key in keys for y in series[key][1]]
+    if title in ("reconstruction terms 1-6", "learning rates and gradient norm") and values and max(values) > 0:
+        ax.set_yscale("log", nonpositive="mask")  # a learning rate of 0 (warm-up start, decay end) is not drawn
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if right is not None:
+        more = right.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+        _no_offset(right)
+    if 1 < len(labels) <= 8 or (right is not None and labels):
+        ax.legend(handles, labels, fontsize=7)
+    _no_offset(ax)
+
+
+def _training_figure(series, path: Path) -> Path:
+    panels = training_panels(list(series))
+    ncols = min(2, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig = _new_figure((6.0 * ncols, 3.2 * nrows))
+    for i, (title, keys) in enumerate(panels):
+        _draw_panel(fig.add_subplot(nrows, ncols, i + 1), title, keys, series)
+    save_figure(fig, path, dpi=100)
+    return path
+
+
+def _unit_keys(keys: Sequence[str]) -> list[str]:
+    """The per-unit KL keys ``kl_unit_<i>`` (not the objective's, nor validation's), in unit order."""
+    found = [(int(m.group(2)), k) for k in keys if (m := _UNIT_KEY.match(k)) and m.group(1) is None]
+    return [k for _, k in sorted(found)]
+
+
+def _kl_figure(series, keys: Sequence[str], path: Path) -> Path | None:
+    """``kl.png``: every KL key on one axes, or with :data:`KL_HEATMAP_UNITS` units or more the largest
+    :data:`KL_TOP_UNITS` units as lines (by their last value) and a heat map of every unit over the steps."""
+    units = _unit_keys(keys)
+    if len(units) < KL_HEATMAP_UNITS:
+        kl_keys = [k for k in keys if "kl" in k.lower() and not k.startswith("val_") and not _objective_unit(k)]
+        if not kl_keys:
+            return None
         fig = _new_figure((7.0, 4.0))
         ax = fig.add_subplot()
         for key in kl_keys:
@@ -363,10 +521,72 @@ def plot_training_curves(metrics: Sequence[Mapping[str, Any]], out_dir: str | Pa
         ax.set_title("KL terms")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        path = out_dir / "kl.png"
+        _no_offset(ax)
         save_figure(fig, path, dpi=100)
-        written.append(path)
+        return path
+    import numpy as np
 
+    steps = sorted({x for key in units for x in series[key][0]})
+    column = {x: j for j, x in enumerate(steps)}
+    grid = np.full((len(units), len(steps)), np.nan)
+    for i, key in enumerate(units):
+        for x, y in zip(*series[key], strict=True):
+            grid[i, column[x]] = y
+    last = [series[key][1][-1] for key in units]
+    top = sorted(range(len(units)), key=lambda i: -last[i])[:KL_TOP_UNITS]
+    fig = _new_figure((9.0, 7.0))
+    lines, heat = fig.subplots(2, 1)
+    for i in top:
+        lines.plot(*series[units[i]], linewidth=1.2, label=f"unit {_UNIT_KEY.match(units[i]).group(2)}")
+    lines.set_title(f"KL per unit: the {len(top)} largest of {len(units)} (by the last step)", fontsize=10)
+    lines.set_xlabel("step", fontsize=8)
+    lines.set_ylabel("nats", fontsize=8)
+    lines.grid(alpha=0.3)
+    lines.legend(fontsize=7)
+    _no_offset(lines)
+    image = heat.imshow(
+        grid,
+        aspect="auto",
+        cmap="viridis",
+        interpolation="nearest",
+        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(units) - 0.5, -0.5),
+    )
+    fig.colorbar(image, ax=heat, label="nats")
+    heat.set_title(f"KL per unit, all {len(units)}", fontsize=10)
+    heat.set_xlabel("step", fontsize=8)
+    heat.set_ylabel("unit (dimension or slot)", fontsize=8)
+    save_figure(fig, path, dpi=100)
+    return path
+
+
+def _objective_unit(key: str) -> bool:
+    match = _UNIT_KEY.match(key)
+    return match is not None and match.group(1) is not None
+
+
+def plot_training_curves(metrics: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
+    """Training-curve PNGs from a metrics log (a list of per-step dicts).
+
+    Writes ``training_curves.png`` (at most seven panels in a fixed order, :func:`training_panels`; x = step,
+    or the record index when a record has no step; plain tick labels, never an offset), ``kl.png`` (every
+    KL key on one axes; with :data:`KL_HEATMAP_UNITS` per-unit keys ``kl_unit_<i>`` or more, the largest
+    :data:`KL_TOP_UNITS` as lines above a heat map of all) and ``schedules.png`` (keys named temperature,
+    beta, lr or learning_rate, possibly after a ``/`` or ``.`` prefix, one panel each), each only when it has
+    something to draw. Non-finite values are skipped; so are keys with no finite value. Returns the paths
+    written.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    series = _series(metrics)
+    written: list[Path] = []
+    if not series:
+        return written
+    keys = list(series)
+    if training_panels(keys):
+        written.append(_training_figure(series, out_dir / "training_curves.png"))
+    kl = _kl_figure(series, keys, out_dir / "kl.png")
+    if kl is not None:
+        written.append(kl)
     schedule_keys = [k for k in keys if _is_schedule_key(k)]
     if schedule_keys:
         written.append(_grid_figure(series, schedule_keys, out_dir / "schedules.png"))
@@ -398,8 +618,14 @@ def plot_code_usage(usage_per_slot: Sequence[Mapping[str, Any]], out_path: str |
     return out_path
 
 
-def plot_contingency_heatmap(contingency: Mapping[str, Any], out_path: str | Path) -> Path:
-    """Code x label heat map of a ``{"rows", "columns", "counts"}`` contingency table, counts annotated."""
+def plot_contingency_heatmap(
+    contingency: Mapping[str, Any], out_path: str | Path, factor: str = "label", rows_name: str = "code"
+) -> Path:
+    """Latent x factor heat map of a ``{"rows", "columns", "counts"}`` contingency table, counts annotated.
+
+    The x axis is named after the ``factor`` (its values along it), the y axis after what the rows are,
+    ``rows_name``: ``"code"`` (argmax codes), ``"code combination"`` (several slots) or ``"cluster"`` (k-means
+    clusters of posterior means, not codes); the title says both."""
     import numpy as np
 
     out_path = Path(out_path)
@@ -414,8 +640,9 @@ def plot_contingency_heatmap(contingency: Mapping[str, Any], out_path: str | Pat
     fig.colorbar(im, ax=ax, label="count")
     ax.set_xticks(range(nc), cols, rotation=45, ha="right", fontsize=8)
     ax.set_yticks(range(nr), rows, fontsize=8)
-    ax.set_xlabel("label")
-    ax.set_ylabel("code")
+    ax.set_xlabel(factor)
+    ax.set_ylabel(rows_name)
+    ax.set_title(f"{rows_name} x {factor}", fontsize=10)
     if nr * nc <= 2500:
         top = counts.max() if counts.size else 0.0
         for i in range(nr):

@@ -335,7 +335,7 @@ def run_sweep(
     write_csv(rows, output_dir / "sweep.csv")
     summary = summarise(rows, list(spec.cells))
     atomic_write(output_dir / "sweep.md", summary_markdown(summary, spec))
-    plot_summary(summary, output_dir / "sweep.png")
+    plot_summary(summary, output_dir / "sweep.png", rows)
     return rows
 
 
@@ -458,27 +458,108 @@ def summary_markdown(summary: dict[str, dict[str, tuple[float, float, int]]], sp
     return "\n".join(lines) + "\n"
 
 
-def plot_summary(summary: dict[str, dict[str, tuple[float, float, int]]], path: Path) -> Path:
-    """One panel per headline metric: each cell's mean with its 95% interval."""
+#: The baselines drawn in a factor's NMI panel beside the latent: (key part, legend name, marker).
+SWEEP_BASELINES = (
+    ("encoder_kmeans", "k-means of its own features", "s"),
+    ("prior_kmeans", "k-means of the prompt's features", "^"),
+    ("random", "random", "v"),
+)
+
+
+def metric_range(key: str) -> tuple[float, float]:
+    """The values ``key`` can take: NMI in [0, 1]; KL, mutual information and NLL at least 0; else any."""
+    if key.endswith("nmi"):
+        return 0.0, 1.0
+    if key in ("kl.total", "mutual_information") or key.startswith("iw_nll"):
+        return 0.0, math.inf
+    return -math.inf, math.inf
+
+
+def summary_panels(keys: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """The panels of ``sweep.png``: ``[(title, keys)]``. A factor's latent NMI and its baselines' share one
+    panel, ``factor F: NMI``, the latent's key first; ``label_nmi`` is left out when ``factors.label`` has its
+    panel (the same number); every other headline metric has its own panel, titled by its key."""
+    panels: dict[str, list[str]] = {}
+    factors = {k.split(".")[1] for k in keys if k.startswith("factors.") and k.endswith(".latent.nmi")}
+    for key in keys:
+        parts = key.split(".")
+        if key.startswith("factors.") and parts[1] in factors and key.endswith(".nmi"):
+            panels.setdefault(f"factor {parts[1]}: NMI", []).append(key)
+        elif key == "label_nmi" and "label" in factors:
+            continue
+        else:
+            panels[key] = [key]
+    for found in panels.values():
+        found.sort(key=lambda k: 0 if k.endswith(".latent.nmi") else 1)
+    return list(panels.items())
+
+
+def _clipped_error(mean: float, half: float, low: float, high: float) -> tuple[float, float]:
+    """The interval's distances below and above ``mean``, cut at the metric's range (no interval: 0, 0)."""
+    if math.isnan(half) or math.isnan(mean):
+        return 0.0, 0.0
+    return mean - max(low, mean - half), min(high, mean + half) - mean
+
+
+def plot_summary(
+    summary: dict[str, dict[str, tuple[float, float, int]]],
+    path: Path,
+    rows: Sequence[dict[str, Any]] | None = None,
+) -> Path:
+    """``sweep.png``: one panel per headline metric (a factor's NMI and its baselines together,
+    :func:`summary_panels`), the cells down the side. Each cell's mean with its 95% interval cut at the
+    metric's range (:func:`metric_range`: an NMI interval never leaves [0, 1]), and with ``rows`` (the
+    per-seed results of :func:`run_sweep`) every seed's value as a small point. In a factor's panel the
+    latent comes first (circles, the first error bar of the axes), then its baselines, each a marker of its
+    own, slightly below the cell's row."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     cells = list(summary)
-    keys = list(next(iter(summary.values()), {}))
-    cols = min(3, max(1, len(keys)))
-    rows = max(1, math.ceil(len(keys) / cols))
-    figure = Figure(figsize=(5 * cols, 0.5 + 0.35 * len(cells) * rows + 1.2 * rows))
+    panels = summary_panels(list(next(iter(summary.values()), {})))
+    cols = min(3, max(1, len(panels)))
+    nrows = max(1, math.ceil(len(panels) / cols))
+    figure = Figure(figsize=(5 * cols, 0.8 + (0.45 * len(cells) + 1.3) * nrows), layout="constrained")
     FigureCanvasAgg(figure)
-    for i, key in enumerate(keys):
-        axis = figure.add_subplot(rows, cols, i + 1)
-        means = [summary[c][key][0] for c in cells]
-        halves = [0.0 if math.isnan(summary[c][key][1]) else summary[c][key][1] for c in cells]
-        axis.errorbar(means, range(len(cells)), xerr=halves, fmt="o", capsize=3)
+    for i, (title, keys) in enumerate(panels):
+        axis = figure.add_subplot(nrows, cols, i + 1)
+        for j, key in enumerate(keys):
+            low, high = metric_range(key)
+            offset = 0.0 if j == 0 else 0.12 * j
+            name, marker = "latent", "o"
+            for part, label, shape in SWEEP_BASELINES:
+                if f".{part}." in key:
+                    name, marker = label, shape
+            ys = [c + offset for c in range(len(cells))]
+            means = [summary[c][key][0] for c in cells]
+            errors = [_clipped_error(*summary[c][key][:2], low, high) for c in cells]
+            colour = f"C{j}"
+            axis.errorbar(
+                means,
+                ys,
+                xerr=[[e[0] for e in errors], [e[1] for e in errors]],
+                fmt=marker,
+                capsize=3,
+                color=colour,
+                label=name if len(keys) > 1 else None,
+            )
+            if rows is not None:
+                xs, seed_ys = [], []
+                for c, cell in enumerate(cells):
+                    for row in rows:
+                        if row.get("cell") == cell and isinstance(row.get(key), float) and math.isfinite(row[key]):
+                            xs.append(row[key])
+                            seed_ys.append(c + offset)
+                axis.scatter(xs, seed_ys, s=12, marker="x", color=colour, alpha=0.6, linewidths=1)
         axis.set_yticks(range(len(cells)), cells, fontsize=7)
-        axis.invert_yaxis()
-        axis.set_title(key, fontsize=8)
+        axis.set_ylim(len(cells) - 0.5, -0.5)  # the first cell on top
+        low, high = metric_range(keys[0])
+        if math.isfinite(low) and math.isfinite(high):
+            axis.set_xlim(low - 0.03 * (high - low), high + 0.03 * (high - low))
+        axis.set_title(title, fontsize=9)
         axis.grid(axis="x", alpha=0.3)
-    figure.tight_layout()
+        if len(keys) > 1:
+            axis.legend(fontsize=6)
     from .report import save_figure
 
     save_figure(figure, path, dpi=110)

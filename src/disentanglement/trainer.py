@@ -218,6 +218,7 @@ class TrainResult:
     model: CVAEBase
     data: PreparedData
     cache: FeatureCache | None  # the frozen pass over train + validation (None when neither needed it)
+    pad_token_id: int | None = None  # the tokenizer's, for scoring ``data`` afterwards (the verdict)
 
 
 def _mean_records(records: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -641,7 +642,15 @@ def _train(
             for callback in callbacks:
                 callback(progress.step, record)
     return TrainResult(
-        output_dir, progress.step, progress.checkpoint, run.c_base, progress.last, run.model, run.data, run.frozen.full
+        output_dir,
+        progress.step,
+        progress.checkpoint,
+        run.c_base,
+        progress.last,
+        run.model,
+        run.data,
+        run.frozen.full,
+        run.pad_id,
     )
 
 
