@@ -14,12 +14,12 @@ type-checked like a config file's. Layout of the output directory::
 
     OUT/sweep.json                      the sweep's specification (a rerun must match it)
     OUT/runs/CELL/seed-S/               a run directory (train's), its eval report in eval/sweep_eval.json
-    OUT/feature_cache/seed-S/           the frozen pass, shared by the cells of one seed
     OUT/sweep.csv                       one row per (cell, seed): the cell's settings and every metric
     OUT/sweep.md, OUT/sweep.png         per cell: mean and 95% CI over seeds (Student t) of the headline metrics
 
 Resumable: a (cell, seed) whose evaluation report exists is skipped; one whose training was
-interrupted resumes from its last checkpoint. ``--jobs N`` runs N (cell, seed) runs at once in
+interrupted resumes from its last checkpoint. The frozen pass is shared by every cell and seed (and
+every other run on the same model and examples) through the feature cache (``feature_store.py``). ``--jobs N`` runs N (cell, seed) runs at once in
 separate processes (each with ``max(1, cores // N)`` threads); the results do not depend on N.
 """
 
@@ -61,7 +61,7 @@ HEADLINE_METRICS = (
     "mutual_information",
 )
 #: Fields a sweep sets itself.
-RESERVED = ("seed", "output_dir", "resume", "overwrite", "feature_cache_dir")
+RESERVED = ("seed", "output_dir", "resume", "overwrite")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -137,7 +137,6 @@ class SweepSpec:
         values.update(
             seed=seed,
             output_dir=str(output_dir / "runs" / cell / f"seed-{seed}"),
-            feature_cache_dir=str(output_dir / "feature_cache" / f"seed-{seed}"),
             progress=False,
         )
         return build_config(values)
