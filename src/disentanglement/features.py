@@ -335,7 +335,8 @@ def reference_hasher(model: CVAEBase) -> hashlib.blake2b:
                 continue
             tensor = state[name].detach().cpu().contiguous()
             digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+            if tensor.numel():  # the bytes in place (a buffer), not a copy
+                digest.update(memoryview(tensor.view(torch.uint8).numpy()))
         _REFERENCE_HASHES[reference] = (guard, view_text, digest.copy())
     return digest
 
