@@ -651,9 +651,10 @@ def matmul_rate(setup: Setup, dtype: torch.dtype, repeats: int = 5) -> float:
     return total_flops / total_seconds
 
 
-def mfu_table(setup: Setup, times: dict[str, list[float]]) -> dict:
+def mfu_table(setup: Setup, times: dict[str, list[float]], flop_case: str | None = None) -> dict:
     """Beside each case's median time: its useful GFLOP per step, the rate it reaches, and that rate over
-    torch.matmul's bf16 and float32 rates at the step's shapes (an MFU)."""
+    torch.matmul's bf16 and float32 rates at the step's shapes (an MFU). ``flop_case``: count every row's
+    FLOPs as that case's (rows that are variants of one case)."""
     rates = {"bfloat16": matmul_rate(setup, torch.bfloat16), "float32": matmul_rate(setup, torch.float32)}
     print(
         f"matmul rate at the step's shapes (torch.matmul, {torch.get_num_threads()} threads): "
@@ -662,7 +663,7 @@ def mfu_table(setup: Setup, times: dict[str, list[float]]) -> dict:
     print(f"{'case':<5}{'median ms':>10}{'GFLOP':>9}{'GFLOP/s':>9}{'MFU bf16':>10}{'MFU f32':>9}   useful FLOPs")
     out = {}
     for case, values in times.items():
-        flops = useful_flops(setup, case)
+        flops = useful_flops(setup, flop_case or case)
         if flops is None:
             continue
         seconds = median(values)

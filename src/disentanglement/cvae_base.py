@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .attention_backward import fast_attention_backward
 from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
 from .data import Batch
 from .losses import apply_head, default_chunk_size, masked_token_nll_per_position, reconstruction_loss_stack
@@ -611,7 +612,8 @@ class CVAEBase(nn.Module):
         if window:
             supervised = target[:, 1:].bool()  # [B, N]
             start = int(supervised.float().argmax(dim=1).min())  # first position predicting a response token
-        with self._frozen_layers_checkpointed():
+        # On the CPU in bf16, SDPA's own backward is slow: attention_backward's runs instead (same forward).
+        with self._frozen_layers_checkpointed(), fast_attention_backward(self.decoder):
             out = self.decoder(
                 inputs_embeds=embeds,
                 use_cache=False,
