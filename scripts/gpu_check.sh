@@ -6,7 +6,8 @@
 #   3. the test suite (pytest -q; the tests build their tiny models on the CPU)
 #   4. CUDA smoke runs of the trainer: a few steps of the main job's config, frozen decoder, then LoRA with
 #      --gradient-checkpointing
-#   5. benchmarks/step_cost.py in bf16: the embedded SmolLM2-135M (with case (g), activation checkpointing),
+#   5. benchmarks/step_cost.py in bf16: the embedded SmolLM2-135M (with case (g), activation checkpointing, and the
+#      useful-FLOP MFU and --profile breakdown; on CUDA the matmul rate is torch.matmul's on the GPU),
 #      and the decoder-size table of real shapes with random weights (MODELS, config:smollm2-1.7b among them)
 #   6. the main job, `disentangle train --config configs/default.yaml`, timed by phase (benchmarks/main_job.py):
 #      with an empty model cache (the GGUF is dequantised again) and an empty feature cache, then again on the
@@ -86,7 +87,8 @@ EOF
 
 # 3. the test suite (CPU-only tests: conftest builds tiny models on the CPU; this checks the install)
 if [ "$QUICK" = 1 ]; then
-    run_step tests "$PY" -m pytest -q -x tests/test_gradient_checkpointing.py tests/test_model_shapes.py
+    run_step tests "$PY" -m pytest -q -x tests/test_gradient_checkpointing.py tests/test_model_shapes.py \
+        tests/test_feature_store.py tests/test_flops.py tests/test_attention_backward.py
 else
     # shellcheck disable=SC2086 # PYTEST_ARGS is a list of words
     run_step tests "$PY" -m pytest ${PYTEST_ARGS:--q}
@@ -111,7 +113,7 @@ run_step cache_list "$PY" -m disentanglement.cli cache list
 
 # 5. step cost in bf16
 run_step step_cost_embedded "$PY" benchmarks/step_cost.py --model embedded --device "$DEVICE" --dtype bfloat16 \
-    --gradient-checkpointing --skip-scaling "${REPEATS[@]}" "${MEMORY[@]}"
+    --gradient-checkpointing --skip-scaling --profile "${REPEATS[@]}" "${MEMORY[@]}"
 run_step step_cost_sizes "$PY" benchmarks/step_cost.py --models "$MODELS" --device "$DEVICE" --dtype bfloat16 \
     --batch-size 8 --gradient-checkpointing "${REPEATS[@]}" "${MEMORY[@]}"
 
@@ -166,6 +168,10 @@ if embedded:
         f"(g)/(c) {embedded.get('g_over_c')}, frozen pass {embedded['frozen_pass_tokens_per_s']} tokens/s, "
         f"ms {ms}, peak MiB {peak}"
     )
+    mfu = (embedded.get("mfu") or {}).get("cases", {}).get("c")
+    if mfu:
+        print(f"step_cost embedded bf16 (c): {mfu['gflop']} GFLOP/step, MFU {mfu['mfu_bf16']} of bf16 matmul rate "
+              f"{embedded['mfu']['matmul_gflops']}; profile ms {embedded.get('profile_ms')}")
 for row in last_json("step_cost_sizes.log") or []:
     print(
         f"step_cost {row['model']} ({row['parameters'] / 1e6:.0f}M): (c) {row['ms']['c']} ms, "
