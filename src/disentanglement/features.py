@@ -391,6 +391,10 @@ def load_or_build_feature_cache(
 ) -> FeatureCache:
     """Reuse the on-disk cache whose fingerprint matches, else run the frozen pass and store it.
 
+    One file per (weights, example list) in ``cache_dir``: the single-file format of earlier versions, kept
+    for callers that want it. Training, ``eval``, ``encode`` and ``inspect`` use the per-example store
+    shared by every run instead (:func:`feature_store.load_or_build_features`).
+
     With several processes (``state``) the pass is sharded across them (:func:`build_feature_cache`),
     the main process alone writes the cache, and the others wait for it at a barrier.
 
