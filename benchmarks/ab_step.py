@@ -3,7 +3,8 @@
     python benchmarks/ab_step.py --model embedded --threads 1 --repeats 10 --change attention-backward
 
 ``--change attention-backward``: A = transformers' own SDPA backward, B = ``attention_backward``'s (the
-default since this change). Each repetition runs A and B once on the same batch, the first of them
+default since this change). ``--change head-in-one-block``: A = the LM head's window in checkpointed chunks
+(recomputed in the backward), B = in one block when it is small (``cvae_base.WHOLE_WINDOW_LOGITS``). Each repetition runs A and B once on the same batch, the first of them
 alternating, so that load from other work falls on both alike; it prints the median time of each, the
 median of the per-repetition ratios A/B, and the useful-FLOP MFU of each (``step_cost.mfu_table``).
 """
@@ -35,7 +36,21 @@ def without_attention_backward(step):
     return run
 
 
-CHANGES = {"attention-backward": without_attention_backward}
+def chunked_head(step):
+    from disentanglement import cvae_base
+
+    def run(batch):
+        original = cvae_base.WHOLE_WINDOW_LOGITS
+        cvae_base.WHOLE_WINDOW_LOGITS = 0  # every window in checkpointed chunks, as before
+        try:
+            step(batch)
+        finally:
+            cvae_base.WHOLE_WINDOW_LOGITS = original
+
+    return run
+
+
+CHANGES = {"attention-backward": without_attention_backward, "head-in-one-block": chunked_head}
 
 
 def main(argv=None) -> int:
