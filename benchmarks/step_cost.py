@@ -141,6 +141,7 @@ from disentanglement.config import ModelConfig, RunConfig, build_config
 from disentanglement.cvae_base import CVAEBase, FrozenFeatures
 from disentanglement.data import Batch, Example, collate
 from disentanglement.features import FeatureCache, build_feature_cache
+from disentanglement.flops import DecoderShape, step_flops
 from disentanglement.lm import resolve_dtype
 from disentanglement.losses import estimate_zfree_reference_scale, reconstruction_loss
 from disentanglement.models import build_cvae, enable_activation_checkpointing
@@ -585,6 +586,162 @@ def build_setup(
     )
 
 
+# -- useful FLOPs, matmul rates, MFU and the profile ------------------------------------------------------
+# Cases whose useful FLOPs flops.step_flops counts: (latent positions, backward, frozen pass in the step).
+# (f) scores the response tokens usefully, though it computes full logits; (g) recomputes the forward (not useful).
+FLOP_CASES = {
+    "a": (True, True, False),
+    "b": (True, True, False),
+    "c": (True, True, False),
+    "d": (True, True, True),
+    "e": (False, False, False),
+    "f": (False, True, False),
+    "g": (True, True, False),
+}
+
+
+def useful_flops(setup: Setup, case: str) -> dict[str, float] | None:
+    """Mean useful FLOPs per step of ``case`` over the setup's batches (``flops.step_flops``), by part."""
+    if case not in FLOP_CASES or setup.config_c.latent.latent_placement == "memory":
+        return None
+    latent, backward, frozen = FLOP_CASES[case]
+    shape = DecoderShape.from_config(setup.decoder.config)
+    per_batch = [
+        step_flops(
+            shape,
+            b.prompt_lengths.tolist(),
+            b.response_lengths.tolist(),
+            setup.config_c.latent.latent_tokens if latent else 0,
+            backward=backward,
+            frozen_pass=frozen,
+        )
+        for b in setup.batches
+    ]
+    return {key: statistics.fmean(f.get(key, 0) for f in per_batch) for key in per_batch[0]}
+
+
+def matmul_rate(setup: Setup, dtype: torch.dtype, repeats: int = 5) -> float:
+    """FLOP/s of ``torch.matmul`` in ``dtype`` at the step's own shapes: every linear layer's forward
+    ``[M, in] x [in, out]`` and input-gradient ``[M, out] x [out, in]`` (``M`` = batch x mean padded
+    positions, latent included), and the LM head over the batch's response positions, each timed (the
+    fastest of ``repeats``) and weighted by how often a step runs it."""
+    shape = DecoderShape.from_config(setup.decoder.config)
+    latent = setup.config_c.latent.latent_tokens
+    rows = round(len(setup.batches[0]) * (setup.mean_width + latent))
+    head_rows = round(len(setup.batches[0]) * setup.mean_response)
+    # (m, k, n, times per step)
+    shapes = [(rows, i, o, shape.layers) for i, o in shape.linear_shapes()]
+    shapes += [(rows, o, i, shape.layers) for i, o in shape.linear_shapes()]
+    shapes += [(head_rows, shape.hidden, shape.vocab, 2)]
+    total_flops = total_seconds = 0.0
+    generator = torch.Generator(device=setup.device).manual_seed(0)
+    for m, k, n, count in shapes:
+        a = torch.randn(m, k, generator=generator, device=setup.device).to(dtype)
+        b = torch.randn(k, n, generator=generator, device=setup.device).to(dtype)
+        torch.matmul(a, b)  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            synchronize(setup.device)
+            start = time.perf_counter()
+            torch.matmul(a, b)
+            synchronize(setup.device)
+            best = min(best, time.perf_counter() - start)
+        total_flops += 2 * m * k * n * count
+        total_seconds += best * count
+    return total_flops / total_seconds
+
+
+def mfu_table(setup: Setup, times: dict[str, list[float]], flop_case: str | None = None) -> dict:
+    """Beside each case's median time: its useful GFLOP per step, the rate it reaches, and that rate over
+    torch.matmul's bf16 and float32 rates at the step's shapes (an MFU). ``flop_case``: count every row's
+    FLOPs as that case's (rows that are variants of one case)."""
+    rates = {"bfloat16": matmul_rate(setup, torch.bfloat16), "float32": matmul_rate(setup, torch.float32)}
+    print(
+        f"matmul rate at the step's shapes (torch.matmul, {torch.get_num_threads()} threads): "
+        f"bf16 {rates['bfloat16'] / 1e9:.1f} GFLOP/s, float32 {rates['float32'] / 1e9:.1f} GFLOP/s"
+    )
+    print(f"{'case':<5}{'median ms':>10}{'GFLOP':>9}{'GFLOP/s':>9}{'MFU bf16':>10}{'MFU f32':>9}   useful FLOPs")
+    out = {}
+    for case, values in times.items():
+        flops = useful_flops(setup, flop_case or case)
+        if flops is None:
+            continue
+        seconds = median(values)
+        achieved = flops["total"] / seconds
+        parts = ", ".join(
+            f"{part} {100 * flops[part] / flops['total']:.0f}%"
+            for part in ("forward", "backward", "frozen_pass")
+            if flops.get(part)
+        )
+        head = sum(flops.get(f"{p}_head", 0) for p in ("forward", "backward", "frozen_pass"))
+        attention = sum(flops.get(f"{p}_attention", 0) for p in ("forward", "backward", "frozen_pass"))
+        print(
+            f"({case})  {1000 * seconds:>10.2f}{flops['total'] / 1e9:>9.3f}{achieved / 1e9:>9.1f}"
+            f"{100 * achieved / rates['bfloat16']:>9.1f}%{100 * achieved / rates['float32']:>8.1f}%   "
+            f"{parts}; head {100 * head / flops['total']:.0f}%, attention {100 * attention / flops['total']:.0f}%"
+        )
+        out[case] = {
+            "gflop": round(flops["total"] / 1e9, 4),
+            "mfu_bf16": round(achieved / rates["bfloat16"], 4),
+            "mfu_f32": round(achieved / rates["float32"], 4),
+        }
+    return {"matmul_gflops": {k: round(v / 1e9, 2) for k, v in rates.items()}, "cases": out}
+
+
+PROFILE_GROUPS = ("decoder matmuls", "LM head", "attention", "optimizer", "other operators", "outside operators")
+
+
+def profile_breakdown(setup: Setup, case: str = "c", steps: int = 3) -> dict[str, float]:
+    """Where ``case``'s step time goes, from ``torch.profiler`` over ``steps`` steps (after one untimed):
+    operators' own (self) CPU time grouped as matmuls of the decoder (and the small heads), anything with the
+    vocabulary as a dimension (the LM head's chunks: matmul, log-softmax, gather), attention kernels, the
+    optimizer (under ``Optimizer.step`` / ``zero_grad``), other operators; and the wall time outside any
+    operator (Python, autograd bookkeeping). Milliseconds per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, batches = setup.steps[case], setup.batches
+    step(batches[0])
+    vocab = setup.vocab_size
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        start = time.perf_counter()
+        for i in range(steps):
+            step(batches[i % len(batches)])
+        wall = time.perf_counter() - start
+    groups = dict.fromkeys(PROFILE_GROUPS, 0.0)
+    for event in prof.events():
+        if event.self_cpu_time_total <= 0:
+            continue
+        parent, in_optimizer = event.cpu_parent, False
+        while parent is not None:
+            if parent.name.startswith("Optimizer."):
+                in_optimizer = True
+                break
+            parent = parent.cpu_parent
+        if event.name.startswith("Optimizer."):
+            continue  # its own self time is the Python around the foreach kernels: counted below as outside
+        shapes = [d for shape in (event.input_shapes or []) for d in (shape or [])]
+        name = event.name
+        if in_optimizer:
+            group = "optimizer"
+        elif vocab in shapes:
+            group = "LM head"
+        elif "attention" in name or "scaled_dot_product" in name:
+            group = "attention"
+        elif name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"):
+            group = "decoder matmuls"
+        else:
+            group = "other operators"
+        groups[group] += event.self_cpu_time_total / 1e6
+    operators = sum(groups.values())
+    groups["outside operators"] = max(0.0, wall - operators)
+    total = wall / steps
+    print(f"profile of ({case}) over {steps} steps ({1000 * total:.1f} ms per step, torch.profiler, self CPU time):")
+    for name in PROFILE_GROUPS:
+        ms = 1000 * groups[name] / steps
+        print(f"  {name:<20}{ms:>10.1f} ms  {100 * groups[name] / wall:>5.1f}%")
+    return {name: round(1000 * groups[name] / steps, 2) for name in PROFILE_GROUPS}
+
+
 # -- timing --------------------------------------------------------------------------------------------
 def choose_device(name: str) -> torch.device:
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
@@ -895,6 +1052,8 @@ def report(args: argparse.Namespace, setup: Setup, times: dict[str, list[float]]
         )
     print(f"peak memory: {memory_method}")
     print(f"frozen pass (e): {throughput:.0f} tokens/s (real tokens of the batch, median over repetitions)")
+    mfu = mfu_table(setup, times)
+    profiled = profile_breakdown(setup) if args.profile else None
 
     c_over_b = ms["c"] / ms["b"]
     print("targets (ratios of medians; paired medians in brackets):")
@@ -949,6 +1108,8 @@ def report(args: argparse.Namespace, setup: Setup, times: dict[str, list[float]]
         "peak_mib": {case: None if peaks.get(case) is None else round(peaks[case], 1) for case in cases if case != "e"},
         "ms": {case: round(ms[case], 3) for case in cases},
         "frozen_pass_tokens_per_s": round(throughput, 1),
+        "mfu": mfu,
+        **({"profile_ms": profiled} if profiled is not None else {}),
     }
 
 
@@ -1079,6 +1240,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-scaling", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="also the (a) -> (h) -> (p) -> (c) ladder")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also (c)'s time by part from torch.profiler: decoder matmuls, LM head, attention, optimizer, other",
+    )
     parser.add_argument("--measure-memory", choices=MEMORY_CASES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     repeats, warmup = args.repeats, args.warmup

@@ -6,10 +6,13 @@
 #   3. the test suite (pytest -q; the tests build their tiny models on the CPU)
 #   4. CUDA smoke runs of the trainer: a few steps of the main job's config, frozen decoder, then LoRA with
 #      --gradient-checkpointing
-#   5. benchmarks/step_cost.py in bf16: the embedded SmolLM2-135M (with case (g), activation checkpointing),
+#   5. benchmarks/step_cost.py in bf16: the embedded SmolLM2-135M (with case (g), activation checkpointing, and the
+#      useful-FLOP MFU and --profile breakdown; on CUDA the matmul rate is torch.matmul's on the GPU),
 #      and the decoder-size table of real shapes with random weights (MODELS, config:smollm2-1.7b among them)
-#   6. the main job, `disentangle train --config configs/default.yaml`, timed, with an empty model cache
-#      (the GGUF is dequantised again) and an empty feature cache
+#   6. the main job, `disentangle train --config configs/default.yaml`, timed by phase (benchmarks/main_job.py):
+#      with an empty model cache (the GGUF is dequantised again) and an empty feature cache, then again on the
+#      caches that run filled (the second run: no dequantisation, no frozen pass)
+#   Every run here uses feature caches under LOG_DIR, never the user's ~/.cache/disentanglement/features.
 # then one summary block. Any failing step stops the script (set -euo pipefail) naming the step and its log.
 #
 # Usage: bash scripts/gpu_check.sh
@@ -38,7 +41,7 @@ trap 'echo "gpu_check: FAILED at step \"$STEP\" (exit $?); see $LOG_DIR/$STEP.lo
 
 if [ "$QUICK" = 1 ]; then
     SMOKE_STEPS=2 REPEATS=(--repeats 1 --warmup 0) MEMORY=(--skip-memory) EXAMPLES=(--max-examples 64)
-    MAIN_STEPS=(--max-steps 2 --eval-every 2 --save-every 2 --max-examples 64)
+    MAIN_STEPS=(--max-steps 2 --max-examples 64)
 else
     SMOKE_STEPS=5 REPEATS=() MEMORY=() EXAMPLES=() MAIN_STEPS=()
 fi
@@ -84,7 +87,8 @@ EOF
 
 # 3. the test suite (CPU-only tests: conftest builds tiny models on the CPU; this checks the install)
 if [ "$QUICK" = 1 ]; then
-    run_step tests "$PY" -m pytest -q -x tests/test_gradient_checkpointing.py tests/test_model_shapes.py
+    run_step tests "$PY" -m pytest -q -x tests/test_gradient_checkpointing.py tests/test_model_shapes.py \
+        tests/test_feature_store.py tests/test_flops.py tests/test_attention_backward.py
 else
     # shellcheck disable=SC2086 # PYTEST_ARGS is a list of words
     run_step tests "$PY" -m pytest ${PYTEST_ARGS:--q}
@@ -92,6 +96,7 @@ fi
 
 # 4. CUDA smoke runs of the trainer (the model cache of the main job's later run is a different, empty folder)
 SMOKE_CACHE="$LOG_DIR/smoke_model_cache"
+export DISENTANGLEMENT_FEATURE_CACHE="$LOG_DIR/smoke_feature_cache"  # not the user's feature cache
 run_step smoke_frozen "$PY" -m disentanglement.cli train --config configs/default.yaml --device "$DEVICE" \
     --max-steps "$SMOKE_STEPS" --eval-every "$SMOKE_STEPS" --save-every "$SMOKE_STEPS" --no-progress \
     --output-dir "$LOG_DIR/smoke_frozen" --model-cache-dir "$SMOKE_CACHE" "${EXAMPLES[@]}"
@@ -99,16 +104,21 @@ run_step smoke_lora_checkpointed "$PY" -m disentanglement.cli train --config con
     --device "$DEVICE" --decoder-training lora --gradient-checkpointing \
     --max-steps "$SMOKE_STEPS" --eval-every "$SMOKE_STEPS" --save-every "$SMOKE_STEPS" --no-progress \
     --output-dir "$LOG_DIR/smoke_lora" --model-cache-dir "$SMOKE_CACHE" "${EXAMPLES[@]}"
+# the same run again into another folder: it reads the feature cache the first one filled (no frozen pass)
+run_step smoke_frozen_again "$PY" -m disentanglement.cli train --config configs/default.yaml --device "$DEVICE" \
+    --max-steps "$SMOKE_STEPS" --eval-every "$SMOKE_STEPS" --save-every "$SMOKE_STEPS" --no-progress \
+    --output-dir "$LOG_DIR/smoke_frozen_again" --model-cache-dir "$SMOKE_CACHE" "${EXAMPLES[@]}"
+grep -qE ", 0 computed$" "$LOG_DIR/smoke_frozen_again.log" || { echo "gpu_check: the second run ran the frozen pass" >&2; exit 1; }
+run_step cache_list "$PY" -m disentanglement.cli cache list
 
 # 5. step cost in bf16
 run_step step_cost_embedded "$PY" benchmarks/step_cost.py --model embedded --device "$DEVICE" --dtype bfloat16 \
-    --gradient-checkpointing --skip-scaling "${REPEATS[@]}" "${MEMORY[@]}"
+    --gradient-checkpointing --skip-scaling --profile "${REPEATS[@]}" "${MEMORY[@]}"
 run_step step_cost_sizes "$PY" benchmarks/step_cost.py --models "$MODELS" --device "$DEVICE" --dtype bfloat16 \
     --batch-size 8 --gradient-checkpointing "${REPEATS[@]}" "${MEMORY[@]}"
 
-# 6. the main job, timed, caches empty
-run_step main_job "$PY" -m disentanglement.cli train --config configs/default.yaml --device "$DEVICE" --no-progress \
-    --output-dir "$LOG_DIR/main_job" --model-cache-dir "$LOG_DIR/main_model_cache" "${MAIN_STEPS[@]}"
+# 6. the main job, timed by phase: empty model and feature caches, then the second run on the caches it filled
+run_step main_job "$PY" benchmarks/main_job.py --device "$DEVICE" --caches both "${MAIN_STEPS[@]}"
 
 STEP=summary
 {
@@ -136,7 +146,7 @@ def last_json(log: str):
     return None
 
 
-for run in ("smoke_frozen", "smoke_lora", "main_job"):
+for run in ("smoke_frozen", "smoke_lora", "smoke_frozen_again"):
     path = log_dir / run / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     train = [r for r in records if "loss" in r]
@@ -145,6 +155,11 @@ for run in ("smoke_frozen", "smoke_lora", "main_job"):
         print(f"{run}: {len(train)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}")
     else:
         print(f"{run}: no metrics")
+main_log = log_dir / "main_job.log"
+for line in main_log.read_text().splitlines() if main_log.exists() else []:
+    if line.startswith('{"run"'):
+        job = json.loads(line)
+        print(f"main_job {job['run']}: {job['seconds']}, step mean {job['step_mean_s']} s")
 embedded = last_json("step_cost_embedded.log")
 if embedded:
     ms, peak = embedded["ms"], embedded["peak_mib"]
@@ -153,6 +168,10 @@ if embedded:
         f"(g)/(c) {embedded.get('g_over_c')}, frozen pass {embedded['frozen_pass_tokens_per_s']} tokens/s, "
         f"ms {ms}, peak MiB {peak}"
     )
+    mfu = (embedded.get("mfu") or {}).get("cases", {}).get("c")
+    if mfu:
+        print(f"step_cost embedded bf16 (c): {mfu['gflop']} GFLOP/step, MFU {mfu['mfu_bf16']} of bf16 matmul rate "
+              f"{embedded['mfu']['matmul_gflops']}; profile ms {embedded.get('profile_ms')}")
 for row in last_json("step_cost_sizes.log") or []:
     print(
         f"step_cost {row['model']} ({row['parameters'] / 1e6:.0f}M): (c) {row['ms']['c']} ms, "

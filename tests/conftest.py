@@ -11,8 +11,12 @@ ten seeds out of ten) in about 7 s on one CPU thread.
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 import random
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +28,11 @@ from disentanglement.config import RunConfig, build_config
 from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import load_trained, train
 from helpers import tiny_llama, tiny_tokenizer
+
+# The tests' frozen-pass store (feature_store): a folder of this session's, never the user's cache.
+_FEATURE_STORE = tempfile.mkdtemp(prefix="disentanglement-feature-cache-")
+os.environ["DISENTANGLEMENT_FEATURE_CACHE"] = _FEATURE_STORE
+atexit.register(shutil.rmtree, _FEATURE_STORE, True)
 
 NUM_FACTORS = 4
 WORDS = ("red", "blue", "cat", "dog", "sun", "moon", "tree", "fish", "car", "box", "hat", "cup", "key", "map", "pen")

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from disentanglement import checkpoints, cli
+from disentanglement import checkpoints, cli, feature_store
 from disentanglement.checkpoints import CheckpointError, complete_checkpoints, latest_checkpoint, read_resumable
 from disentanglement.config import ConfigError
 from disentanglement.testing import make_hidden_factor_pairs
@@ -255,13 +255,12 @@ def test_a_run_directory_is_never_reused_silently(tmp_path):
     with pytest.raises(ConfigError, match="already holds .*--resume auto.*--overwrite"):
         run(tmp_path, max_steps=3, beta=0.5)
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
-    cache = next((tmp_path / "feature_cache").iterdir())
-    cache_stat = cache.stat()
     result = run(tmp_path, max_steps=2, beta=0.5, overwrite=True, save_every=1)
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000001", "step-000002"]
     assert json.loads((latest_checkpoint(tmp_path) / "trainer_state.json").read_text())["step"] == 2
-    assert result.model is not None and cache.stat().st_mtime_ns == cache_stat.st_mtime_ns  # the cache is kept
+    # The frozen pass is kept (in the shared store, outside the run): the replacing run does not run it again.
+    assert result.model is not None and feature_store.last_stats.computed == 0
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="not a run's \\(notes.txt\\)"):
         run(tmp_path, max_steps=2, overwrite=True)

@@ -99,6 +99,8 @@ class Workspace:
     values: dict  # the run's config fields, but output_dir and batch_size
 
     def args(self, output_dir: Path, **extra) -> list[str]:
+        # Each run its own frozen-pass store (under the run), so that one run's pass is not another's.
+        extra.setdefault("feature_cache_dir", str(output_dir / "feature_cache"))
         return ["train", *_flags(dict(self.values, output_dir=str(output_dir), batch_size=BATCH, **extra))]
 
 
@@ -128,7 +130,15 @@ def two_processes(workspace):
 @pytest.fixture(scope="module")
 def one_process(workspace):
     """The same run in one process with the global batch (``PROCESSES x BATCH``)."""
-    config = build_config(dict(workspace.values, output_dir=str(workspace.root / "one"), batch_size=PROCESSES * BATCH))
+    one = workspace.root / "one"
+    config = build_config(
+        dict(
+            workspace.values,
+            output_dir=str(one),
+            batch_size=PROCESSES * BATCH,
+            feature_cache_dir=str(one / "feature_cache"),
+        )
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -152,11 +162,14 @@ def test_two_processes_train_what_one_process_trains_with_the_global_batch(two_p
     for name, value in expected.items():
         torch.testing.assert_close(rank0["weights"][name], value, rtol=RTOL, atol=ATOL, msg=name)
     # The sharded and gathered frozen pass is the one-process pass, bit for bit; so is c_base.
-    caches = [
-        load_file(str(d / "feature_cache" / "frozen_pass.safetensors")) for d in (run_dir, one_process.output_dir)
+    entries = [
+        {p.relative_to(d): load_file(str(p)) for p in (d / "feature_cache").rglob("*.safetensors")}
+        for d in (run_dir, one_process.output_dir)
     ]
-    assert caches[0].keys() == caches[1].keys()
-    assert all(torch.equal(caches[0][k], caches[1][k]) for k in caches[1])
+    assert entries[0].keys() == entries[1].keys() and len(entries[0]) == 40  # one entry per example
+    for path, tensors in entries[1].items():
+        assert tensors.keys() == entries[0][path].keys()
+        assert all(torch.equal(entries[0][path][k], tensors[k]) for k in tensors), path
     stats = [json.loads((d / "data_stats.json").read_text()) for d in (run_dir, one_process.output_dir)]
     assert stats[0]["zfree_reference_scale"] == stats[1]["zfree_reference_scale"]
 
@@ -206,7 +219,9 @@ def test_only_the_main_process_writes(two_processes):
         "metrics.jsonl",
     ]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000003", "step-000006"]
-    assert [p.name for p in (run_dir / "feature_cache").iterdir()] == ["frozen_pass.safetensors"]
+    # The store (feature_store): its eviction lock and one reference folder, written by the main process.
+    store = sorted(p.name for p in (run_dir / "feature_cache").iterdir())
+    assert len(store) == 2 and store[0] == ".lock", store
 
 
 def test_killed_and_resumed_two_process_run_is_bit_identical(workspace, two_processes):

@@ -119,13 +119,19 @@ def test_lora_adapters_do_not_change_the_fingerprint(tokenizer, pairs):
 
 
 def test_training_with_and_without_the_cache_gives_the_same_losses(tokenizer, pairs, tmp_path):
+    store = tmp_path / "store"
+
     def run(name, use_cache):
         decoder = tiny_llama(len(tokenizer))
-        return train_and_read_metrics(tmp_path / name, decoder, tokenizer, pairs, feature_cache=use_cache)
+        return train_and_read_metrics(
+            tmp_path / name, decoder, tokenizer, pairs, feature_cache=use_cache, feature_cache_dir=str(store)
+        )
 
-    cached, uncached = run("cached", True), run("uncached", False)
-    assert (tmp_path / "cached" / "feature_cache" / "frozen_pass.safetensors").is_file()
-    assert not (tmp_path / "uncached" / "feature_cache").exists()
+    cached = run("cached", True)
+    written = sorted(store.rglob("*.safetensors"))
+    assert written  # the frozen pass went into the store
+    uncached = run("uncached", False)
+    assert sorted(store.rglob("*.safetensors")) == written  # without the cache option nothing is stored
     for a, b in zip(cached, uncached, strict=True):
         for key in (
             "loss",

@@ -9,6 +9,7 @@
     disentangle data synth NAME --output FILE.jsonl [--rows N] [--seed S]
     disentangle export RUN --output DIR [--push-to-hub REPO]
     disentangle sweep --config base.yaml --output-dir OUT --set FIELD=V1,V2 --seeds 0,1,2 [...]
+    disentangle cache list|clear [--dir DIR]
 
 Training flags are generated from the config dataclasses (``config.py``), those of eval, generate,
 inspect and encode from their options dataclasses (``commands.py``): every field has one.
@@ -176,12 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_train(subparsers)
-    from . import commands, export, sweep, synthetic
+    from . import commands, export, feature_store, sweep, synthetic
 
     commands.add_subcommands(subparsers)  # eval, generate, inspect, encode
     export.add_export_subcommand(subparsers)
     sweep.add_sweep_subcommand(subparsers)
     synthetic.add_data_subcommand(subparsers)
+    feature_store.add_cache_subcommand(subparsers)
     return parser
 
 

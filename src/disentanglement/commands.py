@@ -72,6 +72,17 @@ def resolve_run(checkpoint: str | Path) -> tuple[Path, Path]:
     return resolve(checkpoint)
 
 
+def stored_features(model, examples, pad_token_id: int, batch_size: int, progress: bool = True, state=None):
+    """The frozen-pass features of ``examples`` through the user's feature cache (``feature_store``: its
+    folder and size limit from the environment or the defaults), shared with training runs on the same
+    weights and examples."""
+    from .feature_store import load_or_build_features
+
+    return load_or_build_features(
+        model, examples, pad_token_id, None, batch_size=batch_size, progress=progress, state=state
+    )
+
+
 def load_checkpoint(checkpoint: str | Path, model_and_tokenizer=None, device: str = "auto", state=None):
     """``(model, tokenizer, config, trainer_state, checkpoint_dir, run_dir)``, the model in eval mode on ``device``
     (several processes, ``state``: on this process's device).
@@ -566,7 +577,6 @@ def run_eval(
     continuous model). Returns ``(report, json_path, markdown_path)``.
     """
     from .evaluation import evaluate
-    from .features import build_feature_cache
     from .report import write_markdown_summary
 
     options = _with(EvalOptions, options, overrides)
@@ -601,7 +611,7 @@ def run_eval(
         checkpoint, model_and_tokenizer, options.device, processes
     )
     examples, description = load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
-    cache = build_feature_cache(
+    cache = stored_features(
         model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress and main, state=processes
     )
     body = evaluate(
@@ -795,7 +805,6 @@ def run_inspect(
     ``RUN/metrics.jsonl``), ``code_usage.png`` (discrete) and ``code_label_heatmap.png`` (labelled data), the
     last two over the whole ``data`` set. Returns ``{"html", "json", "plots"}`` (paths).
     """
-    from .features import build_feature_cache
     from .inspection import write_example_report, write_run_plots
     from .safe_io import ensure_dir
 
@@ -840,9 +849,7 @@ def run_inspect(
     )
     written: list[Path] = []
     if options.plots:
-        cache = build_feature_cache(
-            model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress
-        )
+        cache = stored_features(model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress)
         written = write_run_plots(
             out_dir, model, examples, cache, tokenizer.pad_token_id, run_dir / "metrics.jsonl", seed=options.seed
         )

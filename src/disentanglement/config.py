@@ -481,7 +481,14 @@ class TrainConfig:
         True, "Run the frozen pass once per data set and reuse it (off: one frozen pass every step)."
     )
     feature_cache_dir: str | None = option(
-        None, "Where the frozen-pass cache is stored (default: OUTPUT_DIR/feature_cache); keyed by a fingerprint."
+        None,
+        "The frozen-pass cache shared by every run (default: $DISENTANGLEMENT_FEATURE_CACHE, else "
+        "~/.cache/disentanglement/features); keyed by the reference's weights and each example's token ids.",
+    )
+    feature_cache_max_gb: float | None = option(
+        None,
+        "Size limit of the frozen-pass cache in GB; the least recently used entries go first "
+        "(default: $DISENTANGLEMENT_FEATURE_CACHE_MAX_GB, else 20).",
     )
     device: Literal["auto", "cpu", "cuda"] = option("auto", "auto = CUDA with bf16 when present, else CPU.")
     progress: bool = option(True, "Show a progress bar.")
@@ -503,6 +510,7 @@ class TrainConfig:
             _number(self, name, low=1, integer=True)
         for name in ("warmup_steps", "eval_every", "seed"):
             _number(self, name, low=0, integer=True)
+        _number(self, "feature_cache_max_gb", low=0, low_open=True, optional=True)
         for name in ("encoder_lr", "latent_lr", "decoder_lr", "max_grad_norm"):
             _number(self, name, low=0, low_open=True)
         _number(self, "weight_decay", low=0)

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .attention_backward import fast_attention_backward
 from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
 from .data import Batch
 from .losses import apply_head, default_chunk_size, masked_token_nll_per_position, reconstruction_loss_stack
@@ -154,9 +155,13 @@ class Decoded:
     offsets: torch.Tensor  # [B], alignment_offsets of the z-free positions
 
     def token_nll(self) -> torch.Tensor:
-        """Masked per-token NLL ``[B, Tc-1]``, zero outside the window (where nothing is supervised)."""
+        """Masked per-token NLL ``[B, Tc-1]``, zero outside the window (where nothing is supervised).
+
+        The window's logits in one block when they hold at most :data:`WHOLE_WINDOW_LOGITS` elements (no
+        activation checkpointing, so the backward does not run the head again), else chunk by chunk."""
         B, W, _ = self.hidden.shape
-        chunk = default_chunk_size(B, self.head.weight.shape[0])
+        V = self.head.weight.shape[0]
+        chunk = None if B * W * V <= WHOLE_WINDOW_LOGITS else default_chunk_size(B, V)
         window = masked_token_nll_per_position(
             self.hidden, self.input_ids[:, self.start :], self.target_mask[:, self.start :], chunk, head=self.head
         )  # [B, W - 1]
@@ -169,6 +174,12 @@ class Decoded:
     def logits(self) -> torch.Tensor:
         """All logits of the window, ``[B, Tc - start, V]`` (materialises the full block)."""
         return apply_head(self.head, self.hidden)
+
+
+#: Logits of a training step's window computed in one block up to this many elements (256 MiB in float32; batch 8
+#: of SmolLM2's 49,152-token vocabulary: 170 positions), instead of checkpointed chunks whose backward recomputes
+#: the head's matmul and log-softmax (measured: ``benchmarks/README.md``, "Speed").
+WHOLE_WINDOW_LOGITS = 1 << 26
 
 
 def _pad_last(mask: torch.Tensor) -> torch.Tensor:
@@ -611,7 +622,8 @@ class CVAEBase(nn.Module):
         if window:
             supervised = target[:, 1:].bool()  # [B, N]
             start = int(supervised.float().argmax(dim=1).min())  # first position predicting a response token
-        with self._frozen_layers_checkpointed():
+        # On the CPU in bf16, SDPA's own backward is slow: attention_backward's runs instead (same forward).
+        with self._frozen_layers_checkpointed(), fast_attention_backward(self.decoder):
             out = self.decoder(
                 inputs_embeds=embeds,
                 use_cache=False,

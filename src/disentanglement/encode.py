@@ -288,10 +288,13 @@ def _encode_to_file(
     model, tokenizer, config, _, _, _ = commands.load_checkpoint(checkpoint, model_and_tokenizer, options.device)
     examples, _ = commands.load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
     pairs = raw_pairs(options.data, config, examples)
+    cache = commands.stored_features(
+        model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress
+    )
     rows = encode_examples(
         model,
         examples,
-        None,
+        cache,
         tokenizer.pad_token_id,
         pairs=pairs,
         scoring=scoring,

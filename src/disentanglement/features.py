@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -289,23 +290,55 @@ def feature_fingerprint(model: CVAEBase, examples: Sequence[Example]) -> str:
 
     The weights enter with their dtype as well as their bytes: a bf16 reference (``ModelConfig.dtype``) and
     a float32 one have different fingerprints, so their caches never mix (the cache itself holds float32
-    values in both cases)."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(FEATURE_PASS_VERSION.encode())
+    values in both cases). The weights' part is hashed once per reference (:func:`reference_hasher`)."""
+    digest = reference_hasher(model)
+    for example in examples:
+        digest.update(json.dumps([example.prompt_ids, example.response_ids]).encode())
+    return digest.hexdigest()
+
+
+# The hash of (pass version, encoder view, weights) per reference module, with what it was computed from.
+_REFERENCE_HASHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _weights_guard(state: dict[str, torch.Tensor]) -> tuple:
+    """What identifies the reference's tensors without reading them: name, storage, shape, dtype and the
+    in-place version counter of each (an optimizer step or ``load_state_dict`` bumps it)."""
+    return tuple(
+        (name, t.data_ptr(), tuple(t.shape), t.dtype, t.device.type, t._version)
+        for name, t in sorted(state.items())
+        if "lora_" not in name
+    )
+
+
+def reference_hasher(model: CVAEBase) -> hashlib.blake2b:
+    """A blake2b hasher fed with the pass version, the encoder view and the reference's weights (names,
+    shapes, dtypes, bytes; LoRA adapters left out), as a copy to update further.
+
+    The weights are read once per reference module: later calls reuse the hash while every tensor keeps
+    its storage, shape, dtype and in-place version (:func:`_weights_guard`); a change through ``.data``,
+    which torch does not count, is not seen."""
     view = model.encoder_view_params
-    if view:
-        digest.update(json.dumps(view, sort_keys=True).encode())
+    view_text = json.dumps(view, sort_keys=True) if view else ""
     with model.reference.active() as reference:
         state = reference.state_dict()
+        guard = _weights_guard(state)
+        memo = _REFERENCE_HASHES.get(reference)
+        if memo is not None and memo[0] == guard and memo[1] == view_text:
+            return memo[2].copy()
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(FEATURE_PASS_VERSION.encode())
+        if view_text:
+            digest.update(view_text.encode())
         for name in sorted(state):
             if "lora_" in name:  # the reference is the adapter-free model
                 continue
             tensor = state[name].detach().cpu().contiguous()
             digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    for example in examples:
-        digest.update(json.dumps([example.prompt_ids, example.response_ids]).encode())
-    return digest.hexdigest()
+            if tensor.numel():  # the bytes in place (a buffer), not a copy
+                digest.update(memoryview(tensor.view(torch.uint8).numpy()))
+        _REFERENCE_HASHES[reference] = (guard, view_text, digest.copy())
+    return digest
 
 
 def save_feature_cache(cache: FeatureCache, path: Path, fingerprint: str) -> None:
@@ -357,6 +390,10 @@ def load_or_build_feature_cache(
     state=None,
 ) -> FeatureCache:
     """Reuse the on-disk cache whose fingerprint matches, else run the frozen pass and store it.
+
+    One file per (weights, example list) in ``cache_dir``: the single-file format of earlier versions, kept
+    for callers that want it. Training, ``eval``, ``encode`` and ``inspect`` use the per-example store
+    shared by every run instead (:func:`feature_store.load_or_build_features`).
 
     With several processes (``state``) the pass is sharded across them (:func:`build_feature_cache`),
     the main process alone writes the cache, and the others wait for it at a barrier.

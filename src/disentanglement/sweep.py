@@ -14,12 +14,12 @@ type-checked like a config file's. Layout of the output directory::
 
     OUT/sweep.json                      the sweep's specification (a rerun must match it)
     OUT/runs/CELL/seed-S/               a run directory (train's), its eval report in eval/sweep_eval.json
-    OUT/feature_cache/seed-S/           the frozen pass, shared by the cells of one seed
     OUT/sweep.csv                       one row per (cell, seed): the cell's settings and every metric
     OUT/sweep.md, OUT/sweep.png         per cell: mean and 95% CI over seeds (Student t) of the headline metrics
 
 Resumable: a (cell, seed) whose evaluation report exists is skipped; one whose training was
-interrupted resumes from its last checkpoint. ``--jobs N`` runs N (cell, seed) runs at once in
+interrupted resumes from its last checkpoint. The frozen pass is shared by every cell and seed (and
+every other run on the same model and examples) through the feature cache (``feature_store.py``). ``--jobs N`` runs N (cell, seed) runs at once in
 separate processes (each with ``max(1, cores // N)`` threads); the results do not depend on N.
 """
 
@@ -63,14 +63,13 @@ HEADLINE_METRICS = (
     "mutual_information",
 )
 #: Fields a sweep sets itself.
-RESERVED = ("seed", "output_dir", "resume", "overwrite", "feature_cache_dir")
+RESERVED = ("seed", "output_dir", "resume", "overwrite")
 #: What to do instead of setting a reserved field.
 RESERVED_HINTS = {
     "seed": "give the seeds with --seeds",
     "output_dir": "give the sweep's directory with --output-dir; each run goes to OUTPUT_DIR/runs/CELL/seed-S",
     "resume": "a sweep resumes an unfinished run by itself when run again",
     "overwrite": "a sweep never overwrites a run: choose another --output-dir",
-    "feature_cache_dir": "the sweep keeps one per seed under OUTPUT_DIR/feature_cache",
 }
 
 
@@ -153,7 +152,6 @@ class SweepSpec:
         values.update(
             seed=seed,
             output_dir=str(spec_run_dir(output_dir, cell, seed)),
-            feature_cache_dir=str(output_dir / "feature_cache" / f"seed-{seed}"),
             progress=False,
         )
         return build_config(values)

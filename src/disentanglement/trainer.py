@@ -7,7 +7,7 @@ Run directory layout::
       config.yaml              resolved config of the run
       metrics.jsonl            one JSON object per optimizer step (+ validation records)
       data_stats.json          data counts, truncation counts and c_base
-      feature_cache/           the frozen pass over the data (keyed by a fingerprint)
+      feature_cache/           (older versions only) the frozen pass; now in the shared store, feature_store.py
       checkpoints/step-000050/ a complete checkpoint (see ``checkpoints.py``)
 
 A run directory belongs to one run: training into a directory that already holds a run is refused
@@ -65,7 +65,7 @@ from .checkpoints import (
 from .config import ConfigError, RunConfig, TrainConfig
 from .cvae_base import CVAEBase, FrozenFeatures, WeightingParams
 from .data import Example, collate, limit_examples, load_pairs, split_train_validation, tokenize_pairs
-from .features import FeatureCache, batch_features, feature_fingerprint, load_or_build_feature_cache
+from .features import FeatureCache, batch_features, build_feature_cache, feature_fingerprint
 from .losses import estimate_zfree_reference_scale
 from .models import build_cvae
 from .reference import eval_mode
@@ -99,6 +99,7 @@ RESUME_FREE_FIELDS = frozenset(
         "max_loss_ratio",
         "feature_cache",
         "feature_cache_dir",
+        "feature_cache_max_gb",
         "device",
         "model_cache_dir",
         # The frozen pass's fingerprint includes the weights' dtype, so a resume whose dtype resolves to
@@ -866,19 +867,25 @@ def _frozen_pass(
     if not (tcfg.feature_cache or needs_c_base or needs_kmeans_features):
         return _FrozenPass(None, None, None, None)
     examples = data.train + data.validation
-    cache_dir = (tcfg.feature_cache_dir or output_dir / "feature_cache") if tcfg.feature_cache else None
-    if cache_dir is not None and tcfg.feature_cache_dir is None and distributed.is_main(state):
-        ensure_dir(cache_dir, output_dir)  # RUN/feature_cache: a real folder of the run, not a link to elsewhere
-    cache = load_or_build_feature_cache(
-        model,
-        examples,
-        pad_id,
-        cache_dir,
-        batch_size=max(tcfg.batch_size, 16),
-        device=device,
-        progress=tcfg.progress and distributed.is_main(state),
-        state=state,
-    )
+    progress = tcfg.progress and distributed.is_main(state)
+    if tcfg.feature_cache:  # the store shared by every run on the same weights and examples
+        from .feature_store import load_or_build_features, store_limit_bytes
+
+        cache = load_or_build_features(
+            model,
+            examples,
+            pad_id,
+            tcfg.feature_cache_dir,
+            batch_size=max(tcfg.batch_size, 16),
+            device=device,
+            progress=progress,
+            state=state,
+            max_bytes=store_limit_bytes(tcfg.feature_cache_max_gb),
+        )
+    else:
+        cache = build_feature_cache(
+            model, examples, pad_id, max(tcfg.batch_size, 16), device, progress=progress, state=state
+        )
     n_train = len(data.train)
     train_cache = cache.subset(0, n_train)
     if not tcfg.feature_cache:

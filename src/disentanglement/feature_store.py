@@ -1,0 +1,471 @@
+"""The shared frozen-pass store: one frozen pass per (reference weights, example), ever.
+
+The frozen pass (:mod:`features`) depends on the z-free reference's weights and on each example's
+token ids, not on the run: so its outputs are stored per example, keyed by a hash of both, in one folder
+that every run, seed, sweep cell, ``eval``, ``encode`` and ``inspect`` shares. A second run on the same
+data (another seed, split, subset or output directory) reads what is there and runs the pass only over
+the examples it has not seen. See ``docs/feature-cache.md``.
+
+Layout (``ROOT`` = ``TrainConfig.feature_cache_dir``, else ``$DISENTANGLEMENT_FEATURE_CACHE``, else
+``~/.cache/disentanglement/features``)::
+
+    ROOT/.lock                       eviction lock
+    ROOT/<reference key>/about.json  which model the entries belong to (for ``disentangle cache list``)
+    ROOT/<reference key>/.lock       writers' lock: one process runs the pass, the others wait, then read
+    ROOT/<reference key>/<ab>/<example key>.safetensors   one example's outputs (float32, no pickle)
+
+The reference key hashes the pass version, the encoder view and the weights (names, shapes, dtypes,
+bytes: :func:`features.reference_hasher`); the example key hashes the reference key and the example's
+prompt and response ids. An entry holds ``response_nll [r]``, ``prior [H]``, ``encoder [2H]`` and, when
+the pass computed them, ``response_entropy [r]`` (entropy token weighting) and ``response_hidden [r, H]``
+(attention encoder view). Every entry is checked when read (its key, dtypes, shapes, finite values): a
+bad one is recomputed with a warning, never used. Entries are written to a temporary file and renamed.
+The store is kept under a size limit (``TrainConfig.feature_cache_max_gb``, else
+``$DISENTANGLEMENT_FEATURE_CACHE_MAX_GB``, else 20 GB) by deleting the least recently used entries
+(an entry's modification time is its last use).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from .cvae_base import CVAEBase
+from .data import Example
+from .distributed import gather_objects, is_main, rank_and_size
+from .features import FEATURE_PASS_VERSION, FeatureCache, build_feature_cache, reference_hasher
+
+logger = logging.getLogger(__name__)
+
+ENV_DIR = "DISENTANGLEMENT_FEATURE_CACHE"
+ENV_MAX_GB = "DISENTANGLEMENT_FEATURE_CACHE_MAX_GB"
+DEFAULT_DIR = "~/.cache/disentanglement/features"
+DEFAULT_MAX_GB = 20.0
+SUFFIX = ".safetensors"
+
+# One example's outputs: (response NLL [r], entropy [r] or None, hidden [r, H] or None, prior [H], encoder [2H]).
+Row = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]
+
+
+def store_dir(configured: str | Path | None = None) -> Path:
+    """The store's root: ``configured``, else ``$DISENTANGLEMENT_FEATURE_CACHE``, else the user's cache."""
+    return Path(configured or os.environ.get(ENV_DIR) or DEFAULT_DIR).expanduser()
+
+
+def store_limit_bytes(configured_gb: float | None = None) -> int:
+    """The size limit in bytes: ``configured_gb``, else ``$DISENTANGLEMENT_FEATURE_CACHE_MAX_GB``, else 20 GB."""
+    if configured_gb is None:
+        text = os.environ.get(ENV_MAX_GB)
+        try:
+            configured_gb = float(text) if text else DEFAULT_MAX_GB
+        except ValueError:
+            raise ValueError(f"${ENV_MAX_GB} must be a number of gigabytes, got {text!r}") from None
+    if not configured_gb > 0:
+        raise ValueError(f"the feature cache's size limit must be > 0 GB, got {configured_gb}")
+    return int(configured_gb * 1e9)
+
+
+def reference_key(model: CVAEBase) -> str:
+    """The hash of the pass version, the encoder view and the reference's weights (computed once per model)."""
+    return reference_hasher(model).hexdigest()
+
+
+def example_key(ref_key: str, example: Example) -> str:
+    import hashlib
+
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(ref_key.encode())
+    digest.update(json.dumps([example.prompt_ids, example.response_ids]).encode())
+    return digest.hexdigest()
+
+
+def _entry_path(folder: Path, key: str) -> Path:
+    return folder / key[:2] / f"{key}{SUFFIX}"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created if needed) inside the block; waits for other holders."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+class _BadEntry(ValueError):
+    pass
+
+
+def _check(tensor: torch.Tensor | None, name: str, shape: tuple[int, ...]) -> None:
+    if tensor is None:
+        raise _BadEntry(f"{name} is missing")
+    if tensor.dtype != torch.float32:
+        raise _BadEntry(f"{name} is {tensor.dtype}, expected torch.float32")
+    if tuple(tensor.shape) != shape:
+        raise _BadEntry(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")
+    if not bool(torch.isfinite(tensor).all()):
+        raise _BadEntry(f"{name} holds non-finite values")
+
+
+def read_entry(path: Path, key: str, response_length: int) -> Row | None:
+    """The entry at ``path`` (None if absent), checked: its key, float32 dtypes, shapes and finite values.
+    A bad entry raises :class:`ValueError` naming what is wrong."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            if (handle.metadata() or {}).get("key") != key:
+                raise _BadEntry("it was written for another key")
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    except FileNotFoundError:
+        return None
+    except _BadEntry:
+        raise
+    except Exception as exc:  # safetensors' own errors for a truncated or foreign file
+        raise _BadEntry(f"{type(exc).__name__}: {exc}") from exc
+    prior = tensors.get("prior")
+    if prior is None or prior.dim() != 1:
+        raise _BadEntry("prior is missing or not a vector")
+    hidden_size = prior.shape[0]
+    _check(prior, "prior", (hidden_size,))
+    _check(tensors.get("encoder"), "encoder", (2 * hidden_size,))
+    _check(tensors.get("response_nll"), "response_nll", (response_length,))
+    entropy, hidden = tensors.get("response_entropy"), tensors.get("response_hidden")
+    if entropy is not None:
+        _check(entropy, "response_entropy", (response_length,))
+    if hidden is not None:
+        _check(hidden, "response_hidden", (response_length, hidden_size))
+    return tensors["response_nll"], entropy, hidden, prior, tensors["encoder"]
+
+
+def write_entry(path: Path, key: str, row: Row) -> None:
+    """Write one entry atomically (a temporary file in the same folder, then a rename)."""
+    nll, entropy, hidden, prior, encoder = row
+    tensors = {"response_nll": nll.contiguous(), "prior": prior.contiguous(), "encoder": encoder.contiguous()}
+    if entropy is not None:
+        tensors["response_entropy"] = entropy.contiguous()
+    if hidden is not None:
+        tensors["response_hidden"] = hidden.contiguous()
+    data = save(tensors, metadata={"key": key, "version": FEATURE_PASS_VERSION})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _rows_of(cache: FeatureCache) -> list[Row]:
+    """The per-example rows of a built cache."""
+    hidden = None
+    if cache.response_hidden is not None:
+        hidden = list(torch.split(cache.response_hidden, [len(n) for n in cache.response_nll]))
+    return [
+        (
+            cache.response_nll[i],
+            cache.response_entropy[i] if cache.response_entropy is not None else None,
+            hidden[i] if hidden is not None else None,
+            cache.prior_features[i],
+            cache.encoder_features[i],
+        )
+        for i in range(len(cache))
+    ]
+
+
+def _assemble(rows: Sequence[Row], entropy: bool, hidden: bool) -> FeatureCache:
+    return FeatureCache(
+        [r[0] for r in rows],
+        torch.stack([r[3] for r in rows]),
+        torch.stack([r[4] for r in rows]),
+        [r[1] for r in rows] if entropy else None,
+        torch.cat([r[2] for r in rows]) if hidden else None,
+    )
+
+
+@dataclass
+class StoreStats:
+    """What the last :func:`load_or_build_features` did (for logs, tests and benchmarks)."""
+
+    hits: int = 0
+    computed: int = 0
+    recomputed_bad: int = 0
+    evicted: int = 0
+
+
+last_stats = StoreStats()
+
+
+def load_or_build_features(
+    model: CVAEBase,
+    examples: Sequence[Example],
+    pad_token_id: int,
+    root: str | Path | None = None,
+    batch_size: int = 16,
+    device: torch.device | str | None = None,
+    progress: bool = True,
+    state=None,
+    max_bytes: int | None = None,
+) -> FeatureCache:
+    """The frozen-pass features of ``examples`` from the store at ``root`` (:func:`store_dir` of it), the
+    pass run only over the examples it lacks, whose outputs are then stored.
+
+    Readers take no lock. A process with entries to compute takes the reference's lock, looks again (another
+    process may have written them meanwhile), computes what is still missing, writes it, and lets go: so two
+    runs starting together do the pass once. With several processes (``state``) the main one decides what is
+    missing, all share the pass (:func:`features.build_feature_cache`), and the main one writes.
+    An example's cached entropy or hidden states are used only when this model's pass makes them (so the
+    result equals a fresh pass's); an entry without what this model needs is recomputed and replaced.
+    """
+    global last_stats
+    stats = StoreStats()
+    root = store_dir(root)
+    max_bytes = store_limit_bytes() if max_bytes is None else max_bytes
+    needs_entropy = model.reconstruction_cfg.token_weight_source == "entropy"
+    needs_hidden = model.latent_cfg.encoder_view == "attention"
+    main = is_main(state)
+    _, size = rank_and_size(state)
+    ref_key = reference_key(model)
+    folder = root / ref_key
+    keys = [example_key(ref_key, e) for e in examples]
+    rows: list[Row | None] = [None] * len(examples)
+    bad: set[int] = set()
+
+    def read(indices: Sequence[int]) -> list[int]:
+        """Fill ``rows`` from the store; the indices still missing."""
+        missing = []
+        for i in indices:
+            path = _entry_path(folder, keys[i])
+            try:
+                row = read_entry(path, keys[i], len(examples[i].response_ids))
+            except ValueError as exc:
+                if i not in bad:  # said once, though it is read again under the lock
+                    logger.warning("feature cache: entry %s is bad (%s); recomputing it", path, exc)
+                    bad.add(i)
+                row = None
+            if row is None or (needs_entropy and row[1] is None) or (needs_hidden and row[2] is None):
+                missing.append(i)
+                continue
+            rows[i] = (row[0], row[1] if needs_entropy else None, row[2] if needs_hidden else None, row[3], row[4])
+        return missing
+
+    def compute(missing: list[int]) -> None:
+        built = build_feature_cache(
+            model,
+            [examples[i] for i in missing],
+            pad_token_id,
+            batch_size,
+            device,
+            progress,
+            description=f"frozen pass ({len(missing)} of {len(examples)} examples)",
+            state=state,
+        )
+        for i, row in zip(missing, _rows_of(built), strict=True):
+            rows[i] = row
+        stats.computed += len(missing)
+
+    def store(missing: list[int]) -> None:
+        try:
+            _write_about(folder, model)
+            for i in missing:
+                write_entry(_entry_path(folder, keys[i]), keys[i], rows[i])
+        except OSError as exc:  # the store only saves time: the run goes on without it
+            logger.warning("feature cache: could not write to %s (%s); continuing without it", folder, exc)
+
+    if size == 1:
+        missing = read(range(len(examples)))
+        if missing:
+            with _locked(folder / ".lock"):
+                missing = read(missing)  # what another process wrote while this one waited
+                if missing:
+                    compute(missing)
+                    store(missing)
+    else:  # the main process reads and decides; everyone shares the pass; the main one writes
+        with _locked(folder / ".lock") if main else contextlib.nullcontext():
+            missing = read(range(len(examples))) if main else []
+            missing = gather_objects(state, missing if main else None)[0]
+            if missing:
+                compute(missing)
+            if main:
+                store(missing)
+            present = {i: rows[i] for i in range(len(examples)) if i not in set(missing)} if main else {}
+            present = gather_objects(state, present)[0]
+            for i, row in present.items():
+                rows[i] = row
+    stats.hits = len(examples) - stats.computed
+    stats.recomputed_bad = len(bad)
+    if main:
+        _touch([_entry_path(folder, keys[i]) for i in range(len(examples))])
+        if stats.computed:
+            stats.evicted = evict(root, max_bytes)
+    logger.info(
+        "frozen pass: %d of %d examples from the feature cache %s, %d computed",
+        stats.hits,
+        len(examples),
+        folder,
+        stats.computed,
+    )
+    last_stats = stats
+    return _assemble(rows, needs_entropy, needs_hidden)
+
+
+def _touch(paths: Sequence[Path]) -> None:
+    """Mark entries as used now (their modification time orders the eviction)."""
+    now = time.time()
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.utime(path, (now, now))
+
+
+def _write_about(folder: Path, model: CVAEBase) -> None:
+    about = folder / "about.json"
+    if about.is_file():
+        return
+    with model.reference.active() as reference:
+        config = getattr(reference, "config", None)
+        name = getattr(config, "_name_or_path", "") or type(reference).__name__
+        dtype = str(next(reference.parameters()).dtype).removeprefix("torch.")
+    folder.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"model": name, "dtype": dtype, "encoder_view": model.encoder_view_params or "default"})
+    fd, tmp = tempfile.mkstemp(prefix=".about.", dir=folder)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text + "\n")
+    os.replace(tmp, about)
+
+
+# --------------------------------------------------------------------------- size, eviction, listing
+
+
+def _entries(root: Path) -> list[tuple[float, int, Path]]:
+    """Every entry under ``root``: (last use, bytes, path)."""
+    out = []
+    if not root.is_dir():
+        return out
+    for folder in root.iterdir():
+        if not folder.is_dir():
+            continue
+        for sub in folder.iterdir():
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
+                    with contextlib.suppress(OSError):
+                        info = entry.stat()
+                        out.append((info.st_mtime, info.st_size, Path(entry.path)))
+    return out
+
+
+def evict(root: str | Path, max_bytes: int) -> int:
+    """Delete the least recently used entries until the store holds at most ``max_bytes``; how many went."""
+    root = Path(root)
+    with _locked(root / ".lock"):
+        entries = _entries(root)
+        total = sum(size for _, size, _ in entries)
+        removed = 0
+        for _, size, path in sorted(entries, key=lambda e: (e[0], str(e[2]))):
+            if total <= max_bytes:
+                break
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            total -= size
+            removed += 1
+    if removed:
+        logger.info("feature cache: evicted %d least recently used entries (limit %.3g GB)", removed, max_bytes / 1e9)
+    return removed
+
+
+@dataclass
+class StoreSummary:
+    key: str
+    about: dict
+    entries: int
+    bytes: int
+    last_used: float
+
+
+def summarize(root: str | Path) -> list[StoreSummary]:
+    """One summary per reference under ``root``, most recently used first."""
+    root = Path(root)
+    per: dict[str, StoreSummary] = {}
+    for mtime, size, path in _entries(root):
+        key = path.parent.parent.name
+        if key not in per:
+            about_path = root / key / "about.json"
+            try:
+                about = json.loads(about_path.read_text())
+            except (OSError, ValueError):
+                about = {}
+            per[key] = StoreSummary(key, about, 0, 0, 0.0)
+        summary = per[key]
+        summary.entries += 1
+        summary.bytes += size
+        summary.last_used = max(summary.last_used, mtime)
+    return sorted(per.values(), key=lambda s: -s.last_used)
+
+
+def clear(root: str | Path) -> tuple[int, int]:
+    """Delete every entry (and reference folder) under ``root``: (entries, bytes) removed."""
+    root = Path(root)
+    entries = _entries(root)
+    with _locked(root / ".lock"):
+        for folder in root.iterdir():
+            if folder.is_dir():
+                shutil.rmtree(folder, ignore_errors=True)
+    return len(entries), sum(size for _, size, _ in entries)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"  # pragma: no cover
+
+
+def add_cache_subcommand(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "cache",
+        help="list or clear the shared frozen-pass feature cache",
+        description="The frozen-pass feature cache shared by every run (docs/feature-cache.md). Its folder: "
+        f"--dir, else ${ENV_DIR}, else {DEFAULT_DIR}.",
+    )
+    parser.add_argument("action", choices=("list", "clear"), help="list: one line per model; clear: delete all")
+    parser.add_argument("--dir", default=None, help="the cache folder (default: see above)")
+    parser.set_defaults(func=_run_cache)
+
+
+def _run_cache(args) -> int:
+    root = store_dir(args.dir)
+    if args.action == "clear":
+        if not root.exists():
+            print(f"feature cache {root}: empty (no such folder)")
+            return 0
+        count, size = clear(root)
+        print(f"feature cache {root}: removed {count} entries ({_human(size)})")
+        return 0
+    summaries = summarize(root)
+    total = sum(s.bytes for s in summaries)
+    print(f"feature cache {root}: {sum(s.entries for s in summaries)} entries, {_human(total)}")
+    for s in summaries:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.last_used))
+        model = s.about.get("model", "?")
+        dtype = s.about.get("dtype", "?")
+        print(f"  {s.key[:16]}  {s.entries:>7} entries  {_human(s.bytes):>9}  last used {used}  {model} ({dtype})")
+    return 0

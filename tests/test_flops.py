@@ -1,0 +1,61 @@
+"""The step's useful-FLOP formula (flops.py) against a hand count and against torch's own FLOP counter on a
+tiny Llama (forward, and the backward with frozen weights: input gradients only)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from disentanglement.flops import DecoderShape, forward_flops, input_backward_flops, step_flops
+
+
+def test_hand_count_of_a_tiny_decoder():
+    # H 4, I 6, 1 layer, 2 heads of 2, 1 key/value head, V 10; one sequence of 3 positions, 1 scored.
+    shape = DecoderShape(hidden=4, intermediate=6, layers=1, heads=2, kv_heads=1, head_dim=2, vocab=10)
+    # q 4x4, k and v 4x2, o 4x4, gate and up 4x6, down 6x4: 16 + 8 + 8 + 16 + 24 + 24 + 24 = 120 weights
+    assert shape.linear_params_per_layer == 120
+    forward = forward_flops(shape, length=3, scored=1)
+    assert forward["linear"] == 2 * 3 * 120  # a multiply and an add per weight per position
+    # causal pairs (0,0) (1,0) (1,1) (2,0) (2,1) (2,2): 6; per pair and head 2 x 2 for QK^T and again for AV
+    assert forward["attention"] == 6 * 2 * (2 * 2 + 2 * 2)
+    assert forward["head"] == 2 * 4 * 10
+    assert forward_flops(shape, 3, 1, "full")["attention"] == 9 * 2 * 8
+    backward = input_backward_flops(shape, 3, 1)
+    assert backward == {"linear": 720, "attention": 192, "head": 80}
+    # A batch: latent 1 + prompt 1 + response 1, and latent 1 + prompt 2 + response 2 (length 5, 2 scored).
+    step = step_flops(shape, [1, 2], [1, 2], latent_tokens=1, frozen_pass=True)
+    long = forward_flops(shape, 5, 2)
+    assert step["forward"] == sum(forward.values()) + sum(long.values())
+    assert step["backward"] == 720 + 192 + 80 + long["linear"] + 2 * long["attention"] + long["head"]
+    frozen = sum(forward_flops(shape, 2, 1).values()) + sum(forward_flops(shape, 4, 2).values())
+    assert step["frozen_pass"] == frozen
+    assert step["total"] == step["forward"] + step["backward"] + frozen
+
+
+def test_the_formula_matches_torchs_flop_counter_on_a_tiny_llama():
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",  # dense matmuls over all (query, key) pairs: "full" attention
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    shape = DecoderShape.from_config(config)
+    length, scored = 11, 4
+    inputs = torch.randn(1, length, config.hidden_size, requires_grad=True)
+    with FlopCounterMode(display=False) as forward_counter:
+        hidden = model.model(inputs_embeds=inputs).last_hidden_state
+        logits = model.lm_head(hidden[:, -scored:])
+    with FlopCounterMode(display=False) as backward_counter:
+        logits.float().logsumexp(-1).sum().backward()
+    expected_forward = forward_flops(shape, length, scored, "full")
+    expected_backward = input_backward_flops(shape, length, scored, "full")
+    assert forward_counter.get_total_flops() == sum(expected_forward.values())
+    assert backward_counter.get_total_flops() == sum(expected_backward.values())
+    assert all(p.grad is None for p in model.parameters()) and inputs.grad is not None
