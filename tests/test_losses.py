@@ -1,4 +1,4 @@
-"""The six-term reconstruction stack (DESIGN.md section 4) against hand-worked numbers and plain loops.
+"""The six-term reconstruction stack (docs/design.md section 4) against hand-worked numbers and plain loops.
 
 The loop references here are float64 Python scalars, one example and one position at a time,
 and share no code with ``losses.py`` or ``token_weighting.py``.

@@ -779,7 +779,7 @@ class CVAEBase(nn.Module):
     def inter_latent_divergence(
         self, batch: Batch, decoded: Decoded, alternative: torch.Tensor, weighting: TokenWeighting
     ) -> torch.Tensor:
-        """``mean_b sum_t pi_t D(p(.|z), p(.|z'))`` over supervised positions (DESIGN.md section 5)."""
+        """``mean_b sum_t pi_t D(p(.|z), p(.|z'))`` over supervised positions (docs/design.md section 5)."""
         other = self.decode(batch, alternative)
         target = decoded.target_mask[:, 1:].bool()  # [B, N]
         start = decoded.start

@@ -1,6 +1,6 @@
 """Token-level surprisal-share weighting from a frozen z-free reference model.
 
-Notation (DESIGN.md section 2): ``B`` examples, conditioned length ``T``; every ``[B, N]``
+Notation (docs/design.md section 2): ``B`` examples, conditioned length ``T``; every ``[B, N]``
 tensor here has ``N = T - 1`` positions, position ``t`` being the prediction of token ``t + 1``.
 ``m_t`` (``target_mask``) is 1 on supervised (response) positions and 0 elsewhere.
 
@@ -9,7 +9,7 @@ tensor here has ``N = T - 1`` positions, position ``t`` being the prediction of 
 
 with ``b_t`` the aligned z-free surprisal floored at ``eps`` before the power.
 
-Beyond the seed (DESIGN.md section 8), two options change ``pi`` and ``pi_inv``; the statistics
+Beyond the seed (docs/design.md section 8), two options change ``pi`` and ``pi_inv``; the statistics
 (``b_base``, ``kappa``, ``rho``...) stay those of the reference surprisal ``b_t`` under the weights used:
 
 - another signal ``s_t >= 0`` in place of ``b_t`` in the two shares: the reference's predictive
