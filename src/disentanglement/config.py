@@ -272,7 +272,7 @@ class ReconstructionLossConfig:
     )
     token_weight_source: Literal["surprisal", "entropy", "dynamic"] = option(
         "surprisal",
-        "What the token weights are a tempered share of: 'surprisal' = the reference's b_t (the seed); "
+        "What the token weights are a tempered share of: 'surprisal' = the reference's b_t (as in the seed notes); "
         "'entropy' = the reference's predictive entropy at the position; 'dynamic' = the training "
         "model's own current per-token NLL l_t (detached, recomputed every step).",
     )
@@ -365,7 +365,7 @@ class LatentConfig:
     encoder_view: Literal["mean_last", "token_weighted", "attention"] = option(
         _default("encoder_view"),
         "What the encoder q(z|x,y) pools of the reference's hidden states over the response, always "
-        "concatenated with the last token's state: 'mean_last' = their mean (the seed); 'token_weighted' = "
+        "concatenated with the last token's state: 'mean_last' = their mean (the seed notes' view); 'token_weighted' = "
         "sum_t pi_t h_t with term 3's token weights pi_t (token_weight_alpha, token_weight_eps, "
         "token_weight_source, token_weight_interpolation; for token_weight_source 'dynamic', which changes "
         "every step, the surprisal shares), computed in the frozen pass and cached; 'attention' = a learned "
