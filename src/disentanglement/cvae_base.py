@@ -413,7 +413,7 @@ class CVAEBase(nn.Module):
     @property
     def encoder_view_params(self) -> dict[str, object]:
         """What the frozen pass's features depend on besides weights and data (for the cache fingerprint):
-        empty for the defaults (``mean_last`` from the last layer), so that their caches stay valid."""
+        empty for ``mean_last`` from the last layer (the view that came first), so that its caches stay valid."""
         params: dict[str, object] = {}
         cfg = self.latent_cfg
         if cfg.encoder_view != "mean_last":
