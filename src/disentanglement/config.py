@@ -31,7 +31,7 @@ import yaml
 
 
 def option(default: Any, help: str, flag: str | None = None, **argparse_kwargs: Any) -> Any:
-    """A dataclass field with its help text and, where the seeds fix it, its flag name.
+    """A dataclass field with its help text and, where the seed notes fix it, its flag name.
 
     ``argparse_kwargs`` (kept in ``metadata["argparse"]``) are what a subcommand's flag needs beyond
     the type, default and choices its hint gives: ``group`` (the argument group's title), ``metavar``.

@@ -5,7 +5,7 @@ conditioned per-token NLL ``l_t`` of the decoder, ``[B, T-1]``, zero where ``m_t
 ``target_mask`` is ``m_t``, ``[B, T-1]`` (1 on supervised response positions), unless a
 function says it takes the ``[B, T]`` token mask. Every term returns a scalar batch mean.
 
-Two stages, as in the seed: compute the masked per-token NLL once
+Two stages, as in the seed notes: compute the masked per-token NLL once
 (:func:`masked_token_nll_per_position`), then aggregate it with uniform weights
 (:func:`uniform_token_weights`) or with the reference's token weights
 (:func:`token_weighted_masked_nll_per_example`).
