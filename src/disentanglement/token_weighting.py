@@ -79,7 +79,8 @@ def token_weighting_from_base_nll(
 
     ``signal`` (``[B, N]``, ``>= 0`` on supervised positions) replaces ``b_t`` in ``pi`` and ``pi_inv``
     (floored at ``eps`` likewise); ``interpolation`` is ``lambda`` in ``pi = (1 - lambda) m / n + lambda pi``.
-    Both leave the statistics defined by ``b_t``: with ``signal = None`` and ``lambda = 1`` this is the seed notes' bundle.
+    Both leave the statistics defined by ``b_t``: with ``signal = None`` and ``lambda = 1`` this is the seed
+    notes' bundle.
     With another signal ``kappa >= 1`` and ``rho <= 1`` no longer hold: weights that fall on tokens the
     reference finds easy give ``kappa < 1`` (down to 0), and term 4 grows as ``1 / kappa``.
     """
