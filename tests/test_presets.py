@@ -161,7 +161,7 @@ def test_presets_are_listed_in_help(command, capsys):
     with pytest.raises(SystemExit):
         cli.main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--preset NAME" in text
+    assert "--preset PRESET" in text
     for name in PRESETS:
         assert name in text
     if command == "train":

@@ -55,7 +55,7 @@ def _add_train(subparsers) -> None:
     parser.add_argument(
         "--preset",
         default=argparse.SUPPRESS,
-        metavar="NAME",
+        metavar="PRESET",
         help=f"a named recipe under the config file and flags: one of {', '.join(PRESETS)} (the defaults are "
         f"preset {DEFAULT_PRESET}'s); a config file may also say 'preset: NAME'",
     )

@@ -426,7 +426,7 @@ def add_sweep_subcommand(subparsers) -> None:
     parser.add_argument("--config", help="base config file (YAML or JSON)")
     parser.add_argument(
         "--preset",
-        metavar="NAME",
+        metavar="PRESET",
         help=f"a named recipe under the base config and the cells (one of {', '.join(PRESETS)}; "
         "as train's --preset; a cell may set preset=NAME too)",
     )
