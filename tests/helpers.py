@@ -26,6 +26,7 @@ def train_and_read_metrics(output_dir: Path, decoder, tokenizer, pairs, **overri
     from disentanglement.trainer import train
 
     settings = dict(
+        preset="raw",  # the recipe these runs were written against (the defaults before issue 23)
         output_dir=str(output_dir),
         max_steps=4,
         batch_size=4,
@@ -47,6 +48,7 @@ def trainer_config(output_dir, **overrides):
     from disentanglement.config import build_config
 
     values = dict(
+        preset="raw",  # the recipe these runs were written against (the defaults before issue 23)
         output_dir=str(output_dir),
         max_steps=6,
         batch_size=4,

@@ -2,7 +2,7 @@
 
 Deliberately naive: float64 Python scalars, one example and one position at a time, powers computed
 directly (not in log space), so that they share no code path with the package. Each names the
-section of DESIGN.md it implements.
+section of docs/design.md it implements.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ WEIGHTING_FIELDS = (
     "inverse_token_base_scale_factor",
 )
 
-#: The six reconstruction terms of DESIGN.md section 4, in order.
+#: The six reconstruction terms of docs/design.md section 4, in order.
 ALL_TERMS = (
     "reconstruction_loss",
     "sequence_reconstruction_loss",
@@ -37,9 +37,9 @@ ALL_TERMS = (
 )
 
 
-# -- token weights (DESIGN.md section 3, section 8's signal and interpolation) ------------------------------
+# -- token weights (docs/design.md section 3, section 8's signal and interpolation) ------------------------------
 def loop_weighting(b, m, alpha: float, eps: float = 1e-6, *, signal=None, lam: float = 1.0) -> dict:
-    """The bundle of DESIGN.md section 3 (and section 8's options), per example and per position.
+    """The bundle of docs/design.md section 3 (and section 8's options), per example and per position.
 
     Shares of the signal (the reference surprisal ``b`` unless ``signal`` is given) floored at ``eps``
     before the power, mixed with uniform by ``lam``; the statistics use the unfloored ``b``.
@@ -111,7 +111,7 @@ def manual_zfree_nll(model, input_ids, attention_mask, target_mask) -> torch.Ten
     return out
 
 
-# -- the NLL kernel and the six terms (DESIGN.md sections 2 and 4) -------------------------------------------
+# -- the NLL kernel and the six terms (docs/design.md sections 2 and 4) -------------------------------------------
 def loop_masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, token_mask: torch.Tensor) -> list[list[float]]:
     """out[b][t] = -log_softmax(logits[b, t])[input_ids[b, t+1]] if token t+1 is supervised, else 0."""
     bsz, seq, vocab = logits.shape
@@ -164,7 +164,7 @@ def loop_terms(cond_nll, m, b, alpha: float, scale: float, eps: float = 1e-6) ->
     return out
 
 
-# -- the frozen pass's features and the encoder's views (DESIGN.md section 7) ---------------------------------------------------------------
+# -- the frozen pass's features and the encoder's views (docs/design.md section 7) ---------------------------------------------------------------
 def reference_nll_and_entropy(logits, ids, p, r):
     """One example's response NLL and predictive entropy from its full logits ``[T, V]`` (prompt ``p``, response ``r`` tokens)."""
     window = logits[p - 1 : p + r - 1]  # the positions that predict the response tokens

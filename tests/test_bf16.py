@@ -154,6 +154,7 @@ def test_loss_arithmetic_is_float32_with_a_bf16_decoder(monkeypatch, source, tra
     config = build_config(
         dict(
             ALL_TERMS,
+            preset="raw",  # the recipe this test was written against (the defaults before issue 23)
             latent=latent,
             decoder_training=training,
             token_weight_source=source,
@@ -239,7 +240,7 @@ def test_bf16_reference_quantities_are_close_to_float32():
     """b_t, c_base, pi_t, kappa of a bf16 z-free reference against float32 (the same weights, rounded)."""
     decoder = peaked_llama()
     data = examples(48)
-    config = build_config({})
+    config = build_config({"preset": "raw"})  # the recipe this test was written against (the defaults before issue 23)
     quantities = {}
     for dtype in (torch.float32, torch.bfloat16):
         model = build_cvae(config, copy.deepcopy(decoder).to(dtype))
@@ -277,7 +278,7 @@ def test_cache_key_differs_by_dtype_and_caches_never_mix(tmp_path, monkeypatch):
     import disentanglement.features as features_module
 
     data = examples(16)
-    config = build_config({})
+    config = build_config({"preset": "raw"})  # the recipe this test was written against (the defaults before issue 23)
     decoder = peaked_llama()
     model32 = build_cvae(config, copy.deepcopy(decoder))
     model16 = build_cvae(config, copy.deepcopy(decoder).to(torch.bfloat16))

@@ -239,7 +239,15 @@ def test_every_slot_is_swept_on_an_untrained_two_slot_model():
     from disentanglement.models import build_cvae
 
     config = build_config(
-        dict(chat_template=False, num_slots=2, codebook_size=3, latent_tokens=2, code_dim=8, encoder_hidden=16)
+        dict(
+            preset="raw",
+            chat_template=False,
+            num_slots=2,
+            codebook_size=3,
+            latent_tokens=2,
+            code_dim=8,
+            encoder_hidden=16,
+        )
     )
     decoder, tokenizer = model_and_tokenizer()
     with torch.random.fork_rng(devices=[]):

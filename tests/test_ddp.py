@@ -38,6 +38,9 @@ STEPS = 6
 #: The run: a k-means codebook, refreshed at step 2 (the first half), codes restarted after 2 unused steps.
 RUN = dict(
     dtype="float32",
+    reconstruction_weight=1.0,  # the recipe the run was written against (the defaults before issue 23)
+    token_weight_alpha=1.0,
+    encoder_view="mean_last",
     chat_template=False,
     max_steps=STEPS,
     save_every=3,

@@ -46,7 +46,9 @@ def pairs():
 
 
 def setup(tokenizer, pairs, arch=tiny_llama, **overrides):
-    config = build_config(dict(chat_template=False, **overrides))
+    config = build_config(
+        dict(preset="raw", chat_template=False, **overrides)
+    )  # the recipe these tests were written against (the defaults before issue 23)
     examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
     return build_cvae(config, arch(len(tokenizer))), examples, config
 
@@ -425,6 +427,7 @@ def test_checkpoints_save_and_load_the_attention_query(tokenizer, pairs, tmp_pat
             eval_every=0,
             eval_batches=1,
             save_every=6,
+            preset="raw",
             encoder_view="attention",
             encoder_lr=0.05,
             latent=latent,

@@ -332,7 +332,7 @@ def test_cli_eval_reports_errors(tmp_path, capsys):
 
 def untrained(**overrides):
     """An untrained tiny CVAE, labelled examples and their frozen-pass cache (no training: fast)."""
-    values = dict(chat_template=False, latent_tokens=2, code_dim=8, latent_dim=3, encoder_hidden=16)
+    values = dict(preset="raw", chat_template=False, latent_tokens=2, code_dim=8, latent_dim=3, encoder_hidden=16)
     values.update(overrides)
     config = build_config(values)
     decoder, tok = model_and_tokenizer()

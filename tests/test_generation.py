@@ -218,6 +218,7 @@ def test_generation_layout_matches_teacher_forcing(placement, training):
     """The first generated token's logits, from left-padded ``inputs_embeds``, are the training layout's."""
     config = build_config(
         dict(
+            preset="raw",
             chat_template=False,
             latent_placement=placement,
             decoder_training=training,

@@ -64,6 +64,7 @@ def test_checkpointing_gives_the_same_loss_and_gradients(tokenizer, decoder_trai
     config = build_config(
         dict(
             ALL_TERMS,
+            preset="raw",  # the recipe this test was written against (the defaults before issue 23)
             zfree_reference_scale=2.0,
             decoder_training=decoder_training,
             latent=latent,
@@ -104,7 +105,7 @@ def test_checkpointing_gives_the_same_loss_and_gradients(tokenizer, decoder_trai
 def test_a_frozen_gpt2_keeps_its_dropout_off_when_checkpointed(tokenizer):
     """GPT-2's blocks hold dropout modules (p = 0.1): only the blocks' own flags are set for the forward,
     so the checkpointed frozen decoder computes in eval mode, as without checkpointing."""
-    config = build_config(dict(ALL_TERMS, zfree_reference_scale=2.0))
+    config = build_config(dict(ALL_TERMS, preset="raw", zfree_reference_scale=2.0))
     torch.manual_seed(0)
     model = build_cvae(config, tiny_gpt2(len(tokenizer))).train()
     assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.decoder.modules())

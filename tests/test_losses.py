@@ -1,4 +1,4 @@
-"""The six-term reconstruction stack (DESIGN.md section 4) against hand-worked numbers and plain loops.
+"""The six-term reconstruction stack (docs/design.md section 4) against hand-worked numbers and plain loops.
 
 The loop references here are float64 Python scalars, one example and one position at a time,
 and share no code with ``losses.py`` or ``token_weighting.py``.
@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disentanglement.config import ReconstructionLossConfig
+from disentanglement.config import PRESETS, ReconstructionLossConfig
 from disentanglement.losses import (
     TERM_WEIGHT_FIELDS,
     TERMS_NEEDING_SCALE,
@@ -33,6 +33,15 @@ from disentanglement.losses import (
 )
 from disentanglement.token_weighting import token_weighting_from_base_nll
 from references import ALL_TERMS, loop_masked_nll, loop_terms
+
+#: The reconstruction weights these tests were written against (the defaults before issue 23: preset "raw",
+#: term 1 at weight 1, alpha 1); a test's own weights go on top.
+RAW_WEIGHTS = {k: v for k, v in PRESETS["raw"].items() if k in ReconstructionLossConfig.__dataclass_fields__}
+
+
+def raw_config(**overrides) -> ReconstructionLossConfig:
+    return ReconstructionLossConfig(**{**RAW_WEIGHTS, **overrides})
+
 
 WEIGHT_FIELDS = {
     "reconstruction_loss": "reconstruction_weight",
@@ -270,7 +279,7 @@ def test_stack_all_six_terms_and_weighted_total(scale_from):
         "zfree_relative_weight": 3.0,
     }
     scale = 2.2
-    config = ReconstructionLossConfig(
+    config = raw_config(
         **weights, token_weight_alpha=alpha, zfree_reference_scale=scale if scale_from == "config" else None
     )
     w = token_weighting_from_base_nll(b, m, alpha=alpha)
@@ -294,7 +303,7 @@ def test_stack_values_and_gradients_equal_the_term_functions(dtype):
     cond_nll = cond_nll.to(dtype).requires_grad_()
     w = token_weighting_from_base_nll(b.to(dtype), m, alpha=0.7)
     weights = dict(zip(WEIGHT_FIELDS.values(), (1.0, 0.02, 0.5, 2.0, 0.0, 3.0), strict=True))
-    stack = reconstruction_loss_stack(cond_nll, m, w, ReconstructionLossConfig(**weights), 1.9)
+    stack = reconstruction_loss_stack(cond_nll, m, w, raw_config(**weights), 1.9)
     reference = compute_terms(cond_nll, m, w, 1.9)
     tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
     for term in ALL_TERMS:
@@ -315,7 +324,7 @@ def test_stack_total_ignores_a_disabled_term_that_overflows():
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
     w = dataclasses.replace(w, inverse_token_base_scale_factor=torch.zeros_like(w.inverse_token_base_scale_factor))
     cond_nll = cond_nll.clone().requires_grad_()
-    stack = reconstruction_loss_stack(cond_nll, m, w, ReconstructionLossConfig(reconstruction_weight=1.0), 1.0)
+    stack = reconstruction_loss_stack(cond_nll, m, w, raw_config(reconstruction_weight=1.0), 1.0)
     assert not torch.isfinite(stack.terms["normalized_inverse_surprisal_token_weighted_reconstruction_loss"])
     torch.testing.assert_close(stack.total, reconstruction_loss(cond_nll, m))
     (grad,) = torch.autograd.grad(stack.total, cond_nll)
@@ -327,7 +336,7 @@ def test_stack_keeps_float32_under_autocast():
     cond_nll, m, b = random_problem(13)
     cond_nll, b = cond_nll.float(), b.float()
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
-    config = ReconstructionLossConfig(token_weighted_weight=1.0, zfree_relative_weight=0.5)
+    config = raw_config(token_weighted_weight=1.0, zfree_relative_weight=0.5)
     plain = reconstruction_loss_stack(cond_nll, m, w, config, 1.3)
     with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
         mixed = reconstruction_loss_stack(cond_nll, m, w, config, 1.3)
@@ -341,7 +350,7 @@ def test_stack_keeps_float32_under_autocast():
 def test_stack_argument_scale_overrides_config_scale():
     cond_nll, m, b = random_problem(4)
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
-    config = ReconstructionLossConfig(zfree_relative_weight=1.0, zfree_reference_scale=100.0)
+    config = raw_config(zfree_relative_weight=1.0, zfree_reference_scale=100.0)
     stack = reconstruction_loss_stack(cond_nll, m, w, config, 2.0)
     torch.testing.assert_close(
         stack.terms["zfree_relative_reconstruction_loss"], stack.terms["reconstruction_loss"] / 2
@@ -351,25 +360,25 @@ def test_stack_argument_scale_overrides_config_scale():
 def test_stack_logs_disabled_terms_but_total_uses_only_enabled():
     cond_nll, m, b = random_problem(6)
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
-    config = ReconstructionLossConfig(**{**NO_WEIGHTS, "token_weighted_weight": 1.0})
+    config = raw_config(**{**NO_WEIGHTS, "token_weighted_weight": 1.0})
     stack = reconstruction_loss_stack(cond_nll, m, w, config, 1.5)
     assert set(stack.terms) == set(ALL_TERMS)
     torch.testing.assert_close(stack.total, stack.terms["token_weighted_reconstruction_loss"])
     # all weights zero: total is 0
-    stack = reconstruction_loss_stack(cond_nll, m, w, ReconstructionLossConfig(**NO_WEIGHTS), 1.5)
+    stack = reconstruction_loss_stack(cond_nll, m, w, raw_config(**NO_WEIGHTS), 1.5)
     assert stack.total.item() == 0.0
 
 
 def test_stack_without_weighting():
     cond_nll, m, _ = random_problem(7)
-    config = ReconstructionLossConfig(reconstruction_weight=1.0, sequence_reconstruction_weight=0.5)
+    config = raw_config(reconstruction_weight=1.0, sequence_reconstruction_weight=0.5)
     stack = reconstruction_loss_stack(cond_nll, m, None, config)
     assert set(stack.terms) == {"reconstruction_loss", "sequence_reconstruction_loss"}
     torch.testing.assert_close(
         stack.total, stack.terms["reconstruction_loss"] + 0.5 * stack.terms["sequence_reconstruction_loss"]
     )
     # with a scale, the z-free-relative term is computable without the weighting
-    config = ReconstructionLossConfig(zfree_relative_weight=2.0, zfree_reference_scale=4.0)
+    config = raw_config(zfree_relative_weight=2.0, zfree_reference_scale=4.0)
     stack = reconstruction_loss_stack(cond_nll, m, None, config)
     assert set(stack.terms) == {
         "reconstruction_loss",
@@ -385,7 +394,7 @@ def test_stack_without_weighting():
 @pytest.mark.parametrize("term", sorted(TERMS_NEEDING_WEIGHTING))
 def test_stack_rejects_missing_weighting_for_enabled_term(term):
     cond_nll, m, _ = random_problem(8)
-    config = ReconstructionLossConfig(**{WEIGHT_FIELDS[term]: 1.0}, zfree_reference_scale=1.0)
+    config = raw_config(**{WEIGHT_FIELDS[term]: 1.0}, zfree_reference_scale=1.0)
     with pytest.raises(ValueError, match=term):
         reconstruction_loss_stack(cond_nll, m, None, config)
 
@@ -394,7 +403,7 @@ def test_stack_rejects_missing_weighting_for_enabled_term(term):
 def test_stack_rejects_missing_scale_for_enabled_term(term):
     cond_nll, m, b = random_problem(9)
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
-    config = ReconstructionLossConfig(**{WEIGHT_FIELDS[term]: 1.0})
+    config = raw_config(**{WEIGHT_FIELDS[term]: 1.0})
     assert config.zfree_reference_scale is None
     with pytest.raises(ValueError, match="zfree_reference_scale") as info:
         reconstruction_loss_stack(cond_nll, m, w, config)
@@ -404,7 +413,7 @@ def test_stack_rejects_missing_scale_for_enabled_term(term):
 def test_stack_without_scale_omits_scaled_disabled_terms():
     cond_nll, m, b = random_problem(10)
     w = token_weighting_from_base_nll(b, m, alpha=1.0)
-    stack = reconstruction_loss_stack(cond_nll, m, w, ReconstructionLossConfig(token_weighted_weight=1.0))
+    stack = reconstruction_loss_stack(cond_nll, m, w, raw_config(token_weighted_weight=1.0))
     assert set(stack.terms) == set(ALL_TERMS[:3])
 
 
@@ -462,7 +471,7 @@ def test_gradients_reach_only_supervised_conditioned_logits():
     position_mask = token_mask[:, 1:]  # position t predicts token t + 1
     base_nll = (torch.rand(bsz, seq - 1, generator=g) * 3 + 0.1).requires_grad_(True)
     weighting = token_weighting_from_base_nll(base_nll, position_mask, alpha=1.5)
-    config = ReconstructionLossConfig(
+    config = raw_config(
         reconstruction_weight=1.0,
         sequence_reconstruction_weight=1.0,
         token_weighted_weight=1.0,

@@ -15,6 +15,7 @@ from disentanglement.testing import make_hidden_factor_pairs
 from helpers import capture_figures, tick_labels, visible_axes
 
 BASE = dict(
+    preset="raw",  # the recipe these sweeps were written against (the defaults before issue 23)
     max_steps=4,
     batch_size=4,
     save_every=2,

@@ -1,4 +1,4 @@
-"""``benchmarks/thesis/table.py`` (the README's thesis tables) on fake sweep run directories."""
+"""``benchmarks/thesis/table.py`` (the thesis tables of docs/results.md) on fake sweep run directories."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Token weights (DESIGN.md section 3) against hand-worked numbers and a plain Python loop.
+"""Token weights (docs/design.md section 3) against hand-worked numbers and a plain Python loop.
 
 The loop reference (:func:`loop_weighting`) is deliberately naive: float64 Python scalars, one
 example and one position at a time, powers computed directly (not in log space), so it shares no

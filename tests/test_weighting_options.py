@@ -1,4 +1,4 @@
-"""Token-weighting options beyond the seed (DESIGN.md section 8): another signal in place of the
+"""Token-weighting options beyond the seed (docs/design.md section 8): another signal in place of the
 reference surprisal (the reference's predictive entropy, or the training model's own current NLL)
 and interpolation between uniform and token weights.
 
@@ -199,7 +199,7 @@ def examples(tokenizer):
 
 
 def model_for(tokenizer, **overrides):
-    config = build_config(dict(chat_template=False, token_weighted_weight=1.0, **overrides))
+    config = build_config(dict(preset="raw", chat_template=False, token_weighted_weight=1.0, **overrides))
     return build_cvae(config, tiny_llama(len(tokenizer)))
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The thesis sweeps of the README table: which factor the latent takes under each reconstruction term.
+# The thesis sweeps of docs/results.md: which factor the latent takes under each reconstruction term.
 # Embedded model, CPU: one run takes about 12 min on one idle core in float32 (7 in bf16); 2 jobs of 1 thread each.
-# The README ran fewer seeds of some cells (it says which). The tables: .venv/bin/python benchmarks/thesis/table.py "$OUT" (every finished run under OUT, per data set).
+# docs/results.md ran fewer seeds of some cells (it says which). The tables: .venv/bin/python benchmarks/thesis/table.py "$OUT" (every finished run under OUT, per data set).
 #   bash benchmarks/thesis/run.sh [OUT]      (default OUT = runs/thesis)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -37,12 +37,12 @@ STYLE=(
 )
 $D sweep --config benchmarks/thesis/base.yaml --output-dir "$OUT/style-in-content" --seeds 0 --jobs 2 \
   --set "data.data=$OUT/data/style-in-content-train.jsonl" --eval-data "$OUT/data/style-in-content-heldout.jsonl" \
-  "${STYLE[@]:2}"  # the README's two style-in-content rows (one seed each): STYLE without its raw cell
+  "${STYLE[@]:2}"  # docs/results.md's two style-in-content rows (one seed each): STYLE without its raw cell
 # style-in-echo in bf16 (the fast path on this CPU; its table is all bf16).
 $D sweep --config benchmarks/thesis/base.yaml --output-dir "$OUT/echo" --seeds 0,1,2 --jobs 2 --set dtype=bfloat16 \
   --set "data.data=$OUT/data/style-in-echo-train.jsonl" --eval-data "$OUT/data/style-in-echo-heldout.jsonl" "${STYLE[@]}" \
   --cell "terms13-alpha2-tokenview reconstruction_weight=1 token_weighted_weight=1 token_weight_alpha=2 encoder_view=token_weighted"
-# Where the weights fall (the README's weight tables).
+# Where the weights fall (docs/results.md's weight tables).
 for set in two-factor style-in-content style-in-echo; do .venv/bin/python benchmarks/thesis/weight_shares.py "$OUT/data/$set-heldout.jsonl"; done
 # The real-data row: the main job on the chatterbot corpus, evaluated on its validation split (labels = categories).
 $D train --config configs/default.yaml --output-dir "$OUT/chatterbot/default"

@@ -1,6 +1,6 @@
-"""The README's thesis tables from finished sweep runs: one row per (data set, cell) over every seed found.
+"""The thesis tables of docs/results.md from finished sweep runs: one row per (data set, cell) over every seed found.
 
-A sweep writes each run's eval report to ``OUT/runs/CELL/seed-S/eval/sweep_eval.json``; the README's
+A sweep writes each run's eval report to ``OUT/runs/CELL/seed-S/eval/sweep_eval.json``; docs/results.md's
 rows come from several sweep directories (one per batch of cells run). This reads every such report under
 the given roots, names its data set by the run's training file (``data.data`` of its ``config.yaml``,
 ``runs/thesis/data/two-factor-train.jsonl`` -> ``two-factor``), and prints per data set a Markdown table:

@@ -1,6 +1,6 @@
 """``disentangle``: train, evaluate, generate from and inspect surprisal-weighted CVAEs.
 
-    disentangle train --config run.yaml [--any-config-flag VALUE ...]
+    disentangle train [--preset NAME] [--config run.yaml] [--any-config-flag VALUE ...]
     disentangle eval CHECKPOINT [--data ...] [--output report.json]
     disentangle generate CHECKPOINT --prompt "..." [...]
     disentangle inspect CHECKPOINT --data ... --index I
@@ -29,13 +29,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .config import (
+    DEFAULT_PRESET,
     FIELDS,
+    PRESET_KEY,
+    PRESETS,
     ConfigError,
     HelpFormatter,
     add_config_arguments,
     build_config,
     config_from_namespace,
     load_run_config,
+    presets_help,
     read_config_file,
 )
 
@@ -44,11 +48,20 @@ def _add_train(subparsers) -> None:
     parser = subparsers.add_parser(
         "train",
         help="train a CVAE",
-        description="Train a CVAE. Flags override the --config file; the resolved config is written "
-        "to OUTPUT_DIR/config.yaml.",
+        description="Train a CVAE. Precedence: the defaults (those of --preset default) < --preset < the "
+        "--config file < flags; the resolved config is written to OUTPUT_DIR/config.yaml. Presets: "
+        + presets_help()
+        + ".",
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--config", help="YAML or JSON config file (flat field names or nested by section)")
+    parser.add_argument(
+        "--preset",
+        default=argparse.SUPPRESS,
+        metavar="PRESET",
+        help=f"a named recipe under the config file and flags: one of {', '.join(PRESETS)} (the defaults are "
+        f"preset {DEFAULT_PRESET}'s); a config file may also say 'preset: NAME'",
+    )
     add_config_arguments(parser)
     parser.set_defaults(func=_run_train)
 
@@ -77,7 +90,7 @@ def _train_config(args: argparse.Namespace):
     resume = config.train.resume
     if resume is None:
         return config
-    given = {k: v for k, v in vars(args).items() if k in FIELDS}
+    given = {k: v for k, v in vars(args).items() if k in FIELDS or k == PRESET_KEY}
     file_values = read_config_file(args.config) if getattr(args, "config", None) else {}
     values: dict = {}
     stored = _stored_config_path(resume, Path(config.train.output_dir))

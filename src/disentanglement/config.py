@@ -7,7 +7,9 @@ field names) or nested by section (``reconstruction: {token_weight_alpha: 1.0}``
 override the file. Field names and flag names are interchangeable: a config key, a sweep's ``--set`` or
 ``--cell`` may name a field by its flag (``token-weighted-reconstruction-weight`` for
 ``token_weighted_weight``), and a flag may be spelled as its field's name (``--token-weighted-weight``,
-``--token_weighted_weight``); see :data:`FIELD_ALIASES` and :func:`register_flag_aliases`. Validation runs on construction and names the field, the value and the range:
+``--token_weighted_weight``); see :data:`FIELD_ALIASES` and :func:`register_flag_aliases`. A preset (:data:`PRESETS`: ``--preset NAME``, or ``preset: NAME`` in a file) names a recipe
+and goes under both: dataclass defaults < preset < config file < flags; the dataclass defaults are the
+``"default"`` preset's. Validation runs on construction and names the field, the value and the range:
 every value is first checked against its field's type hint (a bool must be a real ``true``/``false``,
 not the string ``"false"``; an int is not a bool or 1.5; a float accepts ints; a ``list[str]`` is a
 list of strings, not one string), then against its range. A config file may not give a key twice
@@ -32,7 +34,7 @@ import yaml
 
 
 def option(default: Any, help: str, flag: str | None = None, **argparse_kwargs: Any) -> Any:
-    """A dataclass field with its help text and, where the seeds fix it, its flag name.
+    """A dataclass field with its help text and, where the seed notes fix it, its flag name.
 
     ``argparse_kwargs`` (kept in ``metadata["argparse"]``) are what a subcommand's flag needs beyond
     the type, default and choices its hint gives: ``group`` (the argument group's title), ``metavar``.
@@ -172,28 +174,99 @@ def literal_values(hint: Any) -> tuple[Any, ...]:
     return ()
 
 
+#: The fields a preset sets: the objective (the six reconstruction weights and alpha) and the encoder's view.
+RECIPE_FIELDS = (
+    "reconstruction_weight",
+    "sequence_reconstruction_weight",
+    "token_weighted_weight",
+    "normalized_concentration_corrected_token_weighted_weight",
+    "normalized_inverse_surprisal_token_weighted_weight",
+    "zfree_relative_weight",
+    "token_weight_alpha",
+    "encoder_view",
+)
+
+
+def _recipe(**values: Any) -> dict[str, Any]:
+    """A preset's values: every recipe field, the six weights 0 unless given."""
+    recipe: dict[str, Any] = {name: 0.0 for name in RECIPE_FIELDS[:6]}
+    recipe.update(values)
+    assert set(recipe) == set(RECIPE_FIELDS), sorted(set(recipe) ^ set(RECIPE_FIELDS))
+    return recipe
+
+
+#: Named recipes (``train --preset NAME``, ``sweep --preset NAME``, ``preset: NAME`` in a config file). Each sets
+#: every field of :data:`RECIPE_FIELDS`. THE ONE PLACE the default recipe is written: the dataclass defaults of
+#: those fields are ``PRESETS[DEFAULT_PRESET]``'s values, so a bare ``disentangle train``, ``--preset default`` and
+#: ``configs/default.yaml`` train the same recipe; to change the default recipe, edit ``"default"`` here.
+#: Precedence: dataclass defaults < preset < config file < flags.
+PRESETS: dict[str, dict[str, Any]] = {
+    # The measured recipe (docs/results.md): term 3 only at alpha 2, the encoder pooling with the same shares;
+    # the one setting that took the surprising factor on two-factor and the hidden style on style-in-echo.
+    "default": _recipe(token_weighted_weight=1.0, token_weight_alpha=2.0, encoder_view="token_weighted"),
+    # The seed notes' recipe: the token-weighted term added to the raw term (not replacing it), alpha 1, the
+    # mean of the response states as the encoder's view (the tables' "terms 1 + 3, alpha 1" rows).
+    "seed": _recipe(
+        reconstruction_weight=1.0, token_weighted_weight=1.0, token_weight_alpha=1.0, encoder_view="mean_last"
+    ),
+    # Raw reconstruction: term 1 only, the mean view (the tables' baseline rows; the defaults before issue 23).
+    "raw": _recipe(reconstruction_weight=1.0, token_weight_alpha=1.0, encoder_view="mean_last"),
+}
+#: One line per preset for ``--help`` and error messages.
+PRESET_SUMMARIES: dict[str, str] = {
+    "default": "term 3 only at alpha 2, encoder_view token_weighted (the measured recipe)",
+    "seed": "terms 1 + 3 at alpha 1, encoder_view mean_last (the seed notes' recipe)",
+    "raw": "term 1 only (token-mean NLL), alpha 1, encoder_view mean_last (the baseline)",
+}
+DEFAULT_PRESET = "default"
+
+
+def _default(name: str) -> Any:
+    """The dataclass default of a recipe field: the default preset's value."""
+    return PRESETS[DEFAULT_PRESET][name]
+
+
+def presets_help() -> str:
+    """``NAME: summary; ...`` of every preset."""
+    return "; ".join(f"{name}: {PRESET_SUMMARIES[name]}" for name in PRESETS)
+
+
+def preset_values(name: Any) -> dict[str, Any]:
+    """The field values of preset ``name``; :class:`ConfigError` listing the presets for an unknown one."""
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; the presets are {presets_help()}", field="preset")
+    return dict(PRESETS[name])
+
+
 @dataclass
 class ReconstructionLossConfig:
-    """Weights of the six reconstruction terms and the token-weighting parameters (DESIGN.md 3-4)."""
+    """Weights of the six reconstruction terms and the token-weighting parameters (docs/design.md sections 3-4)."""
 
-    reconstruction_weight: float = option(1.0, "Weight of the raw token-mean reconstruction term.")
-    sequence_reconstruction_weight: float = option(0.0, "Weight of the sequence-sum reconstruction term.")
+    reconstruction_weight: float = option(
+        _default("reconstruction_weight"), "Weight of the raw token-mean reconstruction term."
+    )
+    sequence_reconstruction_weight: float = option(
+        _default("sequence_reconstruction_weight"), "Weight of the sequence-sum reconstruction term."
+    )
     token_weighted_weight: float = option(
-        0.0,
+        _default("token_weighted_weight"),
         "Weight of the surprisal-share token-weighted reconstruction term.",
         flag="--token-weighted-reconstruction-weight",
     )
     normalized_concentration_corrected_token_weighted_weight: float = option(
-        0.0,
+        _default("normalized_concentration_corrected_token_weighted_weight"),
         "Weight of the concentration-corrected token-weighted term, divided by c_base.",
         flag="--normalized-concentration-corrected-token-weighted-reconstruction-weight",
     )
     normalized_inverse_surprisal_token_weighted_weight: float = option(
-        0.0, "Weight of the inverse-surprisal token-weighted ablation term, divided by c_base."
+        _default("normalized_inverse_surprisal_token_weighted_weight"),
+        "Weight of the inverse-surprisal token-weighted ablation term, divided by c_base.",
     )
-    zfree_relative_weight: float = option(0.0, "Weight of the token-mean term divided by c_base.")
+    zfree_relative_weight: float = option(
+        _default("zfree_relative_weight"), "Weight of the token-mean term divided by c_base."
+    )
     token_weight_alpha: float = option(
-        1.0,
+        _default("token_weight_alpha"),
         "Temperature alpha >= 0 of the surprisal share b_t^alpha (0 gives uniform weights).",
         flag="--token-weighted-reconstruction-alpha",
     )
@@ -202,7 +275,7 @@ class ReconstructionLossConfig:
     )
     token_weight_source: Literal["surprisal", "entropy", "dynamic"] = option(
         "surprisal",
-        "What the token weights are a tempered share of: 'surprisal' = the reference's b_t (the seed); "
+        "What the token weights are a tempered share of: 'surprisal' = the reference's b_t (as in the seed notes); "
         "'entropy' = the reference's predictive entropy at the position; 'dynamic' = the training "
         "model's own current per-token NLL l_t (detached, recomputed every step).",
     )
@@ -293,9 +366,9 @@ class LatentConfig:
     )
     bow_weight: float = option(0.0, "Weight of the bag-of-words loss predicting response tokens from z.")
     encoder_view: Literal["mean_last", "token_weighted", "attention"] = option(
-        "mean_last",
+        _default("encoder_view"),
         "What the encoder q(z|x,y) pools of the reference's hidden states over the response, always "
-        "concatenated with the last token's state: 'mean_last' = their mean (the seed); 'token_weighted' = "
+        "concatenated with the last token's state: 'mean_last' = their mean (the seed notes' view); 'token_weighted' = "
         "sum_t pi_t h_t with term 3's token weights pi_t (token_weight_alpha, token_weight_eps, "
         "token_weight_source, token_weight_interpolation; for token_weight_source 'dynamic', which changes "
         "every step, the surprisal shares), computed in the frozen pass and cached; 'attention' = a learned "
@@ -358,7 +431,7 @@ class KLConfig:
 
 @dataclass
 class DivergenceConfig:
-    """Token-weighted inter-latent divergence (discrete only, DESIGN.md section 5)."""
+    """Token-weighted inter-latent divergence (discrete only, docs/design.md section 5)."""
 
     divergence_weight: float = option(0.0, "Weight of the divergence term (maximised: enters with a minus sign).")
     divergence: Literal["js", "kl"] = option(
@@ -448,7 +521,7 @@ class TrainConfig:
     """Optimisation, logging and checkpointing."""
 
     output_dir: str = option("runs/default", "Run directory: metrics, config and checkpoints.")
-    max_steps: int = option(300, "Optimizer steps.")
+    max_steps: int = option(200, "Optimizer steps.")
     batch_size: int = option(8, "Examples per micro-batch.")
     gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.")
     encoder_lr: float = option(1e-3, "Learning rate of the encoder and prior heads.")
@@ -459,7 +532,7 @@ class TrainConfig:
     max_grad_norm: float = option(1.0, "Gradient clipping norm (the norm before clipping is logged).")
     seed: int = option(0, "Seed for the split, initialisation, sampling and data order.")
     save_every: int = option(50, "Checkpoint every this many steps (and at the end).")
-    eval_every: int = option(50, "Validate every this many steps (0 = only at the end).")
+    eval_every: int = option(100, "Validate every this many steps (0 = only at the end).")
     eval_batches: int = option(8, "Validation batches per evaluation.")
     keep_checkpoints: int = option(2, "Complete checkpoints kept (older ones are deleted).")
     resume: str | None = option(
@@ -808,7 +881,8 @@ def _unique_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Flat ``{field: value}`` from a YAML or JSON file (flat or nested by section).
+    """Flat ``{field: value}`` from a YAML or JSON file (flat or nested by section), with ``preset`` when the
+    file names one at its top level (:func:`build_config` applies it).
 
     A key given twice in one mapping, or a field given both flat and inside its section, is a
     :class:`ConfigError` naming the key and the file (PyYAML and ``json`` would silently keep the last).
@@ -852,7 +926,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         given_as[name] = spelled
 
     for key, value in raw.items():
-        if key in SECTIONS and isinstance(value, dict):
+        if key == PRESET_KEY:
+            put(key, value, key)
+        elif key in SECTIONS and isinstance(value, dict):
             for sub_key, sub_value in value.items():
                 name = canonical_field(sub_key)  # a field's name or its flag's, with - or _
                 if name is None or FIELDS[name][0] != key:
@@ -873,11 +949,20 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return flat
 
 
+#: The key that names a preset in a flat ``{field: value}`` dict and at the top of a config file.
+PRESET_KEY = "preset"
+
+
 def build_config(values: dict[str, Any] | None = None) -> RunConfig:
     """A validated :class:`RunConfig` from flat ``{field: value}`` (unknown keys are an error). A key may be a
-    field's name or its flag's (``token-weighted-reconstruction-weight``), with ``-`` or ``_``."""
+    field's name or its flag's (``token-weighted-reconstruction-weight``), with ``-`` or ``_``.
+
+    ``values`` may name a preset under ``"preset"``: its fields go under every field given, so the order is
+    dataclass defaults < preset < ``values``.
+    """
     values = dict(values or {})
-    per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    preset = preset_values(values.pop(PRESET_KEY)) if PRESET_KEY in values else {}
+    given: dict[str, Any] = {}
     spelled: dict[str, Any] = {}
     for key, value in values.items():
         name = canonical_field(key)
@@ -886,13 +971,16 @@ def build_config(values: dict[str, Any] | None = None) -> RunConfig:
         if name in spelled:
             raise ConfigError(f"config field {name!r} is given twice (as {spelled[name]!r} and as {key!r})", field=name)
         spelled[name] = key
-        section, _ = FIELDS[name]
-        per_section[section][name] = value
+        given[name] = value
+    per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for name, value in {**preset, **given}.items():
+        per_section[FIELDS[name][0]][name] = value
     return RunConfig(**{s: SECTIONS[s](**kw) for s, kw in per_section.items()})
 
 
 def resolve_config(config_file: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """File values, then command-line overrides on top, validated.
+    """File values, then command-line overrides on top, validated. A preset (``preset`` in the file or in
+    ``overrides``, the override's winning) goes under both: dataclass defaults < preset < file < overrides.
 
     An invalid value that came from the file (not overridden) is reported as
     ``config file PATH: <the error>``.
@@ -910,7 +998,7 @@ def resolve_config(config_file: str | Path | None, overrides: dict[str, Any] | N
 
 def config_from_namespace(args: argparse.Namespace) -> RunConfig:
     """The config of a parsed command line: ``--config`` file, then every flag given."""
-    overrides = {k: v for k, v in vars(args).items() if k in FIELDS}
+    overrides = {k: v for k, v in vars(args).items() if k in FIELDS or k == PRESET_KEY}
     return resolve_config(getattr(args, "config", None), overrides)
 
 

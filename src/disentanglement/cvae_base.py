@@ -424,7 +424,7 @@ class CVAEBase(nn.Module):
     @property
     def encoder_view_params(self) -> dict[str, object]:
         """What the frozen pass's features depend on besides weights and data (for the cache fingerprint):
-        empty for the defaults (``mean_last`` from the last layer), so that their caches stay valid."""
+        empty for ``mean_last`` from the last layer (the view that came first), so that its caches stay valid."""
         params: dict[str, object] = {}
         cfg = self.latent_cfg
         if cfg.encoder_view != "mean_last":
@@ -791,7 +791,7 @@ class CVAEBase(nn.Module):
     def inter_latent_divergence(
         self, batch: Batch, decoded: Decoded, alternative: torch.Tensor, weighting: TokenWeighting
     ) -> torch.Tensor:
-        """``mean_b sum_t pi_t D(p(.|z), p(.|z'))`` over supervised positions (DESIGN.md section 5)."""
+        """``mean_b sum_t pi_t D(p(.|z), p(.|z'))`` over supervised positions (docs/design.md section 5)."""
         other = self.decode(batch, alternative)
         target = decoded.target_mask[:, 1:].bool()  # [B, N]
         start = decoded.start

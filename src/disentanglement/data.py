@@ -4,7 +4,7 @@ The pipeline is ``load_pairs`` (JSONL file or the built-in chatterbot corpus) ->
 ``tokenize_pairs`` (chat template, truncation) -> ``split_train_validation`` -> ``collate``.
 Every data error names where the offending item came from (file and line, or corpus file and
 conversation) so that it can be fixed at its source; an example without response tokens is
-rejected here, never discovered later as a NaN (DESIGN.md section 2).
+rejected here, never discovered later as a NaN (docs/design.md section 2).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Shapes: ``E`` examples of the evaluated set, ``B`` of a batch, ``N`` conditioned
 ``M`` slots and ``K`` codes (discrete), ``D`` dimensions (continuous), ``U`` KL units (slots or
 dimensions). Every quantity is in nats unless its name says bits (``bits = nats / ln 2``).
 
-Per response token ``t`` of an example (DESIGN.md section 2): ``b_t`` the z-free reference NLL,
+Per response token ``t`` of an example (docs/design.md section 2): ``b_t`` the z-free reference NLL,
 ``l_t`` the conditioned decoder's NLL under the posterior latent (argmax code / posterior mean),
 ``r_t`` the NLL under the prior mixture (:func:`mixture_token_nll`), ``pi_t`` the token weights as
 the model is configured (alpha, source, interpolation; with the ``"dynamic"`` source they are shares
@@ -428,7 +428,7 @@ def evaluate(
       latent is fully used); ``prior_mixture`` says how the prior was represented (exact over
       codes, or samples). The token-weighted variant uses the mixture's per-token NLL of
       :func:`mixture_token_nll`;
-    - ``reconstruction_terms``: the six terms of DESIGN.md section 4 under the posterior latent;
+    - ``reconstruction_terms``: the six terms of docs/design.md section 4 under the posterior latent;
     - ``elbo`` (nats per example: ``-(sum_t l_t) - KL``, the reconstruction averaged over the
       importance samples), ``negative_elbo_nats_per_token``;
     - ``iw_nll``: ``{samples, exact, nats_per_example, nats_per_token, bits_per_token, perplexity}``,

@@ -1,4 +1,4 @@
-"""The frozen pass, done once per data set (DESIGN.md section 7).
+"""The frozen pass, done once per data set (docs/design.md section 7).
 
 The frozen reference is deterministic per example, so its outputs (z-free per-token NLL of the
 response, the prior's and the encoder's features) are computed once and reused by every step;

@@ -1,11 +1,11 @@
-"""The six-term reconstruction loss stack (DESIGN.md section 4), as pure functions over tensors.
+"""The six-term reconstruction loss stack (docs/design.md section 4), as pure functions over tensors.
 
 Notation: ``B`` examples, conditioned length ``T``, vocabulary ``V``. ``token_nll`` is the
 conditioned per-token NLL ``l_t`` of the decoder, ``[B, T-1]``, zero where ``m_t = 0``.
 ``target_mask`` is ``m_t``, ``[B, T-1]`` (1 on supervised response positions), unless a
 function says it takes the ``[B, T]`` token mask. Every term returns a scalar batch mean.
 
-Two stages, as in the seed: compute the masked per-token NLL once
+Two stages, as in the seed notes: compute the masked per-token NLL once
 (:func:`masked_token_nll_per_position`), then aggregate it with uniform weights
 (:func:`uniform_token_weights`) or with the reference's token weights
 (:func:`token_weighted_masked_nll_per_example`).
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 _Block = TypeVar("_Block")
 
-# The six terms, in DESIGN.md order, with the config field that weights each.
+# The six terms, in docs/design.md order, with the config field that weights each.
 TERM_WEIGHT_FIELDS: dict[str, str] = {
     "reconstruction_loss": "reconstruction_weight",
     "sequence_reconstruction_loss": "sequence_reconstruction_weight",
@@ -270,7 +270,7 @@ def zfree_relative_reconstruction_loss(
 
 @dataclass
 class ReconstructionLossStack:
-    """Every computed term (``terms``, scalars by DESIGN.md name) and their weighted sum."""
+    """Every computed term (``terms``, scalars by docs/design.md name) and their weighted sum."""
 
     terms: dict[str, torch.Tensor]
     total: torch.Tensor
@@ -290,7 +290,7 @@ def term_coefficients(
     """Every term is a fixed (detached) linear functional of ``l``: ``term_k = sum_{b,t} C_k[b, t] l[b, t]``.
 
     Returns ``C_k`` (``[B, N]``, in ``dtype``) for the terms computable from what is given, read off
-    the definitions above (DESIGN.md section 4):
+    the definitions above (docs/design.md section 4):
 
         C_1 = m_t / (n_b B)            C_4 = pi_t / (kappa_b B c_base)
         C_2 = m_t / B                  C_5 = pi_inv_t / (rho_b B c_base)

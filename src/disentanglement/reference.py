@@ -4,7 +4,7 @@ The reference is the model that scores a response without ``z``: the frozen deco
 (``decoder_training: frozen``), the decoder with its LoRA adapters disabled (``lora``), or a
 frozen copy made before the decoder trains (``full``). :class:`ZFreeReference` says which and
 reaches it; :func:`reference_hidden_states` is the one forward every caller runs on it (the
-training features pass, the prompts' prior features, the seed's scoring helper). Shapes: ``B``
+training features pass, the prompts' prior features, the seed notes' scoring helper). Shapes: ``B``
 sequences of ``T`` tokens, ``H`` hidden size.
 """
 

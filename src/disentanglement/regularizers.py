@@ -1,4 +1,4 @@
-"""Latent regularisers (DESIGN.md section 5): KL, its beta schedule and free bits, and the
+"""Latent regularisers (docs/design.md section 5): KL, its beta schedule and free bits, and the
 token-weighted inter-latent divergence. Pure functions over tensors.
 
 Shapes: ``B`` examples, ``U`` latent units (slots for the discrete model, dimensions for the

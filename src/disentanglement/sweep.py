@@ -10,7 +10,9 @@ Cells are the named ``--cell`` settings (``NAME FIELD=VALUE ...``; none: one cel
 with the grid of every ``--set FIELD=V1,V2,...`` (the product of all of them; a ``--set`` with one
 value sets that field in every cell). ``FIELD`` is a config
 field name, optionally with its section (``kl.beta``); values are read as YAML scalars and
-type-checked like a config file's. Layout of the output directory::
+type-checked like a config file's. ``--preset NAME`` (or ``preset: NAME`` in the base config, ``preset=NAME`` in
+a cell) puts a named recipe (``config.PRESETS``) under the base config's and the cells' own settings.
+Layout of the output directory::
 
     OUT/sweep.json                      the sweep's specification (a rerun must match it)
     OUT/runs/CELL/seed-S/               a run directory (train's), its eval report in eval/sweep_eval.json
@@ -44,7 +46,16 @@ from typing import Any
 
 import yaml
 
-from .config import FIELDS, ConfigError, build_config, canonical_field, read_config_file, unknown_field_message
+from .config import (
+    FIELDS,
+    PRESET_KEY,
+    PRESETS,
+    ConfigError,
+    build_config,
+    canonical_field,
+    read_config_file,
+    unknown_field_message,
+)
 from .safe_io import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -92,6 +103,8 @@ def parse_value(text: str) -> Any:
 def field_name(key: str) -> str:
     """``kl.beta`` or ``beta`` -> ``beta``; a flag's name works too (``token-weighted-reconstruction-weight`` ->
     ``token_weighted_weight``); checked against the config's fields and sections."""
+    if key == PRESET_KEY:  # a named recipe (config.PRESETS) under the cell's other settings
+        return key
     section, _, spelled = key.rpartition(".")
     name = canonical_field(spelled)  # a field's name or its flag's (token-weighted-reconstruction-weight)
     if name is None:
@@ -577,6 +590,12 @@ def add_sweep_subcommand(subparsers) -> None:
         epilog=__doc__.split("\n\n", 1)[1],
     )
     parser.add_argument("--config", help="base config file (YAML or JSON)")
+    parser.add_argument(
+        "--preset",
+        metavar="PRESET",
+        help=f"a named recipe under the base config and the cells (one of {', '.join(PRESETS)}; "
+        "as train's --preset; a cell may set preset=NAME too)",
+    )
     parser.add_argument("--output-dir", required=True, help="the sweep's directory")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2", help="a grid axis (repeat)")
     parser.add_argument("--cell", action="append", default=[], metavar="'NAME F=V ...'", help="a named cell (repeat)")
@@ -607,6 +626,8 @@ def _sweep_main(args: argparse.Namespace) -> int:
             f"sweep: the base config {args.config} sets {', '.join(f'{k}={v!r}' for k, v in overridden.items())}; "
             "the sweep sets these itself (--seeds, --output-dir): overriding them"
         )
+    if args.preset is not None:
+        base[PRESET_KEY] = args.preset  # the flag's preset replaces the file's; the file's fields stay on top
     spec = build_spec(
         base, args.cell, args.set, seeds, eval_data=args.eval_data, eval_max_examples=args.eval_max_examples
     )

@@ -42,7 +42,7 @@ The sets:
       closer (``Sure thing!`` ... ``Hope that helps.``), whose tokens are easy to predict once the
       phrase has started. Responses differing only in ``B`` share the middle sentence word for word.
 
-    What it tests (the seeds' thesis): a small latent cannot keep both. Under raw reconstruction
+    What it tests (the seed notes' thesis): a small latent cannot keep both. Under raw reconstruction
     (mean NLL over the response tokens) ``B`` pays more, since it touches many tokens, so the latent
     tends to take ``B``; an objective weighted towards tokens that the z-free reference finds
     surprising (the token-weighted terms, larger ``alpha``) puts its weight on the one rare word

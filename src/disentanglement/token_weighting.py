@@ -1,6 +1,6 @@
 """Token-level surprisal-share weighting from a frozen z-free reference model.
 
-Notation (DESIGN.md section 2): ``B`` examples, conditioned length ``T``; every ``[B, N]``
+Notation (docs/design.md section 2): ``B`` examples, conditioned length ``T``; every ``[B, N]``
 tensor here has ``N = T - 1`` positions, position ``t`` being the prediction of token ``t + 1``.
 ``m_t`` (``target_mask``) is 1 on supervised (response) positions and 0 elsewhere.
 
@@ -9,7 +9,7 @@ tensor here has ``N = T - 1`` positions, position ``t`` being the prediction of 
 
 with ``b_t`` the aligned z-free surprisal floored at ``eps`` before the power.
 
-Beyond the seed (DESIGN.md section 8), two options change ``pi`` and ``pi_inv``; the statistics
+Beyond the seed notes (docs/design.md section 8), two options change ``pi`` and ``pi_inv``; the statistics
 (``b_base``, ``kappa``, ``rho``...) stay those of the reference surprisal ``b_t`` under the weights used:
 
 - another signal ``s_t >= 0`` in place of ``b_t`` in the two shares: the reference's predictive
@@ -31,7 +31,7 @@ from .reference import reference_hidden_states
 
 @dataclass(frozen=True)
 class TokenWeighting:
-    """The seed's bundle: detached token weights and per-example reference statistics."""
+    """The seed notes' bundle: detached token weights and per-example reference statistics."""
 
     token_weights: torch.Tensor  # [B, N], rows sum to 1 over supervised positions
     inverse_token_weights: torch.Tensor  # [B, N], rows sum to 1 over supervised positions
@@ -79,7 +79,8 @@ def token_weighting_from_base_nll(
 
     ``signal`` (``[B, N]``, ``>= 0`` on supervised positions) replaces ``b_t`` in ``pi`` and ``pi_inv``
     (floored at ``eps`` likewise); ``interpolation`` is ``lambda`` in ``pi = (1 - lambda) m / n + lambda pi``.
-    Both leave the statistics defined by ``b_t``: with ``signal = None`` and ``lambda = 1`` this is the seed's.
+    Both leave the statistics defined by ``b_t``: with ``signal = None`` and ``lambda = 1`` this is the seed
+    notes' bundle.
     With another signal ``kappa >= 1`` and ``rho <= 1`` no longer hold: weights that fall on tokens the
     reference finds easy give ``kappa < 1`` (down to 0), and term 4 grows as ``1 / kappa``.
     """

@@ -1,0 +1,178 @@
+"""One set of defaults (issue 23): the dataclass defaults are the "default" preset, configs/default.yaml adds only
+the main job's data, model and output, ``--preset NAME`` picks a named recipe, and the order is
+dataclass defaults < preset < config file < flags."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+
+from disentanglement import cli
+from disentanglement.config import (
+    FIELDS,
+    PRESETS,
+    RECIPE_FIELDS,
+    ConfigError,
+    build_config,
+    resolve_config,
+)
+from disentanglement.sweep import build_spec
+
+ROOT = Path(__file__).parent.parent
+DEFAULT_YAML = ROOT / "configs" / "default.yaml"
+
+#: The measured recipe, written out here independently of config.PRESETS (docs/results.md's chosen row).
+MEASURED = {
+    "reconstruction_weight": 0.0,
+    "sequence_reconstruction_weight": 0.0,
+    "token_weighted_weight": 1.0,
+    "normalized_concentration_corrected_token_weighted_weight": 0.0,
+    "normalized_inverse_surprisal_token_weighted_weight": 0.0,
+    "zfree_relative_weight": 0.0,
+    "token_weight_alpha": 2.0,
+    "encoder_view": "token_weighted",
+}
+#: The seed notes' recipe: the token-weighted term beside the raw one, alpha 1, the mean view.
+SEED = dict(MEASURED, reconstruction_weight=1.0, token_weighted_weight=1.0, token_weight_alpha=1.0)
+SEED["encoder_view"] = "mean_last"
+#: What configs/default.yaml set before issue 23 (the main job must still train exactly this).
+MAIN_JOB_BEFORE = {
+    "model": None,
+    "decoder_training": "frozen",
+    "data": "chatterbot",
+    "chat_template": True,
+    "max_prompt_tokens": 64,
+    "max_response_tokens": 48,
+    "validation_fraction": 0.1,
+    "latent": "discrete",
+    "num_slots": 1,
+    "codebook_size": 8,
+    "latent_tokens": 4,
+    "assignment": "nearest",
+    "beta": 0.02,
+    "beta_schedule": "linear",
+    "beta_warmup_steps": 50,
+    "output_dir": "runs/default",
+    "max_steps": 200,
+    "batch_size": 8,
+    "encoder_lr": 1e-3,
+    "latent_lr": 3e-2,
+    "save_every": 50,
+    "eval_every": 100,
+    "seed": 0,
+    **MEASURED,
+}
+#: The only fields configs/default.yaml may set to something other than the defaults: data, model, output.
+MAIN_JOB_OWN = {"data", "max_response_tokens", "codebook_size", "output_dir"}
+
+
+def flat(config) -> dict:
+    return {k: v for section in config.to_dict().values() for k, v in section.items()}
+
+
+def recipe(config) -> dict:
+    values = flat(config)
+    return {name: values[name] for name in RECIPE_FIELDS}
+
+
+def train_config(argv: list[str]):
+    """The config ``disentangle train ARGV`` would train, without training."""
+    return cli._train_config(cli.build_parser().parse_args(["train", *argv]))
+
+
+def test_bare_defaults_are_the_default_preset_and_the_measured_recipe():
+    assert recipe(build_config({})) == MEASURED
+    assert PRESETS["default"] == MEASURED
+    assert flat(build_config({"preset": "default"})) == flat(build_config({}))
+    assert build_config({}).train.max_steps == 200  # one figure everywhere (the flag's default was 300)
+    assert recipe(train_config(["--data", "mine.jsonl"])) == MEASURED  # a bare train on the user's data
+
+
+def test_default_yaml_is_the_defaults_plus_the_main_jobs_data_model_and_output():
+    main_job = flat(resolve_config(DEFAULT_YAML))
+    assert recipe(resolve_config(DEFAULT_YAML)) == MEASURED
+    assert {k: main_job[k] for k in MAIN_JOB_BEFORE} == MAIN_JOB_BEFORE  # the main job is unchanged
+    defaults = flat(build_config({}))
+    differs = {k for k in FIELDS if main_job[k] != defaults[k]}
+    assert differs <= MAIN_JOB_OWN, differs - MAIN_JOB_OWN
+    assert "token_weight_alpha" not in DEFAULT_YAML.read_text()  # the recipe lives in config.py only
+
+
+def test_preset_seed_gives_the_seed_recipe():
+    assert recipe(train_config(["--preset", "seed"])) == SEED
+    assert recipe(build_config({"preset": "seed"})) == SEED
+    # every other field keeps its default
+    seeded, bare = flat(build_config({"preset": "seed"})), flat(build_config({}))
+    assert {k for k in FIELDS if seeded[k] != bare[k]} <= set(RECIPE_FIELDS)
+
+
+def test_every_preset_sets_the_whole_recipe_and_validates():
+    for name, values in PRESETS.items():
+        assert set(values) == set(RECIPE_FIELDS), name
+        assert recipe(build_config({"preset": name})) == values
+
+
+def test_precedence_defaults_then_preset_then_file_then_flags(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: seed\nreconstruction:\n  token_weight_alpha: 0.5\n")
+    from_file = train_config(["--config", str(path)])
+    assert from_file.reconstruction.token_weighted_weight == 1.0  # the file's preset over the defaults (0 -> 1)
+    assert from_file.latent.encoder_view == "mean_last"  # the file's preset over the defaults
+    assert from_file.reconstruction.token_weight_alpha == 0.5  # the file over its preset (1)
+
+    flags = train_config(["--config", str(path), "--preset", "raw", "--reconstruction-weight", "3"])
+    assert flags.reconstruction.token_weighted_weight == 0.0  # the flag's preset replaces the file's (seed: 1)
+    assert flags.reconstruction.token_weight_alpha == 0.5  # the file's own field still beats any preset (raw: 1)
+    assert flags.reconstruction.reconstruction_weight == 3.0  # a flag beats everything (raw: 1)
+    assert flags.latent.encoder_view == "mean_last"  # raw's view, not the default's token_weighted
+
+    assert train_config(["--preset", "seed", "--encoder-view", "attention"]).latent.encoder_view == "attention"
+    assert resolve_config(path, {"token_weight_alpha": 3.0}).reconstruction.token_weight_alpha == 3.0
+
+
+def _run(argv: list[str]) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, err.getvalue()
+
+
+def test_unknown_preset_is_a_clear_error(tmp_path):
+    code, err = _run(["train", "--preset", "sede", "--output-dir", str(tmp_path / "run")])
+    assert code == 2
+    assert err.count("\n") == 1 and "unknown preset 'sede'" in err
+    for name in PRESETS:
+        assert f"{name}: " in err  # every preset listed with what it is
+    assert not (tmp_path / "run").exists()
+
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: fast\n")
+    code, err = _run(["train", "--config", str(path), "--output-dir", str(tmp_path / "run")])
+    assert code == 2 and f"config file {path}: unknown preset 'fast'" in err
+    with pytest.raises(ConfigError, match="unknown preset 3"):
+        build_config({"preset": 3})
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_presets_are_listed_in_help(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--preset PRESET" in text
+    for name in PRESETS:
+        assert name in text
+    if command == "train":
+        assert "term 3 only at alpha 2" in text and "terms 1 + 3 at alpha 1" in text
+        assert "--preset < the --config file < flags" in text
+
+
+def test_sweep_takes_a_preset_in_the_base_and_in_a_cell():
+    spec = build_spec({"preset": "seed", "token_weight_alpha": 0.5}, ["s", "r preset=raw"], seeds=[0])
+    seed_cell, raw_cell = (spec.config(c, 0, Path("out")) for c in ("s", "r"))
+    assert recipe(seed_cell) == dict(SEED, token_weight_alpha=0.5)
+    assert raw_cell.reconstruction.token_weighted_weight == 0.0 and raw_cell.reconstruction.token_weight_alpha == 0.5
+    with pytest.raises(ConfigError, match="sweep: cell 'x': unknown preset 'nope'"):
+        build_spec({}, ["x preset=nope"], seeds=[0])
