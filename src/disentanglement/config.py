@@ -7,9 +7,10 @@ field names) or nested by section (``reconstruction: {token_weight_alpha: 1.0}``
 override the file. Field names and flag names are interchangeable: a config key, a sweep's ``--set`` or
 ``--cell`` may name a field by its flag (``token-weighted-reconstruction-weight`` for
 ``token_weighted_weight``), and a flag may be spelled as its field's name (``--token-weighted-weight``,
-``--token_weighted_weight``); see :data:`FIELD_ALIASES` and :func:`register_flag_aliases`. A preset (:data:`PRESETS`: ``--preset NAME``, or ``preset: NAME`` in a file) names a recipe
-and goes under both: dataclass defaults < preset < config file < flags; the dataclass defaults are the
-``"default"`` preset's. Validation runs on construction and names the field, the value and the range:
+``--token_weighted_weight``); see :data:`FIELD_ALIASES` and :func:`register_flag_aliases`. A preset
+(:data:`PRESETS`: ``--preset NAME``, or ``preset: NAME`` in a file) names a recipe and goes under both: dataclass
+defaults < preset < config file < flags; the dataclass defaults are the ``"default"`` preset's. Validation runs on
+construction and names the field, the value and the range:
 every value is first checked against its field's type hint (a bool must be a real ``true``/``false``,
 not the string ``"false"``; an int is not a bool or 1.5; a float accepts ints; a ``list[str]`` is a
 list of strings, not one string), then against its range. A config file may not give a key twice
