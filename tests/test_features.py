@@ -160,10 +160,10 @@ def test_a_damaged_or_unwritable_disk_cache_is_rebuilt_not_trusted(tokenizer, pa
     assert "is unreadable" in caplog.text and "rebuilding" in caplog.text
     torch.testing.assert_close(again.encoder_features, first.encoder_features)
 
-    def read_only(path, data):
+    def read_only(path, data, root=None):
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    monkeypatch.setattr(checkpoints, "write_durably", read_only)
+    monkeypatch.setattr(checkpoints, "atomic_write", read_only)  # what replace_file_durably writes with
     other = tmp_path / "elsewhere"
     with caplog.at_level(logging.WARNING):
         cache = load_or_build_feature_cache(model, examples, tokenizer.pad_token_id, other, progress=False)
