@@ -15,7 +15,7 @@ import logging
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -643,6 +643,39 @@ def split_train_validation(items: Sequence[T], validation_fraction: float, seed:
     train = [item for i, item in enumerate(items) if i not in val_index]
     val = [item for i, item in enumerate(items) if i in val_index]
     return train, val
+
+
+@dataclass
+class DataOrder:
+    """Deterministic epoch-wise shuffling whose position is saved with each checkpoint."""
+
+    size: int
+    seed: int
+    epoch: int = 0
+    position: int = 0
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._order = self._permutation(self.epoch)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.size, generator=generator).tolist()
+
+    def next_indices(self, count: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < count:
+            if self.position >= self.size:
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation(self.epoch)
+            take = min(count - len(out), self.size - self.position)
+            out.extend(self._order[self.position : self.position + take])
+            self.position += take
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
 
 
 @dataclass
