@@ -35,6 +35,7 @@ class FrozenPass:
 
 
 def uses_kmeans(config: RunConfig) -> bool:
+    """Whether the codebook starts from k-means (a discrete latent with ``codebook_init: kmeans``)."""
     return config.latent.latent == "discrete" and config.latent.codebook_init == "kmeans"
 
 

@@ -146,6 +146,7 @@ def _checkpoint_note(checkpoint: Path | None) -> str:
 
 
 def diverged(step: int, what: str, checkpoint: Path | None) -> TrainingDiverged:
+    """The error that stops training at ``step`` for ``what``, naming the last good checkpoint and what to do."""
     last = _checkpoint_note(checkpoint)
     return TrainingDiverged(
         f"training diverged at step {step}: {what}; {last}. Lower the learning rates (they may change on "

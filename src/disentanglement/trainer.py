@@ -3,9 +3,10 @@ per-step JSONL metrics, periodic validation, divergence detection and durable, r
 
 The recipe reads top to bottom: :func:`train` (the lock) and :func:`_train` (the checks, then the loop),
 set-up (:func:`_set_up`, :func:`_start_or_restore`), one optimizer step (:func:`_optimizer_step`),
-validation (:func:`validate`) and checkpointing (:func:`_save`). What it calls lives beside it: the run
+validation (:func:`_validate`) and checkpointing (:func:`_save`). What it calls lives beside it: the run
 directory's policy and lock in :mod:`.run_dir`, resuming in :mod:`.resume`, the logs in
-:mod:`.metrics_log`, divergence detection in :mod:`.stability` and the frozen pass in :mod:`.frozen_pass`.
+:mod:`.metrics_log`, divergence detection in :mod:`.stability`, the frozen pass in :mod:`.frozen_pass`
+and the validation means in :mod:`.validation`.
 
 A run directory belongs to one run (:mod:`.run_dir`); a resumed run continues bit for bit where an
 uninterrupted run would be (:mod:`.resume`).
