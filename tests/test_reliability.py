@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from disentanglement import checkpoints, cli, safe_io, trainer
+from disentanglement import checkpoints, cli, safe_io, stability, trainer
 from disentanglement.checkpoints import complete_checkpoints, latest_checkpoint
 from disentanglement.testing import make_hidden_factor_pairs
 from helpers import tiny_llama, tiny_tokenizer, trainer_config
@@ -491,9 +491,9 @@ def test_parameter_norms_match_an_independent_computation():
         "decoder.layer.weight": torch.tensor([5.0, 12.0]),
         "usage": torch.tensor([7], dtype=torch.int64),  # not floating point: left out
     }
-    assert trainer.parameter_norms(state) == {"encoder": 5.0, "latent": 3.0, "decoder": 13.0}
-    assert trainer.norm_jump({"latent": 100.0}, {"latent": 0.5}) is None  # 100 x max(1, 0.5)
-    assert "latent 301 against 3 before" in trainer.norm_jump({"latent": 301.0}, {"latent": 3.0})
+    assert stability.parameter_norms(state) == {"encoder": 5.0, "latent": 3.0, "decoder": 13.0}
+    assert stability.norm_jump({"latent": 100.0}, {"latent": 0.5}) is None  # 100 x max(1, 0.5)
+    assert "latent 301 against 3 before" in stability.norm_jump({"latent": 301.0}, {"latent": 3.0})
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ The latent family (a subclass) turns features into a latent vector; a linear pro
 it into ``P`` soft embeddings placed ``[z][x][y]`` (``prefix``) or ``[x][z][y]`` (``between``), or
 mapped to ``P`` key/value memory slots of every attention layer (``memory``, :mod:`.memory`): the
 decoder then sees ``[x][y]`` at its z-free positions, with the memory as a past-key-value cache.
+The injection and the layout it gives the decoder's input are :mod:`.injection`'s.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .attention_backward import fast_attention_backward
 from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
 from .data import Batch
+from .injection import LatentLayout, latent_memory, latent_projection
 from .losses import apply_head, default_chunk_size, masked_token_nll_per_position, reconstruction_loss_stack
-from .memory import LatentMemory, memory_geometry
 from .reference import ZFreeReference, reference_hidden_states, unused_logits
 from .regularizers import beta_at, kl_objective, next_token_divergence
 from .token_weighting import (
@@ -334,15 +335,10 @@ class CVAEBase(nn.Module):
         # features without parameters has nothing to differentiate.
         self.encoder_norm = nn.LayerNorm(2 * H, elementwise_affine=False)
         self.prior_norm = nn.LayerNorm(H, elementwise_affine=False)
-        self.latent_projection = nn.Linear(self.latent_vector_dim, latent.latent_tokens * H)
-        # Latent embeddings start on the scale of the token embeddings (inputs of unit scale).
-        embedding_std = float(embeddings.weight.detach().float().std())
-        nn.init.normal_(self.latent_projection.weight, std=embedding_std / self.latent_vector_dim**0.5)
-        nn.init.zeros_(self.latent_projection.bias)
-        # latent_placement "memory": the slots' embeddings -> every layer's memory keys and values.
-        self.latent_memory = None
-        if latent.latent_placement == "memory":
-            self.latent_memory = LatentMemory(H, memory_geometry(decoder))
+        # Latent injection (:mod:`.injection`): the projection to P embeddings, where they go, and the memory.
+        self.latent_projection = latent_projection(self.latent_vector_dim, latent.latent_tokens, embeddings)
+        self.latent_memory = latent_memory(latent.latent_placement, H, decoder)
+        self.layout = LatentLayout(latent.latent_placement, latent.latent_tokens, H)
         vocab_size = decoder.get_output_embeddings().weight.shape[0]
         self.bow_head = nn.Linear(self.latent_vector_dim, vocab_size) if latent.bow_weight > 0 else None
 
@@ -539,70 +535,23 @@ class CVAEBase(nn.Module):
         """``[B, L] -> [B, P, H]`` soft latent embeddings."""
         return self.latent_projection(vector).view(vector.shape[0], self.num_latent_tokens, self.hidden_size)
 
-    @property
-    def sequence_latent_tokens(self) -> int:
-        """How many latent positions the decoder's input sequence holds: ``P``, or 0 for the memory placement."""
-        return 0 if self.latent_memory is not None else self.num_latent_tokens
-
     def alignment_offsets(self, batch: Batch) -> torch.Tensor:
-        """``[B]``: z-free position ``t`` of a response token is conditioned position ``t + offset``.
-
-        Both sequence placements put the ``P`` latent embeddings before every response token; the memory
-        placement leaves the sequence as it is (offset 0).
-        """
-        return torch.full(
-            (batch.input_ids.shape[0],), self.sequence_latent_tokens, dtype=torch.long, device=batch.input_ids.device
-        )
-
-    def _conditioned_layout(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Where each conditioned position comes from, ``[B, Tc]`` each: ``is_latent``, the z-free
-        position ``source`` of a token position, and the latent embedding index of a latent position."""
-        B, T = batch.input_ids.shape
-        P = self.sequence_latent_tokens
-        device = batch.input_ids.device
-        if P == 0:  # memory: the z-free layout itself
-            source = torch.arange(T, device=device).expand(B, T)
-            return torch.zeros(B, T, dtype=torch.bool, device=device), source, torch.zeros_like(source)
-        if self.latent_cfg.latent_placement == "prefix":
-            insert_at = torch.zeros(B, dtype=torch.long, device=device)
-        else:
-            insert_at = batch.prompt_lengths
-        j = torch.arange(T + P, device=device).unsqueeze(0)  # [1, Tc]
-        start = insert_at.unsqueeze(1)  # [B, 1]
-        is_latent = (j >= start) & (j < start + P)  # [B, Tc]
-        source = torch.where(j < start, j, j - P).clamp(0, T - 1)  # [B, Tc] z-free position
-        latent_index = (j - start).clamp(0, P - 1)  # [B, Tc]
-        return is_latent, source, latent_index
+        """``[B]``: z-free position ``t`` of a response token is conditioned position ``t + offset``
+        (:meth:`.injection.LatentLayout.alignment_offsets`)."""
+        return self.layout.alignment_offsets(batch)
 
     def conditioned_target_mask(self, batch: Batch) -> torch.Tensor:
         """The ``[B, Tc]`` token mask of the conditioned sequence (1 on response tokens), without decoding."""
-        is_latent, source, _ = self._conditioned_layout(batch)
-        return batch.target_mask.gather(1, source).masked_fill(is_latent, 0)
+        return self.layout.target_mask(batch)
 
     def conditioned_inputs(
         self, batch: Batch, latent_embeds: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Insert ``P`` latent embeddings into the z-free batch.
-
-        Returns ``inputs_embeds [B, Tc, H]``, ``input_ids [B, Tc]`` (0 at latent positions),
-        ``attention_mask [B, Tc]``, ``target_mask [B, Tc]`` and ``alignment_offsets [B]``. For the memory
-        placement these are the z-free batch's own (``Tc = T``, offsets 0; the latent goes to
-        :meth:`memory_inputs`).
-        """
-        is_latent, source, latent_index = self._conditioned_layout(batch)
+        """Insert ``P`` latent embeddings into the z-free batch (:meth:`.injection.LatentLayout.inputs`):
+        ``inputs_embeds [B, Tc, H]``, ``input_ids [B, Tc]`` (0 at latent positions), ``attention_mask [B, Tc]``,
+        ``target_mask [B, Tc]`` and ``alignment_offsets [B]``."""
         token_embeds = self.decoder.get_input_embeddings()(batch.input_ids)  # [B, T, H]
-        if self.latent_memory is not None:
-            offsets = self.alignment_offsets(batch)
-            return token_embeds, batch.input_ids, batch.attention_mask, batch.target_mask, offsets
-        gathered_tokens = token_embeds.gather(1, source.unsqueeze(-1).expand(-1, -1, self.hidden_size))
-        gathered_latent = latent_embeds.to(token_embeds.dtype).gather(
-            1, latent_index.unsqueeze(-1).expand(-1, -1, self.hidden_size)
-        )
-        inputs_embeds = torch.where(is_latent.unsqueeze(-1), gathered_latent, gathered_tokens)
-        input_ids = batch.input_ids.gather(1, source).masked_fill(is_latent, 0)
-        attention_mask = batch.attention_mask.gather(1, source).masked_fill(is_latent, 1)
-        target_mask = batch.target_mask.gather(1, source).masked_fill(is_latent, 0)
-        return inputs_embeds, input_ids, attention_mask, target_mask, self.alignment_offsets(batch)
+        return self.layout.inputs(batch, token_embeds, latent_embeds)
 
     def decode(self, batch: Batch, vector: torch.Tensor, window: bool = True) -> Decoded:
         """Run the decoder under a latent.
@@ -613,11 +562,7 @@ class CVAEBase(nn.Module):
         """
         latent_embeds = self.latent_embeddings(vector)
         embeds, ids, attention, target, offsets = self.conditioned_inputs(batch, latent_embeds)
-        extra: dict[str, object] = {"attention_mask": attention}
-        if self.latent_memory is not None:
-            # The z-free pass's positions 0 .. T-1 (right-padded rows), the memory in front of them.
-            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-            extra = self.memory_inputs(latent_embeds, attention, positions, embeds.dtype)
+        extra = self.layout.decoder_arguments(self.latent_memory, self.decoder, latent_embeds, attention, embeds.dtype)
         start = 0
         if window:
             supervised = target[:, 1:].bool()  # [B, N]
