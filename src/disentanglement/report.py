@@ -368,7 +368,7 @@ def _grid_figure(series: Mapping[str, tuple[list[float], list[float]]], keys: Se
     return path
 
 
-#: The six reconstruction terms (DESIGN.md section 4, numbered as there) and their short names in the legend.
+#: The six reconstruction terms (docs/design.md section 4, numbered as there) and their short names in the legend.
 TERM_LABELS = {
     "reconstruction_loss": "1 token mean",
     "sequence_reconstruction_loss": "2 sequence",
