@@ -39,7 +39,7 @@ def option(default: Any, help: str, flag: str | None = None, **argparse_kwargs: 
 
     ``argparse_kwargs`` (kept in ``metadata["argparse"]``) are what a subcommand's flag needs beyond
     the type, default and choices its hint gives: ``group`` (the argument group's title), ``metavar``.
-    Only the subcommands' options dataclasses use them (``commands.add_option_arguments``); the ``train``
+    Only the subcommands' options dataclasses use them (``options.add_option_arguments``); the ``train``
     flags of :class:`RunConfig` come from :func:`add_config_arguments`, which refuses them.
     ``default=dataclasses.MISSING`` makes the field, and its flag, required.
     """

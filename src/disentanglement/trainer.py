@@ -64,12 +64,13 @@ from .checkpoints import (
 )
 from .config import ConfigError, RunConfig, TrainConfig
 from .cvae_base import CVAEBase, FrozenFeatures, WeightingParams
-from .data import Example, collate, limit_examples, load_pairs, split_train_validation, tokenize_pairs
+from .data import Example, collate, load_pairs
 from .features import FeatureCache, batch_features, build_feature_cache, feature_fingerprint
 from .losses import estimate_zfree_reference_scale
 from .models import build_cvae
 from .reference import eval_mode
 from .safe_io import REMOVING_PREFIX, UnsafePathError, ensure_dir, json_text, open_append, remove_all
+from .splits import PreparedData, prepare_data
 
 __all__ = [  # checkpoint I/O lives in checkpoints.py; these names stay importable from here
     "DataOrder",
@@ -166,23 +167,6 @@ class DataOrder:
 
     def state(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
-
-
-@dataclass
-class PreparedData:
-    train: list[Example]
-    validation: list[Example]
-    stats: dict[str, Any]
-
-
-def prepare_data(config: RunConfig, tokenizer, pairs=None) -> PreparedData:
-    """Load (or take) pairs, cap by ``max_examples``, tokenize and split, all deterministic by seed."""
-    pairs = load_pairs(config.data) if pairs is None else pairs
-    pairs = limit_examples(pairs, config.data.max_examples, config.train.seed)
-    examples, stats = tokenize_pairs(pairs, tokenizer, config.data)
-    train, validation = split_train_validation(examples, config.data.validation_fraction, config.train.seed)
-    stats = dict(stats, train_examples=len(train), validation_examples=len(validation))
-    return PreparedData(train, validation, stats)
 
 
 def make_optimizer(model: CVAEBase, config: RunConfig) -> torch.optim.Optimizer:
