@@ -90,11 +90,11 @@ RESERVED_HINTS = {
 
 def parse_value(text: str) -> Any:
     """A YAML scalar: ``1`` -> 1, ``0.5`` -> 0.5, ``true`` -> True, ``none`` -> None, else the string."""
-    from .config import _UniqueKeyLoader
+    from .config import YamlLoader
 
     if text.lower() in ("none", "null"):
         return None
-    value = yaml.load(text, Loader=_UniqueKeyLoader)  # numbers as in YAML 1.2, as a config file's: 1_0 is a string
+    value = yaml.load(text, Loader=YamlLoader)  # numbers as in YAML 1.2, as a config file's: 1_0 is a string
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)", text):
         return float(text)  # YAML 1.1 reads 1e-3 as a string
     return value
