@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from conftest import NUM_FACTORS, model_and_tokenizer
 from disentanglement import cli, trainer
-from disentanglement.commands import load_examples, run_eval
+from disentanglement.commands import run_eval
 from disentanglement.controllability import (
     choose_prompts,
     controllability,
@@ -28,6 +28,7 @@ from disentanglement.controllability import (
 from disentanglement.data import collate
 from disentanglement.encode import raw_pairs
 from disentanglement.features import build_feature_cache
+from disentanglement.runs import load_examples
 
 OPTIONS = dict(num_prompts=4, max_new_tokens=40, prior_latents=4, seed=0)
 

@@ -39,7 +39,7 @@ def option(default: Any, help: str, flag: str | None = None, **argparse_kwargs: 
 
     ``argparse_kwargs`` (kept in ``metadata["argparse"]``) are what a subcommand's flag needs beyond
     the type, default and choices its hint gives: ``group`` (the argument group's title), ``metavar``.
-    Only the subcommands' options dataclasses use them (``commands.add_option_arguments``); the ``train``
+    Only the subcommands' options dataclasses use them (``options.add_option_arguments``); the ``train``
     flags of :class:`RunConfig` come from :func:`add_config_arguments`, which refuses them.
     ``default=dataclasses.MISSING`` makes the field, and its flag, required.
     """
@@ -813,7 +813,7 @@ class _DuplicateKey(Exception):
         self.key, self.line, self.first_line = key, line, first_line
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class YamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last),
     and that numbers are read as in YAML 1.2 and JSON (see the resolvers below: ``1e-3`` is a float, ``1_0``
     a string, ``017`` is 17).
@@ -842,14 +842,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 # (1.1 reads 10 and 90), ``017`` is 17 (1.1: octal 15), ``0o17`` is 15, ``1e-3`` is a float (1.1: a string).
 # Booleans and null stay PyYAML's (``yes``/``no`` are booleans, which a typed field then refuses or accepts).
 _INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
-_UniqueKeyLoader.yaml_implicit_resolvers = {
+YamlLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_UniqueKeyLoader.add_implicit_resolver(
-    _INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
-)
-_UniqueKeyLoader.add_implicit_resolver(
+YamlLoader.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
+YamlLoader.add_implicit_resolver(
     _FLOAT,
     re.compile(
         r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
@@ -868,7 +866,7 @@ def _construct_int_12(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     return int(text, 10)
 
 
-_UniqueKeyLoader.add_constructor(_INT, _construct_int_12)
+YamlLoader.add_constructor(_INT, _construct_int_12)
 
 
 def _unique_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -900,7 +898,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raw = (
             json.loads(text, object_pairs_hook=_unique_json_object)
             if kind == "JSON"
-            else yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+            else yaml.load(text, Loader=YamlLoader)  # a SafeLoader subclass
         )
     except _DuplicateKey as dup:
         where = f" on line {dup.line} (first on line {dup.first_line})" if dup.line is not None else ""

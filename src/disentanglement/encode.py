@@ -3,7 +3,7 @@
     disentangle encode CHECKPOINT --data validation|train|chatterbot|FILE.jsonl --output latents.jsonl
         [--max-examples N] [--batch-size B] [--seed S] [--iw-samples k] [--prior-samples S] [--exact-limit L]
 
-One row per example of ``--data``, in data order (the order :func:`commands.load_examples` gives:
+One row per example of ``--data``, in data order (the order :func:`runs.load_examples` gives:
 the split's or the file's order, a ``--max-examples`` subset keeping it). Keys of every row:
 
 - ``source`` (``FILE:LINE`` or the corpus id), ``prompt``, ``response`` (the raw texts, before any
@@ -66,8 +66,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import commands
+from . import runs
 from .config import DEFAULT_SCORING, Scoring
+from .options import EncodeOptions, check_at_least, with_overrides
 
 if TYPE_CHECKING:  # torch and the models load when a command runs, not for --help
     import torch
@@ -135,7 +136,7 @@ def encode_examples(
         raise ValueError(f"the feature cache holds {len(cache)} examples, but {len(examples)} were given")
     if pairs is not None and len(pairs) != len(examples):
         raise ValueError(f"{len(pairs)} pairs were given for {len(examples)} examples")
-    commands._check_at_least("batch_size", batch_size, 1)
+    check_at_least("batch_size", batch_size, 1)
     discrete = model.is_discrete
     device = next(model.parameters()).device
     E = len(examples)
@@ -195,7 +196,7 @@ def encode_examples(
 
 
 def raw_pairs(data: str | None, config: RunConfig, examples: Sequence[Example]) -> list[PromptResponse]:
-    """The raw pairs of ``examples`` as :func:`commands.load_examples` loaded them from ``data``, in order.
+    """The raw pairs of ``examples`` as :func:`runs.load_examples` loaded them from ``data``, in order.
 
     An example keeps only token ids; its pair is found again by its ``source`` (``FILE:LINE``, or the
     corpus id), which names one pair of the data. A ``ValueError`` if a source names no pair, several
@@ -204,7 +205,7 @@ def raw_pairs(data: str | None, config: RunConfig, examples: Sequence[Example]) 
     from .data import load_pairs
 
     data = data or "validation"
-    data_cfg = config.data if data in commands.SPLITS else dataclasses.replace(config.data, data=data)
+    data_cfg = config.data if data in runs.SPLITS else dataclasses.replace(config.data, data=data)
     by_source: dict[str, PromptResponse] = {}
     repeated: set[str] = set()
     for pair in load_pairs(data_cfg):
@@ -228,7 +229,7 @@ def _check_output(output: str | Path) -> Path:
     if output is None or str(output) == "":
         raise ValueError("--output is required (a .jsonl or .parquet path)")
     path = Path(output)
-    commands.check_writable_target(path, "--output")
+    runs.check_writable_target(path, "--output")
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise ValueError(f"--output {path} must end in .jsonl or .parquet")
@@ -274,23 +275,16 @@ def write_rows(rows: list[dict[str, Any]], output: str | Path) -> Path:
     return path
 
 
-def _encode_to_file(
-    checkpoint: str | Path, options: commands.EncodeOptions, model_and_tokenizer=None
-) -> tuple[Path, int]:
-    # options first, before the model loads
-    commands.check_numeric_options(options)
+def _encode_to_file(checkpoint: str | Path, options: EncodeOptions, model_and_tokenizer=None) -> tuple[Path, int]:
+    # options first (their numbers are checked as they are made), before the model loads
     scoring = options.scoring()
-    commands._check_at_least("--batch-size", options.batch_size, 1)
-    commands._check_at_least("--max-examples", options.max_examples, 1, optional=True)
     _check_output(options.output)
-    commands.check_data_option(checkpoint, options.data)
+    runs.check_data_option(checkpoint, options.data)
 
-    model, tokenizer, config, _, _, _ = commands.load_checkpoint(checkpoint, model_and_tokenizer, options.device)
-    examples, _ = commands.load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
+    model, tokenizer, config, _, _, _ = runs.load_checkpoint(checkpoint, model_and_tokenizer, options.device)
+    examples, _ = runs.load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
     pairs = raw_pairs(options.data, config, examples)
-    cache = commands.stored_features(
-        model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress
-    )
+    cache = runs.stored_features(model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress)
     rows = encode_examples(
         model,
         examples,
@@ -306,15 +300,13 @@ def _encode_to_file(
 
 
 def run_encode(
-    checkpoint: str | Path, options: commands.EncodeOptions | None = None, *, model_and_tokenizer=None, **overrides: Any
+    checkpoint: str | Path, options: EncodeOptions | None = None, *, model_and_tokenizer=None, **overrides: Any
 ) -> Path:
     """Encode ``data`` (as ``eval``'s ``--data``) with a checkpoint; write one row per example to ``output``
-    (``.jsonl``, or ``.parquet`` with pyarrow). ``options`` (default :class:`commands.EncodeOptions`) with the
+    (``.jsonl``, or ``.parquet`` with pyarrow). ``options`` (default :class:`options.EncodeOptions`) with the
     keyword ``overrides`` on top (``run_encode(ckpt, output="latents.jsonl", data="train")``). Options,
     ``data`` and ``output`` are checked before the model loads. Returns the path written."""
-    path, _ = _encode_to_file(
-        checkpoint, commands._with(commands.EncodeOptions, options, overrides), model_and_tokenizer
-    )
+    path, _ = _encode_to_file(checkpoint, with_overrides(EncodeOptions, options, overrides), model_and_tokenizer)
     return path
 
 
@@ -640,7 +632,7 @@ def code_examples(
     file = _as_latent_rows(latents)
     if not 0 <= slot < model.num_slots or not 0 <= code < model.codebook_size:
         raise ValueError(f"slot {slot} / code {code} is outside [0, {model.num_slots}) x [0, {model.codebook_size})")
-    commands._check_at_least("--code-examples", count, 1)
+    check_at_least("--code-examples", count, 1)
     assigned = []
     for i in range(len(file.rows)):
         if _row_value(model, file, i)[slot] != code:

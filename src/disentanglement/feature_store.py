@@ -439,13 +439,8 @@ def _human(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def add_cache_subcommand(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "cache",
-        help="list or clear the shared frozen-pass feature cache",
-        description="The frozen-pass feature cache shared by every run (docs/feature-cache.md). Its folder: "
-        f"--dir, else ${ENV_DIR}, else {DEFAULT_DIR}.",
-    )
+def add_cache_arguments(parser) -> None:
+    """The arguments of ``disentangle cache list|clear [--dir DIR]`` (``cli.SUBCOMMANDS``)."""
     parser.add_argument("action", choices=("list", "clear"), help="list: one line per model; clear: delete all")
     parser.add_argument("--dir", default=None, help="the cache folder (default: see above)")
     parser.set_defaults(func=_run_cache)

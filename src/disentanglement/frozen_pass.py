@@ -19,7 +19,7 @@ from .features import FeatureCache, build_feature_cache
 from .losses import estimate_zfree_reference_scale
 
 if TYPE_CHECKING:
-    from .trainer import PreparedData
+    from .splits import PreparedData
 
 logger = logging.getLogger(__name__)
 

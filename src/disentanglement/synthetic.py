@@ -22,7 +22,7 @@ style) once; ``style-in-echo`` each (topic, sentence, template, style) once.
 with a one-line ``description``, its ``factors`` and ``default_rows``); :func:`write_synthetic`
 writes a set as JSONL; :func:`detect_factor` reads a factor back from a response text (every
 factor of every generated row is recovered exactly; tested), for checking generations;
-:func:`add_data_subcommand` registers the ``data synth`` command.
+:func:`add_data_arguments` adds the ``data synth`` command (to ``cli.SUBCOMMANDS``' ``data``).
 
 The sets:
 
@@ -767,9 +767,8 @@ def run_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_data_subcommand(subparsers) -> argparse.ArgumentParser:
-    """Register ``data`` (with ``data synth``) on the ``subparsers`` of the ``disentangle`` parser."""
-    data = subparsers.add_parser("data", help="built-in data sets", description="Built-in data sets.")
+def add_data_arguments(data: argparse.ArgumentParser) -> None:
+    """The subcommands of ``disentangle data`` (``data synth``) on its parser ``data`` (``cli.SUBCOMMANDS``)."""
     data_sub = data.add_subparsers(dest="data_command", required=True, metavar="{synth}")
     synth = data_sub.add_parser(
         "synth",
@@ -786,4 +785,3 @@ def add_data_subcommand(subparsers) -> argparse.ArgumentParser:
     synth.add_argument("--seed", type=_int, default=0, help="random seed (default: 0)")
     synth.add_argument("--list", action="store_true", help="list the sets with their descriptions and exit")
     synth.set_defaults(func=run_synth, synth_parser=synth)
-    return data

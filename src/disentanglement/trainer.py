@@ -40,7 +40,7 @@ from .checkpoints import (
 )
 from .config import ConfigError, RunConfig
 from .cvae_base import CVAEBase, FrozenFeatures
-from .data import DataOrder, Example, collate, limit_examples, load_pairs, split_train_validation, tokenize_pairs
+from .data import DataOrder, collate, load_pairs
 from .features import FeatureCache, batch_features, feature_fingerprint
 from .frozen_pass import FrozenPass, kmeans_sample, refresh_every, run_c_base, run_frozen_pass, warn_term5_amplification
 from .metrics_log import METRICS_FILE, MetricsLog, open_metrics_log, truncate_metrics
@@ -54,6 +54,7 @@ from .resume import (
     resumed_norm_reference,
 )
 from .run_dir import check_run_directory, remove_run_artefacts, run_lock, write_run_files
+from .splits import PreparedData, prepare_data
 from .stability import (
     LOSS_PATIENCE,
     LossMonitor,
@@ -159,23 +160,6 @@ def _train(
 
 
 # --------------------------------------------------------------------------- set-up
-
-
-@dataclass
-class PreparedData:
-    train: list[Example]
-    validation: list[Example]
-    stats: dict[str, Any]
-
-
-def prepare_data(config: RunConfig, tokenizer, pairs=None) -> PreparedData:
-    """Load (or take) pairs, cap by ``max_examples``, tokenize and split, all deterministic by seed."""
-    pairs = load_pairs(config.data) if pairs is None else pairs
-    pairs = limit_examples(pairs, config.data.max_examples, config.train.seed)
-    examples, stats = tokenize_pairs(pairs, tokenizer, config.data)
-    train, validation = split_train_validation(examples, config.data.validation_fraction, config.train.seed)
-    stats = dict(stats, train_examples=len(train), validation_examples=len(validation))
-    return PreparedData(train, validation, stats)
 
 
 def make_optimizer(model: CVAEBase, config: RunConfig) -> torch.optim.Optimizer:
