@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import commands, export, feature_store, sweep, synthetic
+from . import commands, export, feature_store_files, sweep, synthetic
 from .config import (
     DEFAULT_PRESET,
     FIELDS,
@@ -263,8 +263,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "cache": Subcommand(
         "list or clear the shared frozen-pass feature cache",
         "The frozen-pass feature cache shared by every run (docs/feature-cache.md). Its folder: "
-        f"--dir, else ${feature_store.ENV_DIR}, else {feature_store.DEFAULT_DIR}.",
-        feature_store.add_cache_arguments,
+        f"--dir, else ${feature_store_files.ENV_DIR}, else {feature_store_files.DEFAULT_DIR}.",
+        feature_store_files.add_cache_arguments,
     ),
 }
 
