@@ -772,9 +772,9 @@ def run_synth(args: argparse.Namespace) -> int:
 
 
 def add_data_subcommand(subparsers) -> argparse.ArgumentParser:
-    """Register ``data`` (with ``data synth``) on the ``subparsers`` of the ``disentangle`` parser."""
+    """Register ``data`` (with ``data synth``, ``data dailydialog`` and ``data split``) on the ``subparsers`` of the ``disentangle`` parser."""
     data = subparsers.add_parser("data", help="built-in data sets", description="Built-in data sets.")
-    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="{synth}")
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="{synth,dailydialog,split}")
     synth = data_sub.add_parser(
         "synth",
         help="write a built-in hidden-factor data set as JSONL",
@@ -790,4 +790,7 @@ def add_data_subcommand(subparsers) -> argparse.ArgumentParser:
     synth.add_argument("--seed", type=_int, default=0, help="random seed (default: 0)")
     synth.add_argument("--list", action="store_true", help="list the sets with their descriptions and exit")
     synth.set_defaults(func=run_synth, synth_parser=synth)
+    from .corpora import add_corpus_subcommands
+
+    add_corpus_subcommands(data_sub)  # data dailydialog, data split
     return data
