@@ -720,7 +720,7 @@ def _check_processes(resumed: CheckpointContents | None, processes: int) -> None
 
 
 def _uses_kmeans(config: RunConfig) -> bool:
-    return config.latent.latent == "discrete" and config.latent.codebook_init == "kmeans"
+    return config.latent.latent == "discrete" and config.latent.codebook_init in ("kmeans", "prior_kmeans")
 
 
 def _refresh_every(config: RunConfig) -> int:
