@@ -298,6 +298,13 @@ def test_synthetic_detector_reads_the_built_in_sets_and_nothing_else():
     assert synthetic_detector(["synth/two-factor:#0", "mine:3"]) is None
     assert synthetic_detector(["synth/no-such-set:#0"]) is None
     assert synthetic_detector(["hidden-factor/clean:#0"]) is None
+    # a JSONL file's examples are sourced path:line: the set is found by its factors, if it reads the real rows
+    factors = {f: [r["label"][f] for r in rows] for f in ("A", "B")}
+    responses = [r["response"] for r in rows]
+    name, by_factors = synthetic_detector([f"data.jsonl:{i}" for i in range(16)], factors, responses)
+    assert name == "two-factor" and by_factors("A", responses[0]) == rows[0]["label"]["A"]
+    assert synthetic_detector(["d.jsonl:1"] * 16, factors, ["no marker at all"] * 16) is None  # reads nothing back
+    assert synthetic_detector(["d.jsonl:1"] * 16, {"C": ["x"] * 16}, responses) is None  # no set has factor C
 
 
 def clean_detector(factor, text):

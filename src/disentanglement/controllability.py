@@ -125,14 +125,38 @@ def choose_prompts(prompts: Sequence[str], count: int, seed: int = 0) -> list[st
     return [p for i, p in enumerate(unique) if i in chosen]
 
 
-def synthetic_detector(sources: Sequence[str]) -> tuple[str, Detector] | None:
-    """``(set name, detector)`` when every source is ``synth/NAME:...`` of one built-in synthetic set (what
-    ``disentangle data synth`` writes), the detector being ``synthetic.detect_factor`` of that set; else None."""
+#: A detector is used only when it reads at least this share of the real responses' factor values back.
+DETECTOR_MIN_REAL_ACCURACY = 0.9
+
+
+def synthetic_detector(
+    sources: Sequence[str], factors: dict[str, list[str]] | None = None, responses: Sequence[str] | None = None
+) -> tuple[str, Detector] | None:
+    """``(set name, detector)`` of the built-in synthetic set the data comes from, the detector being
+    ``synthetic.detect_factor`` of that set; else None. The set is the one every source names
+    (``synth/NAME:...``, as ``data synth`` writes in its rows), or else (a JSONL file's examples are sourced
+    ``path:line``) the first set whose factors are exactly the data's ``factors`` and whose detector reads
+    back at least :data:`DETECTOR_MIN_REAL_ACCURACY` of the real ``responses``' values of every factor."""
     from .synthetic import SYNTHETIC_SETS, detect_factor
 
     names = {m.group(1) if (m := re.match(r"synth/([^:]+):", s or "")) else None for s in sources}
-    if len(names) != 1 or None in names or (name := names.pop()) not in SYNTHETIC_SETS:
+    if len(names) == 1 and None not in names and (name := next(iter(names))) in SYNTHETIC_SETS:
+        candidates = [name]
+    elif factors and responses is not None and len(responses) == len(next(iter(factors.values()))):
+        candidates = [n for n, spec in SYNTHETIC_SETS.items() if set(spec.factors) == set(factors)]
+        candidates = [
+            n
+            for n in candidates
+            if all(
+                recovery_accuracy([detect_factor(n, f, r) for r in responses], values) >= DETECTOR_MIN_REAL_ACCURACY
+                for f, values in factors.items()
+            )
+        ]
+    else:
+        candidates = []
+    if not candidates:
         return None
+    name = candidates[0]
     factors = SYNTHETIC_SETS[name].factors
 
     def detector(factor: str, text: str) -> str | None:
@@ -445,7 +469,7 @@ def controllability(
         report["labels"] = labels_report
 
     if detector is None and factors:
-        found = synthetic_detector([e.source for e in examples])
+        found = synthetic_detector([e.source for e in examples], factors, [p.response for p in pairs])
         if found is not None:
             detector_name, detector = f"synthetic set {found[0]}", found[1]
     if factors and detector is not None:
