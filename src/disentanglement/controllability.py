@@ -132,7 +132,8 @@ DETECTOR_MIN_REAL_ACCURACY = 0.9
 def synthetic_detector(
     sources: Sequence[str], factors: dict[str, list[str]] | None = None, responses: Sequence[str] | None = None
 ) -> tuple[str, Detector] | None:
-    """``(set name, detector)`` of the built-in synthetic set the data comes from, the detector being
+    """``(set name, detector)`` of the built-in synthetic set the data comes from (names joined by ``/`` when
+    several sets with the same factors read the data alike), the detector being
     ``synthetic.detect_factor`` of that set; else None. The set is the one every source names
     (``synth/NAME:...``, as ``data synth`` writes in its rows), or else (a JSONL file's examples are sourced
     ``path:line``) the first set whose factors are exactly the data's ``factors`` and whose detector reads
@@ -156,13 +157,13 @@ def synthetic_detector(
         candidates = []
     if not candidates:
         return None
-    name = candidates[0]
+    name = candidates[0]  # sets with the same factors read them alike (style-in-content, style-in-echo)
     factors = SYNTHETIC_SETS[name].factors
 
     def detector(factor: str, text: str) -> str | None:
         return detect_factor(name, factor, text) if factor in factors else None
 
-    return name, detector
+    return "/".join(candidates), detector
 
 
 def factor_accuracy(
