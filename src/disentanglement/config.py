@@ -357,10 +357,12 @@ class LatentConfig:
     batch_prior_kl: bool = option(
         False, "Discrete: KL between the batch-averaged posterior and the prior instead of per example."
     )
-    codebook_init: Literal["kmeans", "random"] = option(
+    codebook_init: Literal["kmeans", "random", "prior_kmeans"] = option(
         "kmeans",
         "Discrete: start the codebook at k-means centroids of the initial encoder outputs over the training set "
-        "(measured: random starts often merge two factors into one code), or at random.",
+        "(measured: random starts often merge two factors into one code), at random, or 'prior_kmeans': each "
+        "code at the mean initial encoder output of one k-means cluster of the prior features (the prompt's "
+        "last hidden state), a start that says nothing of the encoder's view; only 'kmeans' refreshes.",
     )
     codebook_refresh_every: int = option(
         25,
@@ -373,7 +375,7 @@ class LatentConfig:
         10, "Nearest: a code unused for this many steps restarts at a recent encoder output (0 = never)."
     )
     bow_weight: float = option(0.0, "Weight of the bag-of-words loss predicting response tokens from z.")
-    encoder_view: Literal["mean_last", "token_weighted", "attention"] = option(
+    encoder_view: Literal["mean_last", "token_weighted", "attention", "token_weighted_attention"] = option(
         _default("encoder_view"),
         "What the encoder q(z|x,y) pools of the reference's hidden states over the response, always "
         "concatenated with the last token's state: 'mean_last' = their mean (the seed notes' view); 'token_weighted' = "
@@ -382,7 +384,9 @@ class LatentConfig:
         "every step, the surprisal shares), computed in the frozen pass and cached; 'attention' = a learned "
         "query's softmax attention over the response positions (keys LayerNorm'ed, padding masked; the query "
         "starts at 0, i.e. at the mean, and trains at encoder_lr); its per-token states are cached, about "
-        "4 x hidden size bytes per response token.",
+        "4 x hidden size bytes per response token; 'token_weighted_attention' = that attention with log pi_t "
+        "(token_weighted's weights) added to its logits, so it starts exactly at the token_weighted pool and "
+        "its query can move it away.",
     )
     encoder_layer: int = option(
         -1,

@@ -35,8 +35,9 @@ class FrozenPass:
 
 
 def uses_kmeans(config: RunConfig) -> bool:
-    """Whether the codebook starts from k-means (a discrete latent with ``codebook_init: kmeans``)."""
-    return config.latent.latent == "discrete" and config.latent.codebook_init == "kmeans"
+    """Whether the codebook starts from k-means (a discrete latent with ``codebook_init: kmeans``, of the view,
+    or ``prior_kmeans``, of the prompt features)."""
+    return config.latent.latent == "discrete" and config.latent.codebook_init in ("kmeans", "prior_kmeans")
 
 
 def refresh_every(config: RunConfig) -> int:

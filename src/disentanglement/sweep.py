@@ -18,6 +18,7 @@ Layout of the output directory::
     OUT/runs/CELL/seed-S/               a run directory (train's), its eval report in eval/sweep_eval.json
     OUT/sweep.csv                       one row per (cell, seed): the cell's settings and every metric
     OUT/sweep.md, OUT/sweep.png         per cell: mean and 95% CI over seeds (Student t) of the headline metrics
+    OUT/front.png                       NMI per factor against posterior NLL, one point per run (front.py)
 
 Resumable: a (cell, seed) whose evaluation report exists is skipped; one whose training was
 interrupted resumes from its last checkpoint. The frozen pass is shared by every cell and seed (and
@@ -347,6 +348,9 @@ def run_sweep(
     summary = summarise(rows, list(spec.cells))
     atomic_write(output_dir / "sweep.md", summary_markdown(summary, spec))
     plot_summary(summary, output_dir / "sweep.png", rows)
+    from .front import plot_front
+
+    plot_front(rows, output_dir / "front.png")  # NMI against posterior NLL, one point per run
     return rows
 
 
@@ -631,4 +635,6 @@ def _sweep_main(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
     print((out / "sweep.md").read_text())
     print(f"table: {out / 'sweep.csv'}\nsummary: {out / 'sweep.md'}\nplot: {out / 'sweep.png'}")
+    if (out / "front.png").is_file():
+        print(f"front: {out / 'front.png'}")
     return 0
