@@ -406,10 +406,50 @@ def export_run(
     decoder, _ = model_and_tokenizer if model_and_tokenizer is not None else load_base_decoder(config)
     hashes = base_model_hashes(decoder)
 
+    reports = _eval_reports(run_dir, checkpoint_dir)
+    manifest = _manifest(checkpoint, checkpoint_dir, run_dir, output, contents, hashes, reports, command)
+    weights = (checkpoint_dir / "model.safetensors").read_bytes()
+    config_bytes = (checkpoint_dir / "config.yaml").read_bytes()
+    state = _export_trainer_state(contents.trainer_state, weights, config_bytes)
+
+    from .config import load_run_config
+
+    config_for_card = load_run_config(checkpoint_dir / "config.yaml")
+    tmp = output.with_name(f".tmp-{output.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        (tmp / "model.safetensors").write_bytes(weights)
+        (tmp / "config.yaml").write_bytes(config_bytes)
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, allow_nan=False) + "\n")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, allow_nan=False) + "\n")
+        loaded = _copy_eval_reports(reports, tmp)
+        (tmp / "README.md").write_text(_model_card(manifest, config_for_card, loaded), encoding="utf-8")
+        if output.exists():
+            output.rmdir()  # empty, checked above
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def _manifest(
+    checkpoint: str | Path,
+    checkpoint_dir: Path,
+    run_dir: Path,
+    output: Path,
+    contents: Any,
+    hashes: dict[str, str],
+    reports: list[Path],
+    command: str | None,
+) -> dict[str, Any]:
+    """``export.json``: where the export came from, its base model's hashes, its data and commands."""
+    config = contents.config
     command_file = run_dir / COMMAND_FILE
     train_commands = command_file.read_text(encoding="utf-8").splitlines() if command_file.is_file() else []
-    reports = _eval_reports(run_dir, checkpoint_dir)
-    manifest: dict[str, Any] = {
+    return {
         "format": EXPORT_FORMAT,
         "name": output.resolve().name,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -429,47 +469,35 @@ def export_run(
         },
         "eval_reports": [f"eval/{p.name}" for p in reports],
     }
-    weights = (checkpoint_dir / "model.safetensors").read_bytes()
-    config_bytes = (checkpoint_dir / "config.yaml").read_bytes()
+
+
+def _export_trainer_state(trainer_state: dict[str, Any], weights: bytes, config_bytes: bytes) -> dict[str, Any]:
+    """The export's ``trainer_state.json``: the checkpoint's step, order and c_base, the files' SHA-256 and the
+    marker that makes the directory an export."""
     state = {
-        key: contents.trainer_state[key]
+        key: trainer_state[key]
         for key in ("step", "data_order", "zfree_reference_scale", "format")
-        if key in contents.trainer_state
+        if key in trainer_state
     }
     state["files"] = {
         "model.safetensors": hashlib.sha256(weights).hexdigest(),
         "config.yaml": hashlib.sha256(config_bytes).hexdigest(),
     }
     state["export"] = {"format": EXPORT_FORMAT, "manifest": MANIFEST}
+    return state
 
-    from .config import load_run_config
 
-    config_for_card = load_run_config(checkpoint_dir / "config.yaml")
-    tmp = output.with_name(f".tmp-{output.name}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        tmp.mkdir(parents=True)
-        (tmp / "model.safetensors").write_bytes(weights)
-        (tmp / "config.yaml").write_bytes(config_bytes)
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, allow_nan=False) + "\n")
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, allow_nan=False) + "\n")
-        loaded = []
-        if reports:
-            (tmp / "eval").mkdir()
-            for path in reports:
-                shutil.copy2(path, tmp / "eval" / path.name)
-                if path.with_suffix(".md").is_file():
-                    shutil.copy2(path.with_suffix(".md"), tmp / "eval" / path.with_suffix(".md").name)
-                loaded.append((path.name, json.loads(path.read_text(encoding="utf-8"))))
-        (tmp / "README.md").write_text(_model_card(manifest, config_for_card, loaded), encoding="utf-8")
-        if output.exists():
-            output.rmdir()  # empty, checked above
-        os.replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return output
+def _copy_eval_reports(reports: list[Path], tmp: Path) -> list[tuple[str, Any]]:
+    """Copy the run's eval reports of the checkpoint (with their ``.md``) into ``tmp/eval``; (name, report)."""
+    loaded = []
+    if reports:
+        (tmp / "eval").mkdir()
+        for path in reports:
+            shutil.copy2(path, tmp / "eval" / path.name)
+            if path.with_suffix(".md").is_file():
+                shutil.copy2(path.with_suffix(".md"), tmp / "eval" / path.with_suffix(".md").name)
+            loaded.append((path.name, json.loads(path.read_text(encoding="utf-8"))))
+    return loaded
 
 
 # --------------------------------------------------------------------------- the hub

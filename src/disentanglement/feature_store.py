@@ -34,7 +34,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -177,6 +177,64 @@ class StoreStats:
 last_stats = StoreStats()
 
 
+@dataclass
+class _Lookup:
+    """One call's view of the store: the examples, their keys and the rows found or computed so far."""
+
+    model: CVAEBase
+    examples: Sequence[Example]
+    pad_token_id: int
+    folder: Path
+    keys: list[str]
+    needs_entropy: bool
+    needs_hidden: bool
+    stats: StoreStats
+    rows: list[Row | None] = field(default_factory=list)
+    bad: set[int] = field(default_factory=set)
+
+    def read(self, indices: Sequence[int]) -> list[int]:
+        """Fill ``rows`` from the store; the indices still missing."""
+        missing = []
+        for i in indices:
+            path = _entry_path(self.folder, self.keys[i])
+            try:
+                row = read_entry(path, self.keys[i], len(self.examples[i].response_ids))
+            except ValueError as exc:
+                if i not in self.bad:  # said once, though it is read again under the lock
+                    logger.warning("feature cache: entry %s is bad (%s); recomputing it", path, exc)
+                    self.bad.add(i)
+                row = None
+            if row is None or (self.needs_entropy and row[1] is None) or (self.needs_hidden and row[2] is None):
+                missing.append(i)
+                continue
+            entropy, hidden = row[1] if self.needs_entropy else None, row[2] if self.needs_hidden else None
+            self.rows[i] = (row[0], entropy, hidden, row[3], row[4])
+        return missing
+
+    def compute(self, missing: list[int], batch_size: int, device, progress: bool, state) -> None:
+        built = build_feature_cache(
+            self.model,
+            [self.examples[i] for i in missing],
+            self.pad_token_id,
+            batch_size,
+            device,
+            progress,
+            description=f"frozen pass ({len(missing)} of {len(self.examples)} examples)",
+            state=state,
+        )
+        for i, row in zip(missing, _rows_of(built), strict=True):
+            self.rows[i] = row
+        self.stats.computed += len(missing)
+
+    def store(self, missing: list[int]) -> None:
+        try:
+            _write_about(self.folder, self.model)
+            for i in missing:
+                write_entry(_entry_path(self.folder, self.keys[i]), self.keys[i], self.rows[i])
+        except OSError as exc:  # the store only saves time: the run goes on without it
+            logger.warning("feature cache: could not write to %s (%s); continuing without it", self.folder, exc)
+
+
 def load_or_build_features(
     model: CVAEBase,
     examples: Sequence[Example],
@@ -199,95 +257,69 @@ def load_or_build_features(
     result equals a fresh pass's); an entry without what this model needs is recomputed and replaced.
     """
     global last_stats
-    stats = StoreStats()
     root = store_dir(root)
     max_bytes = store_limit_bytes() if max_bytes is None else max_bytes
-    needs_entropy = model.reconstruction_cfg.token_weight_source == "entropy"
-    needs_hidden = model.latent_cfg.encoder_view == "attention"
-    main = is_main(state)
-    _, size = rank_and_size(state)
     ref_key = reference_key(model)
-    folder = root / ref_key
-    keys = [example_key(ref_key, e) for e in examples]
-    rows: list[Row | None] = [None] * len(examples)
-    bad: set[int] = set()
-
-    def read(indices: Sequence[int]) -> list[int]:
-        """Fill ``rows`` from the store; the indices still missing."""
-        missing = []
-        for i in indices:
-            path = _entry_path(folder, keys[i])
-            try:
-                row = read_entry(path, keys[i], len(examples[i].response_ids))
-            except ValueError as exc:
-                if i not in bad:  # said once, though it is read again under the lock
-                    logger.warning("feature cache: entry %s is bad (%s); recomputing it", path, exc)
-                    bad.add(i)
-                row = None
-            if row is None or (needs_entropy and row[1] is None) or (needs_hidden and row[2] is None):
-                missing.append(i)
-                continue
-            rows[i] = (row[0], row[1] if needs_entropy else None, row[2] if needs_hidden else None, row[3], row[4])
-        return missing
-
-    def compute(missing: list[int]) -> None:
-        built = build_feature_cache(
-            model,
-            [examples[i] for i in missing],
-            pad_token_id,
-            batch_size,
-            device,
-            progress,
-            description=f"frozen pass ({len(missing)} of {len(examples)} examples)",
-            state=state,
-        )
-        for i, row in zip(missing, _rows_of(built), strict=True):
-            rows[i] = row
-        stats.computed += len(missing)
-
-    def store(missing: list[int]) -> None:
-        try:
-            _write_about(folder, model)
-            for i in missing:
-                write_entry(_entry_path(folder, keys[i]), keys[i], rows[i])
-        except OSError as exc:  # the store only saves time: the run goes on without it
-            logger.warning("feature cache: could not write to %s (%s); continuing without it", folder, exc)
-
-    if size == 1:
-        missing = read(range(len(examples)))
-        if missing:
-            with locked(folder / ".lock"):
-                missing = read(missing)  # what another process wrote while this one waited
-                if missing:
-                    compute(missing)
-                    store(missing)
-    else:  # the main process reads and decides; everyone shares the pass; the main one writes
-        with locked(folder / ".lock") if main else contextlib.nullcontext():
-            missing = read(range(len(examples))) if main else []
-            missing = gather_objects(state, missing if main else None)[0]
-            if missing:
-                compute(missing)
-            if main:
-                store(missing)
-            present = {i: rows[i] for i in range(len(examples)) if i not in set(missing)} if main else {}
-            present = gather_objects(state, present)[0]
-            for i, row in present.items():
-                rows[i] = row
+    lookup = _Lookup(
+        model,
+        examples,
+        pad_token_id,
+        root / ref_key,
+        [example_key(ref_key, e) for e in examples],
+        needs_entropy=model.reconstruction_cfg.token_weight_source == "entropy",
+        needs_hidden=model.latent_cfg.encoder_view == "attention",
+        stats=StoreStats(),
+        rows=[None] * len(examples),
+    )
+    pass_args = (batch_size, device, progress, state)
+    if rank_and_size(state)[1] == 1:
+        _fill_one_process(lookup, pass_args)
+    else:
+        _fill_several_processes(lookup, pass_args, state)
+    stats = lookup.stats
     stats.hits = len(examples) - stats.computed
-    stats.recomputed_bad = len(bad)
-    if main:
-        _touch([_entry_path(folder, keys[i]) for i in range(len(examples))])
+    stats.recomputed_bad = len(lookup.bad)
+    if is_main(state):
+        _touch([_entry_path(lookup.folder, key) for key in lookup.keys])
         if stats.computed:
             stats.evicted = evict(root, max_bytes)
     logger.info(
         "frozen pass: %d of %d examples from the feature cache %s, %d computed",
         stats.hits,
         len(examples),
-        folder,
+        lookup.folder,
         stats.computed,
     )
     last_stats = stats
-    return _assemble(rows, needs_entropy, needs_hidden)
+    return _assemble(lookup.rows, lookup.needs_entropy, lookup.needs_hidden)
+
+
+def _fill_one_process(lookup: _Lookup, pass_args: tuple) -> None:
+    """Read what the store has; under the reference's lock, read again, compute the rest and store it."""
+    missing = lookup.read(range(len(lookup.examples)))
+    if missing:
+        with locked(lookup.folder / ".lock"):
+            missing = lookup.read(missing)  # what another process wrote while this one waited
+            if missing:
+                lookup.compute(missing, *pass_args)
+                lookup.store(missing)
+
+
+def _fill_several_processes(lookup: _Lookup, pass_args: tuple, state) -> None:
+    """The main process reads and decides; every process shares the pass; the main one writes, and sends
+    what it read to the others."""
+    main = is_main(state)
+    with locked(lookup.folder / ".lock") if main else contextlib.nullcontext():
+        missing = lookup.read(range(len(lookup.examples))) if main else []
+        missing = gather_objects(state, missing if main else None)[0]
+        if missing:
+            lookup.compute(missing, *pass_args)
+        if main:
+            lookup.store(missing)
+        skip = set(missing)
+        present = {i: lookup.rows[i] for i in range(len(lookup.examples)) if i not in skip} if main else {}
+        for i, row in gather_objects(state, present)[0].items():
+            lookup.rows[i] = row
 
 
 def _touch(paths: Sequence[Path]) -> None:
