@@ -461,7 +461,7 @@ def test_json_with_a_non_finite_number_names_the_file(tmp_path):
 
 
 def test_parquet_rows_with_nan_are_refused(tmp_path):
-    from disentanglement.encode import write_rows
+    from disentanglement.latent_file import write_rows
 
     with pytest.raises(ValueError, match=r"rows\.parquet: not written: latent_gain is nan"):
         write_rows([{"latent_gain": float("nan"), "label": None}], tmp_path / "rows.parquet")
@@ -518,7 +518,7 @@ def test_generate_refuses_code_options_on_a_loaded_continuous_model_too(tiny_run
 def test_a_posterior_of_another_codebook_size_is_refused():
     from types import SimpleNamespace
 
-    from disentanglement.encode import code_examples
+    from disentanglement.latent_file import code_examples
 
     model = SimpleNamespace(is_discrete=True, num_slots=1, codebook_size=4)
     rows = [{"codes": [1], "posterior": [[0.5, 0.5]], "response": "a"}]

@@ -753,13 +753,13 @@ def run_generate(
             options.get("all_combinations"),
         )
     if isinstance(options.get("latents"), str | Path):
-        from .encode import read_latents
+        from .latent_file import read_latents
 
         options["latents"] = read_latents(options["latents"])
     if options.get("traverse") is not None:
         parse_range(options.get("traverse_range", (-3.0, 3.0)))
     if options.get("attributes"):
-        from .encode import parse_attribute
+        from .latent_file import parse_attribute
 
         for spec in options["attributes"]:
             parse_attribute(spec)

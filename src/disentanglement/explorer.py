@@ -19,7 +19,7 @@ Per group: its share of the data (per slot, the shares sum to 1), the mean KL an
 examples, its label distribution per factor (a string label is the factor ``label``; unlabelled examples
 are counted apart) beside each value's base rate (its share of all the page's data: the share a group shows
 by chance), its most confident examples (discrete: the highest posterior probability of the code,
-as ``encode.code_examples``; continuous: the nearest posterior means to the cluster's centroid), each with
+as ``latent_file.code_examples``; continuous: the nearest posterior means to the cluster's centroid), each with
 its response tokens coloured as ``inspect`` colours one example (:func:`inspection.token_values`; a
 selector switches the quantity: z-free surprisal ``b_t``, token weight ``pi_t``, gain ``b_t - l_t``, latent
 gain ``prior_nll - l_t``, ...), and greedy generations under the group's latent for a few prompts (discrete:

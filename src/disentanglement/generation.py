@@ -29,13 +29,13 @@ Latents read off data (``latents``: an encode file of ``disentangle encode``, or
   (so ``slot`` still sweeps one slot around them); continuous (mode ``row``): its ``mu``.
 - ``attribute`` (continuous): ``attributes`` ``["LABEL:SCALE", ...]``; the latent is the base (the row's
   ``mu`` with ``row``, else the prompt's prior mean) plus ``sum SCALE * (mean(mu | LABEL) - mean(mu))``
-  over the file's rows (:func:`encode.attribute_vector`); the base itself is generated first, for
+  over the file's rows (:func:`latent_file.attribute_vector`); the base itself is generated first, for
   comparison (``latent_description["base_only"]`` true).
 - ``traverse`` (continuous): dimension ``traverse`` of the base (with any attributes added) set to
   ``base[dim] + offset`` for ``steps`` offsets evenly spaced over ``traverse_range`` (``-3:3``, ends
   included; :func:`traversal_offsets`); each generation's description has ``offset`` and ``value``.
 - ``code_examples`` ``N`` (discrete): for every code the generations use, per slot, the ``N`` rows of the
-  file most typical of it (assigned to it, highest posterior probability; :func:`encode.code_examples`),
+  file most typical of it (assigned to it, highest posterior probability; :func:`latent_file.code_examples`),
   in ``result["code_examples"]``.
 
 Unless ``mode`` is given it is ``traverse`` with ``traverse``, ``attribute`` with ``attributes``, ``row``
@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from . import encode as encode_module
+from . import latent_file
 from .config import DataConfig, RunConfig
 from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary
 from .data import PromptResponse, collate, prompt_text_for_generation, tokenize_pairs
@@ -504,7 +504,7 @@ def _steering_plan(
 class _Steering:
     """What the latent file gives a call of :func:`generate` (checked against the model)."""
 
-    file: Any = None  # encode.LatentRows
+    file: Any = None  # latent_file.LatentRows
     row_value: list | None = None  # the row's codes or mu
     row_description: dict[str, Any] = field(default_factory=dict)
     attributes: list[tuple[torch.Tensor, dict[str, Any], float]] = field(default_factory=list)
@@ -566,14 +566,14 @@ def _check_steering(
         raise ValueError(
             f"--latents is read by --row, --attribute or --code-examples; give one of them ({family} model)"
         )
-    steering.file = encode_module._as_latent_rows(latents)
+    steering.file = latent_file.as_latent_rows(latents)
     if row is not None:
-        steering.row_value = encode_module.row_latent(model, steering.file, row)
+        steering.row_value = latent_file.row_latent(model, steering.file, row)
         source = steering.file.rows[row].get("source")
         steering.row_description = {"row": row, "row_source": source, "latents": steering.file.path}
     for spec in attributes:
-        label, scale = encode_module.parse_attribute(spec)
-        vector, description = encode_module.attribute_vector(model, steering.file, label)
+        label, scale = latent_file.parse_attribute(spec)
+        vector, description = latent_file.attribute_vector(model, steering.file, label)
         steering.attributes.append((vector, description, scale))
     return steering
 
@@ -677,7 +677,7 @@ def generate(
     """Generate responses to ``prompts`` under chosen latents (see the module docstring); ``progress`` shows a
     progress bar over the responses.
 
-    ``latents`` is an encode file's path, its :class:`encode.LatentRows` or its rows; ``row``,
+    ``latents`` is an encode file's path, its :class:`latent_file.LatentRows` or its rows; ``row``,
     ``attributes`` and ``code_examples`` need it. Example (a notebook)::
 
         generate(model, tokenizer, config, ["Hi"], latents="z.jsonl", attributes=["polite:2"])
@@ -785,7 +785,7 @@ def generate(
     if code_examples:
         used = sorted({(m, k) for c in choices for m, k in enumerate(c.description["codes"])})
         result["code_examples"] = [
-            encode_module.code_examples(model, steering.file, m, k, code_examples) for m, k in used
+            latent_file.code_examples(model, steering.file, m, k, code_examples) for m, k in used
         ]
     if reference_response is not None:
         result["reference_response"] = reference_response
