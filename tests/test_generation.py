@@ -21,12 +21,12 @@ from disentanglement.generation import (
     format_generations,
     generate,
     generation_inputs,
-    parse_codes,
     parse_range,
     prompt_features,
     traversal_offsets,
 )
 from disentanglement.latent_file import attribute_vector, code_examples, parse_attribute, read_latents, write_rows
+from disentanglement.latent_space import parse_codes
 from disentanglement.models import build_cvae
 from disentanglement.testing import detect_style
 from disentanglement.trainer import prepare_data

@@ -743,11 +743,12 @@ def run_generate(
     # the latent file and the steering options before the model loads
     if options.get("codes") is not None or options.get("slot") is not None or options.get("all_combinations"):
         from .config import load_run_config
-        from .generation import _check_discrete_options
+        from .generation import check_codes_options
+        from .latent_space import latent_space_of
 
         stored = load_run_config(resolve_run(checkpoint)[0] / "config.yaml")
-        _check_discrete_options(
-            stored.latent.latent == "discrete",
+        check_codes_options(
+            latent_space_of(stored.latent.latent),
             options.get("slot"),
             options.get("codes"),
             options.get("all_combinations"),

@@ -96,7 +96,7 @@ def encode_examples(
     if pairs is not None and len(pairs) != len(examples):
         raise ValueError(f"{len(pairs)} pairs were given for {len(examples)} examples")
     commands._check_at_least("batch_size", batch_size, 1)
-    discrete = model.is_discrete
+    space = model.latent_space
     device = next(model.parameters()).device
     E = len(examples)
     # evaluate's order: the same batches, so the same prior and importance samples
@@ -113,23 +113,7 @@ def encode_examples(
             gains = (scored.prior_nll.double().sum(-1) - scored.posterior_nll.double().sum(-1)).cpu().numpy()
             kl = scored.summary.kl_per_unit.double().sum(-1).cpu().numpy()
             iw = importance_weighted_nll(scored.iw_log_weights).double().cpu().numpy()
-            summary = scored.summary
-            if discrete:
-                # as evaluation.posterior_latents: the softmax of the posterior logits
-                probs = model.posterior_logits(model.encoder_outputs(features)).softmax(-1).float().cpu()
-                latent = {
-                    "codes": summary.codes.cpu().tolist(),
-                    "posterior": probs.tolist(),
-                    "prior_codes": summary.log_p.argmax(-1).cpu().tolist(),
-                    "prior": summary.log_p.exp().float().cpu().tolist(),
-                }
-            else:
-                latent = {
-                    "mu": summary.mu.float().cpu().tolist(),
-                    "logvar": summary.logvar.float().cpu().tolist(),
-                    "prior_mu": summary.prior_mu.float().cpu().tolist(),
-                    "prior_logvar": summary.prior_logvar.float().cpu().tolist(),
-                }
+            latent = space.row_fields(features, scored.summary)
             for row, index in enumerate(chunk):
                 n = int(counts[row])
                 scores[index] = {
@@ -236,24 +220,21 @@ def latent_vector(model: CVAEBase, latent: Any) -> torch.Tensor:
     (discrete: ``M * code_dim`` numbers, e.g. a mix of codebook entries; continuous: ``z``)."""
     import torch
 
-    discrete = model.is_discrete
+    space = model.latent_space
     device = next(model.parameters()).device
     if isinstance(latent, Mapping):
-        key = "codes" if discrete else "mu"
+        key = space.latent_key
         if key not in latent:
-            raise ValueError(f"a {'discrete' if discrete else 'continuous'} latent row needs the key {key!r}")
+            raise ValueError(f"a {space.kind} latent row needs the key {key!r}")
         latent = latent[key]
     values = latent.detach().cpu() if isinstance(latent, torch.Tensor) else torch.as_tensor(latent)
     values = values.flatten()
     L = model.latent_vector_dim
-    if discrete and not values.is_floating_point() and values.dtype != torch.bool and len(values) == model.num_slots:
-        codes = values.long()
-        if bool(((codes < 0) | (codes >= model.codebook_size)).any()):
-            raise ValueError(f"codes {codes.tolist()} must lie in [0, {model.codebook_size})")
-        return model.codes_to_vector(codes.unsqueeze(0).to(device))[0].detach()
+    forced = space.forced_vector(values)
+    if forced is not None:
+        return forced
     if len(values) != L:
-        expected = f"{model.num_slots} integer codes or {L} numbers" if discrete else f"{L} numbers"
-        raise ValueError(f"the latent has {len(values)} entries; expected {expected}")
+        raise ValueError(f"the latent has {len(values)} entries; expected {space.expected_entries()}")
     vector = values.double()
     if not bool(torch.isfinite(vector).all()):
         raise ValueError("the latent vector must be finite")

@@ -460,11 +460,25 @@ def evaluate(
     batches = score_examples(model, examples, cache, pad_token_id, scoring, batch_size, seed, progress, state=state)
     columns = concatenate_records(batches)
     last = batches[-1]
-    discrete = "codes" in columns  # the discrete family's posterior is codes, the continuous one's a mean
+    space = model.latent_space
+    report = _report_header(model, space.kind, len(examples), columns, seed)
+    report.update(nll_and_gain_report(columns))
+    report["prior_mixture"] = {"method": last.mixture_method, "latents": last.mixture_size}
+    report["reconstruction_terms"] = mean_reconstruction_terms(batches)
+    report.update(bound_report(columns, scoring.iw_samples, last.iw_exact))
+    report["kl"] = kl_report(columns["kl"], space.kl_units)
+    report.update(space.latent_report(columns, seed))
+    latents = {space.latent_key: columns[space.latent_key]}
+    report.update(label_report(model, latents, examples, factor_values, cache, seed))
+    return report
+
+
+def _report_header(model: CVAEBase, latent: str, examples: int, columns: dict[str, np.ndarray], seed: int) -> dict:
+    """The eval report's first fields: the family, the data's size, the seed and the token weighting."""
     cfg = model.reconstruction_cfg
-    report: dict = {
-        "latent": "discrete" if discrete else "continuous",
-        "examples": len(examples),
+    return {
+        "latent": latent,
+        "examples": examples,
         "response_tokens": int(columns["tokens"].sum()),
         "seed": seed,
         "token_weight_alpha": float(cfg.token_weight_alpha),
@@ -472,18 +486,6 @@ def evaluate(
         "token_weight_interpolation": float(cfg.token_weight_interpolation),
         "zfree_reference_scale": model.zfree_reference_scale,
     }
-    report.update(nll_and_gain_report(columns))
-    report["prior_mixture"] = {"method": last.mixture_method, "latents": last.mixture_size}
-    report["reconstruction_terms"] = mean_reconstruction_terms(batches)
-    report.update(bound_report(columns, scoring.iw_samples, last.iw_exact))
-    report["kl"] = kl_report(columns["kl"], "per_slot" if discrete else "per_dimension")
-    if discrete:
-        report.update(discrete_latent_report(columns["codes"], columns["probs"]))
-    else:
-        report.update(continuous_latent_report(columns["mu"], columns["logvar"], seed))
-    latents = {name: columns[name] for name in ("codes", "mu") if name in columns}
-    report.update(label_report(model, latents, examples, factor_values, cache, seed))
-    return report
 
 
 def score_examples(

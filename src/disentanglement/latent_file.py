@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import commands
+from .latent_space import LATENT_SPACES, ContinuousLatentSpace, DiscreteLatentSpace
 
 if TYPE_CHECKING:  # torch and the models load when a command runs, not for --help
     import torch
@@ -67,8 +68,8 @@ COMMON_KEYS = (
     "latent_gain_nats_per_token",
     "iw_nll",
 )
-DISCRETE_KEYS = ("codes", "posterior", "prior_codes", "prior")
-CONTINUOUS_KEYS = ("mu", "logvar", "prior_mu", "prior_logvar")
+DISCRETE_KEYS = DiscreteLatentSpace.row_keys
+CONTINUOUS_KEYS = ContinuousLatentSpace.row_keys
 FORMATS = (".jsonl", ".parquet")
 
 
@@ -210,66 +211,25 @@ def as_latent_rows(latents: LatentRows | str | Path | Sequence[Mapping[str, Any]
     return LatentRows("<rows>", rows)
 
 
-def _model_kind(model: CVAEBase) -> tuple[bool, str]:
-    discrete = model.is_discrete
-    return discrete, "discrete" if discrete else "continuous"
-
-
 def _row_value(model: CVAEBase, file: LatentRows, index: int) -> list:
     """Row ``index``'s ``codes`` (discrete: ``M`` integers in ``[0, K)``) or ``mu`` (continuous: ``D`` finite
     numbers), checked against the model; a ``ValueError`` naming the file, row and field otherwise."""
-    discrete, kind = _model_kind(model)
+    space = model.latent_space
     row = file.rows[index]
-    key, other = ("codes", "mu") if discrete else ("mu", "codes")
+    key = space.latent_key
     where = f"--latents {file.path} row {index}"
     if key not in row or row[key] is None:
-        if other in row:
-            family = "continuous" if discrete else "discrete"
+        other = next((s for s in LATENT_SPACES if s.latent_key != key and s.latent_key in row), None)
+        if other is not None:
             raise ValueError(
-                f"{where} has {other!r}, not {key!r}: it is an encode file of a {family} model, and this checkpoint "
-                f"is {kind}; encode the data with this checkpoint"
+                f"{where} has {other.latent_key!r}, not {key!r}: it is an encode file of a {other.kind} model, and "
+                f"this checkpoint is {space.kind}; encode the data with this checkpoint"
             )
         raise ValueError(f"{where} has no {key!r} field: not a row of disentangle encode")
     value = row[key]
     if not isinstance(value, list | tuple):
         raise ValueError(f"{where}: {key!r} must be a list, got {value!r}")
-    if discrete:
-        M, K = model.num_slots, model.codebook_size
-        if len(value) != M:
-            raise ValueError(f"{where}: 'codes' has {len(value)} entries; this checkpoint has {M} slot(s)")
-        for code in value:
-            if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code < K:
-                raise ValueError(f"{where}: code {code!r} is not an integer in [0, {K}) (this checkpoint's codebook)")
-        return [int(c) for c in value]
-    D = model.latent_vector_dim
-    if len(value) != D:
-        raise ValueError(f"{where}: 'mu' has {len(value)} entries; this checkpoint's latent has {D} dimensions")
-    for v in value:
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise ValueError(f"{where}: 'mu' holds {v!r}; expected finite numbers")
-    return [float(v) for v in value]
-
-
-def _row_posterior(model: CVAEBase, file: LatentRows, index: int) -> list[list[float]]:
-    """Row ``index``'s ``posterior``: ``M`` lists of ``K`` probabilities (this checkpoint's slots and codebook);
-    a ``ValueError`` naming the file, row and field otherwise (a posterior of another K is never read)."""
-    M, K = model.num_slots, model.codebook_size
-    posterior = file.rows[index].get("posterior")
-    where = f"--latents {file.path} row {index}: 'posterior'"
-    if not isinstance(posterior, list | tuple) or len(posterior) != M:
-        got = f"{len(posterior)} entries" if isinstance(posterior, list | tuple) else repr(posterior)
-        raise ValueError(f"{where} must be {M} list(s) of {K} probabilities (this checkpoint's slots), got {got}")
-    for m, probs in enumerate(posterior):
-        if not isinstance(probs, list | tuple) or len(probs) != K:
-            got = f"{len(probs)} entries" if isinstance(probs, list | tuple) else repr(probs)
-            raise ValueError(
-                f"{where} of slot {m} must have {K} probabilities (this checkpoint's codebook size), got {got}: "
-                "an encode file of another checkpoint?"
-            )
-        for p in probs:
-            if isinstance(p, bool) or not isinstance(p, int | float) or not (math.isfinite(p) and 0 <= p <= 1):
-                raise ValueError(f"{where} of slot {m} holds {p!r}; expected probabilities in [0, 1]")
-    return [[float(p) for p in probs] for probs in posterior]
+    return space.parse_row_latent(value, where)
 
 
 def row_latent(model: CVAEBase, latents: LatentRows | str | Path | Sequence[Mapping[str, Any]], index: int) -> list:
@@ -352,9 +312,7 @@ def attribute_vector(
     """
     import torch
 
-    discrete, _ = _model_kind(model)
-    if discrete:
-        raise ValueError("--attribute needs a continuous model (a discrete model is steered by forcing codes)")
+    model.latent_space.require("attribute")
     file = as_latent_rows(latents)
     factor, value = resolve_label(file, label)
     mu = torch.tensor([_row_value(model, file, i) for i in range(len(file))], dtype=torch.float64)  # [E, D]
@@ -378,9 +336,8 @@ def code_examples(
     Returns ``{slot, code, rows_with_code, share, examples}``; each example ``{row, source, prompt, response,
     label, probability}``. Every row's codes are checked against the model.
     """
-    discrete, kind = _model_kind(model)
-    if not discrete:
-        raise ValueError("code examples need a discrete model")
+    space = model.latent_space
+    space.require("code examples")
     file = as_latent_rows(latents)
     if not 0 <= slot < model.num_slots or not 0 <= code < model.codebook_size:
         raise ValueError(f"slot {slot} / code {code} is outside [0, {model.num_slots}) x [0, {model.codebook_size})")
@@ -389,7 +346,7 @@ def code_examples(
     for i in range(len(file.rows)):
         if _row_value(model, file, i)[slot] != code:
             continue
-        probability = _row_posterior(model, file, i)[slot][code]
+        probability = space.row_posterior(file, i)[slot][code]
         assigned.append((probability, i))
     assigned.sort(key=lambda t: (-t[0], t[1]))
     examples = [
