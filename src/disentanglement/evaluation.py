@@ -34,6 +34,7 @@ from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary, PriorMixture
 from .data import Batch, Example, collate, label_factor_names, label_factors
 from .distributed import gather_objects, rank_and_size
 from .features import FeatureCache
+from .latent_space import LatentSpace
 from .losses import reconstruction_loss_stack
 from .metrics import (
     active_units,
@@ -298,8 +299,9 @@ class BatchRecords:
         return len(self.columns["index"])
 
 
-def batch_records(scores: BatchScores, indices: Sequence[int]) -> BatchRecords:
-    """The per-example records of a scored batch whose rows are the examples ``indices``."""
+def batch_records(scores: BatchScores, indices: Sequence[int], space: LatentSpace) -> BatchRecords:
+    """The per-example records of a scored batch whose rows are the examples ``indices``; the posterior's
+    columns are those of the model's latent ``space``."""
 
     def column(values: torch.Tensor) -> np.ndarray:
         return values.cpu().numpy().astype(np.float64)
@@ -317,12 +319,7 @@ def batch_records(scores: BatchScores, indices: Sequence[int]) -> BatchRecords:
     columns["reconstruction"] = column(scores.iw_sequence_nll.mean(0))
     summary = scores.summary
     columns["kl"] = column(summary.kl_per_unit.double())
-    if summary.codes is not None:
-        columns["codes"] = summary.codes.cpu().numpy().astype(np.int64)
-        columns["probs"] = column(summary.log_q.exp().double())
-    else:
-        columns["mu"] = column(summary.mu.double())
-        columns["logvar"] = column(summary.logvar.double())
+    columns.update(space.record_columns(summary))
     return BatchRecords(
         columns,
         scores.reconstruction_terms,
@@ -518,7 +515,7 @@ def score_examples(
             chunk = order[starts[number] : starts[number] + batch_size]
             batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
             scores = score_batch(model, batch, cache.features(batch), scoring)
-            batches.append((number, batch_records(scores, chunk)))
+            batches.append((number, batch_records(scores, chunk, model.latent_space)))
     if size > 1:
         batches = sorted((pair for part in gather_objects(state, batches) for pair in part), key=lambda pair: pair[0])
     return [records for _, records in batches]

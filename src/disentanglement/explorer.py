@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from . import commands
 from .config import DEFAULT_SCORING, Scoring
 from .data import label_factors
+from .latent_space import latent_space_of
 from .report import (
     TOKEN_COLOUR_JS,
     _colour,
@@ -552,7 +553,7 @@ def _example_html(index: int, example: Mapping[str, Any], confidence: float, pag
             f'<span class="tok" data-e="{index}" data-i="{t}" title="{_esc(tip)}" style="{style}">'
             f"{_token_text_html(str(token))}</span>"
         )
-    what = "posterior probability" if page["latent"] == "discrete" else "minus distance to the centroid"
+    what = latent_space_of(page["latent"]).confidence
     label = "" if example["label"] is None else f" · label {_esc(example['label'])}"
     return (
         f'<div class="example" data-example="{index}"><div class="head">{_esc(example["source"])}{label} · '

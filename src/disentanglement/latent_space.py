@@ -11,8 +11,9 @@ family:
   a given latent as the decoder's vector (:meth:`LatentSpace.forced_vector`);
 - ``generation.py``: the default mode and the steering plan (:meth:`LatentSpace.default_mode`,
   :meth:`LatentSpace.plan`, the latents to decode for a :class:`SteeringRequest`);
-- ``evaluation.py``: the KL unit and the latent's report columns (:meth:`LatentSpace.latent_report`);
-- ``explorer.py``: the explorer's groups (:meth:`LatentSpace.explorer_groups`).
+- ``evaluation.py``: the posterior's columns of the eval records (:meth:`LatentSpace.record_columns`), the KL
+  unit and the latent's report columns (:meth:`LatentSpace.latent_report`);
+- ``explorer.py``: the explorer's groups (:meth:`LatentSpace.explorer_groups`) and what their confidence is.
 
 What a family cannot do is refused with its own message: :meth:`LatentSpace.require` raises the
 ``ValueError`` of :attr:`LatentSpace.unsupported` (e.g. ``--attribute`` on a discrete model).
@@ -70,6 +71,7 @@ class LatentSpace:
     latent_key: ClassVar[str]  # the key of a row's latent in the latent file
     row_keys: ClassVar[tuple[str, ...]]  # the family's keys of a latent-file row, in the order written
     kl_units: ClassVar[str]  # the eval report's name of the KL per unit: "per_slot" or "per_dimension"
+    confidence: ClassVar[str]  # what an explorer group's confidence in an example is, for the page
     #: What the family cannot do, and the message that refuses it (``str.format`` fields from :meth:`require`).
     unsupported: ClassVar[dict[str, str]] = {}
 
@@ -109,6 +111,10 @@ class LatentSpace:
         """The latents to decode for ``request``, per prompt of ``features``."""
         raise NotImplementedError
 
+    def record_columns(self, summary: PosteriorSummary) -> dict[str, Any]:
+        """The posterior's columns of a batch's eval records (``evaluation.BatchRecords``), numpy arrays."""
+        raise NotImplementedError
+
     def latent_report(self, columns: Mapping[str, Any], seed: int) -> dict:
         """The eval report's latent columns from the posterior's records (``evaluation.BatchRecords``)."""
         raise NotImplementedError
@@ -128,6 +134,7 @@ class DiscreteLatentSpace(LatentSpace):
     latent_key = "codes"
     row_keys = ("codes", "posterior", "prior_codes", "prior")
     kl_units = "per_slot"
+    confidence = "posterior probability"
     unsupported: ClassVar[dict[str, str]] = {
         **{
             f"mode {mode}": f"{flag} needs a continuous model; a discrete model is steered with --codes or --row"
@@ -220,6 +227,15 @@ class DiscreteLatentSpace(LatentSpace):
                 choice.label = f"row {request.row} {choice.label}"
         return choices
 
+    def record_columns(self, summary: PosteriorSummary) -> dict[str, Any]:
+        """``codes [B, M]`` (int64) and ``probs [B, M, K]`` (the effective posterior, float64)."""
+        import numpy as np
+
+        return {
+            "codes": summary.codes.cpu().numpy().astype(np.int64),
+            "probs": summary.log_q.exp().double().cpu().numpy().astype(np.float64),
+        }
+
     def latent_report(self, columns: Mapping[str, Any], seed: int) -> dict:
         from .evaluation import discrete_latent_report
 
@@ -248,6 +264,7 @@ class ContinuousLatentSpace(LatentSpace):
     latent_key = "mu"
     row_keys = ("mu", "logvar", "prior_mu", "prior_logvar")
     kl_units = "per_dimension"
+    confidence = "minus distance to the centroid"
     unsupported: ClassVar[dict[str, str]] = {
         "mode codes": "mode 'codes' needs a discrete model; use prior, posterior or interpolate",
         "code examples": "code examples need a discrete model",
@@ -302,6 +319,15 @@ class ContinuousLatentSpace(LatentSpace):
             request.posteriors,
             request.posteriors_b,
         )
+
+    def record_columns(self, summary: PosteriorSummary) -> dict[str, Any]:
+        """``mu`` and ``logvar`` ``[B, D]`` (float64)."""
+        import numpy as np
+
+        return {
+            "mu": summary.mu.double().cpu().numpy().astype(np.float64),
+            "logvar": summary.logvar.double().cpu().numpy().astype(np.float64),
+        }
 
     def latent_report(self, columns: Mapping[str, Any], seed: int) -> dict:
         from .evaluation import continuous_latent_report
