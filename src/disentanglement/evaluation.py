@@ -34,7 +34,7 @@ from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary, PriorMixture
 from .data import Batch, Example, collate, label_factor_names, label_factors
 from .distributed import gather_objects, rank_and_size
 from .features import FeatureCache
-from .latent_space import LatentSpace
+from .latent_space import LatentSpace, latent_space_of_latents
 from .losses import reconstruction_loss_stack
 from .metrics import (
     active_units,
@@ -44,7 +44,6 @@ from .metrics import (
     factor_agreement,
     gaussian_mutual_information,
     importance_weighted_nll,
-    kmeans_assignments,
     label_agreement,
     nats_to_bits,
     posterior_mean_variance,
@@ -76,13 +75,7 @@ def posterior_latents(
 def latent_assignments(latents: dict[str, np.ndarray], num_clusters: int, seed: int = 0) -> np.ndarray:
     """One cluster id per example: the argmax code (single slot) or code tuple id (several slots);
     k-means of posterior means for the continuous model."""
-    if "codes" in latents:
-        codes = latents["codes"]
-        if codes.shape[1] == 1:
-            return codes[:, 0]
-        _, ids = np.unique(codes, axis=0, return_inverse=True)
-        return ids.reshape(-1)
-    return kmeans_assignments(latents["mu"], num_clusters, seed=seed)
+    return latent_space_of_latents(latents).assignments(latents, num_clusters, seed)
 
 
 def example_factor_values(examples: Sequence[Example]) -> dict[str, list[str]] | None:
@@ -152,9 +145,9 @@ def factor_agreements(
     for name, values in factor_values.items():
         assignments = latent_assignments(latents, min(len(set(values)), E), seed=seed)
         entry = factor_agreement(assignments, values, kmeans_features, seed, permutations, kmeans_cache)
-        codes = latents.get("codes")
-        if codes is not None and codes.shape[1] > 1:
-            entry["latent_per_slot"] = [agreement_scores(codes[:, m], values) for m in range(codes.shape[1])]
+        per_slot = model.latent_space.slot_assignments(latents)
+        if per_slot:
+            entry["latent_per_slot"] = [agreement_scores(slot, values) for slot in per_slot]
         out[name] = entry
     return out
 
@@ -558,10 +551,11 @@ def label_report(
         return report
     labels = [e.label for e in examples]
     has_labels = all(isinstance(label, str) for label in labels)
-    codes = latents.get("codes")
-    if has_labels and codes is not None and codes.shape[1] > 1:
-        report["label_agreement_per_slot"] = [label_agreement(codes[:, m], labels) for m in range(codes.shape[1])]
-    report["label_assignment"] = "argmax code" if codes is not None else "k-means of posterior means"
+    space = model.latent_space
+    per_slot = space.slot_assignments(latents)
+    if has_labels and per_slot:
+        report["label_agreement_per_slot"] = [label_agreement(slot, labels) for slot in per_slot]
+    report["label_assignment"] = space.assignment
     if has_labels:
         assignments = latent_assignments(latents, min(len(set(labels)), len(examples)), seed=seed)
         agreement = label_agreement(assignments, labels)

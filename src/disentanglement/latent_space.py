@@ -72,6 +72,7 @@ class LatentSpace:
     row_keys: ClassVar[tuple[str, ...]]  # the family's keys of a latent-file row, in the order written
     kl_units: ClassVar[str]  # the eval report's name of the KL per unit: "per_slot" or "per_dimension"
     confidence: ClassVar[str]  # what an explorer group's confidence in an example is, for the page
+    assignment: ClassVar[str]  # how the eval report assigns examples to groups of the latent, for the report
     #: What the family cannot do, and the message that refuses it (``str.format`` fields from :meth:`require`).
     unsupported: ClassVar[dict[str, str]] = {}
 
@@ -119,6 +120,14 @@ class LatentSpace:
         """The eval report's latent columns from the posterior's records (``evaluation.BatchRecords``)."""
         raise NotImplementedError
 
+    def assignments(self, latents: Mapping[str, Any], num_clusters: int, seed: int) -> Any:
+        """One group id per example of the posterior ``latents`` (``evaluation.posterior_latents``), ``[E]``."""
+        raise NotImplementedError
+
+    def slot_assignments(self, latents: Mapping[str, Any]) -> list[Any]:
+        """Each slot's own assignment ``[E]`` when the latent has several slots (else none)."""
+        return []
+
     def explorer_groups(
         self, rows: Sequence[Mapping[str, Any]], count: int, clusters: int | None, seed: int
     ) -> list[dict[str, Any]]:
@@ -135,6 +144,7 @@ class DiscreteLatentSpace(LatentSpace):
     row_keys = ("codes", "posterior", "prior_codes", "prior")
     kl_units = "per_slot"
     confidence = "posterior probability"
+    assignment = "argmax code"
     unsupported: ClassVar[dict[str, str]] = {
         **{
             f"mode {mode}": f"{flag} needs a continuous model; a discrete model is steered with --codes or --row"
@@ -241,6 +251,20 @@ class DiscreteLatentSpace(LatentSpace):
 
         return discrete_latent_report(columns["codes"], columns["probs"])
 
+    def assignments(self, latents: Mapping[str, Any], num_clusters: int, seed: int) -> Any:
+        """The argmax code (single slot) or code tuple id (several slots)."""
+        import numpy as np
+
+        codes = latents["codes"]
+        if codes.shape[1] == 1:
+            return codes[:, 0]
+        _, ids = np.unique(codes, axis=0, return_inverse=True)
+        return ids.reshape(-1)
+
+    def slot_assignments(self, latents: Mapping[str, Any]) -> list[Any]:
+        codes = latents["codes"]
+        return [codes[:, m] for m in range(codes.shape[1])] if codes.shape[1] > 1 else []
+
     def explorer_groups(
         self, rows: Sequence[Mapping[str, Any]], count: int, clusters: int | None, seed: int
     ) -> list[dict[str, Any]]:
@@ -265,6 +289,7 @@ class ContinuousLatentSpace(LatentSpace):
     row_keys = ("mu", "logvar", "prior_mu", "prior_logvar")
     kl_units = "per_dimension"
     confidence = "minus distance to the centroid"
+    assignment = "k-means of posterior means"
     unsupported: ClassVar[dict[str, str]] = {
         "mode codes": "mode 'codes' needs a discrete model; use prior, posterior or interpolate",
         "code examples": "code examples need a discrete model",
@@ -334,6 +359,12 @@ class ContinuousLatentSpace(LatentSpace):
 
         return continuous_latent_report(columns["mu"], columns["logvar"], seed)
 
+    def assignments(self, latents: Mapping[str, Any], num_clusters: int, seed: int) -> Any:
+        """k-means of the posterior means (``metrics.kmeans_assignments``)."""
+        from .metrics import kmeans_assignments
+
+        return kmeans_assignments(latents["mu"], num_clusters, seed=seed)
+
     def explorer_groups(
         self, rows: Sequence[Mapping[str, Any]], count: int, clusters: int | None, seed: int
     ) -> list[dict[str, Any]]:
@@ -361,6 +392,12 @@ def latent_space_of(family: str) -> LatentSpace:
     """The latent space of the family named ``family`` (``LatentConfig.latent``) without a model: for the
     checks made before a checkpoint loads (what the family supports)."""
     return {space.kind: space for space in LATENT_SPACES}[family](None)  # type: ignore[arg-type]
+
+
+def latent_space_of_latents(latents: Mapping[str, Any]) -> LatentSpace:
+    """The latent space (without a model) whose latent ``latents`` hold (``codes`` or ``mu``, as
+    ``evaluation.posterior_latents`` gives them)."""
+    return next(space for space in LATENT_SPACES if space.latent_key in latents)(None)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- the steering plans
