@@ -48,10 +48,12 @@ if TYPE_CHECKING:  # torch and the models load when a command runs, not for --he
     import torch
 
     from .config import RunConfig
-    from .cvae_base import CVAEBase
+    from .cvae_base import CVAEBase, FrozenFeatures
     from .data import Example, PromptResponse
+    from .evaluation import BatchScores
     from .features import FeatureCache
     from .generation import SamplingOptions
+    from .latent_space import LatentSpace
 
 
 # --------------------------------------------------------------------------- rows
@@ -82,7 +84,6 @@ def encode_examples(
 
     from .data import collate
     from .evaluation import score_batch
-    from .metrics import importance_weighted_nll
     from .reference import eval_mode
 
     if not examples:
@@ -96,7 +97,7 @@ def encode_examples(
     if pairs is not None and len(pairs) != len(examples):
         raise ValueError(f"{len(pairs)} pairs were given for {len(examples)} examples")
     commands._check_at_least("batch_size", batch_size, 1)
-    space = model.latent_space
+    space = model.latent_space  # the family's fields of a row
     device = next(model.parameters()).device
     E = len(examples)
     # evaluate's order: the same batches, so the same prior and importance samples
@@ -109,20 +110,8 @@ def encode_examples(
             batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
             features = cache.features(batch)
             scored = score_batch(model, batch, features, scoring)
-            counts = scored.target.sum(-1).cpu().numpy()
-            gains = (scored.prior_nll.double().sum(-1) - scored.posterior_nll.double().sum(-1)).cpu().numpy()
-            kl = scored.summary.kl_per_unit.double().sum(-1).cpu().numpy()
-            iw = importance_weighted_nll(scored.iw_log_weights).double().cpu().numpy()
-            latent = space.row_fields(features, scored.summary)
-            for row, index in enumerate(chunk):
-                n = int(counts[row])
-                scores[index] = {
-                    "response_tokens": n,
-                    "kl": float(kl[row]),
-                    "latent_gain_nats_per_token": float(gains[row]) / n,
-                    "iw_nll": float(iw[row]),
-                    **{key: values[row] for key, values in latent.items()},
-                }
+            for index, row_scores in zip(chunk, _batch_row_scores(space, features, scored), strict=True):
+                scores[index] = row_scores
     rows = []
     for index, example in enumerate(examples):
         pair = pairs[index] if pairs is not None else None
@@ -136,6 +125,31 @@ def encode_examples(
             }
         )
     return rows
+
+
+def _batch_row_scores(space: LatentSpace, features: FrozenFeatures, scored: BatchScores) -> list[dict[str, Any]]:
+    """The scores of a batch scored by ``evaluation.score_batch``, one dict per example in batch order:
+    ``response_tokens``, ``kl``, ``latent_gain_nats_per_token``, ``iw_nll`` and the latent ``space``'s fields."""
+    from .metrics import importance_weighted_nll
+
+    counts = scored.target.sum(-1).cpu().numpy()
+    gains = (scored.prior_nll.double().sum(-1) - scored.posterior_nll.double().sum(-1)).cpu().numpy()
+    kl = scored.summary.kl_per_unit.double().sum(-1).cpu().numpy()
+    iw = importance_weighted_nll(scored.iw_log_weights).double().cpu().numpy()
+    latent = space.row_fields(features, scored.summary)
+    out = []
+    for row in range(len(counts)):
+        n = int(counts[row])
+        out.append(
+            {
+                "response_tokens": n,
+                "kl": float(kl[row]),
+                "latent_gain_nats_per_token": float(gains[row]) / n,
+                "iw_nll": float(iw[row]),
+                **{key: values[row] for key, values in latent.items()},
+            }
+        )
+    return out
 
 
 def raw_pairs(data: str | None, config: RunConfig, examples: Sequence[Example]) -> list[PromptResponse]:
