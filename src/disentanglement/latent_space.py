@@ -73,13 +73,16 @@ class LatentSpace:
     kl_units: ClassVar[str]  # the eval report's name of the KL per unit: "per_slot" or "per_dimension"
     confidence: ClassVar[str]  # what an explorer group's confidence in an example is, for the page
     assignment: ClassVar[str]  # how the eval report assigns examples to groups of the latent, for the report
-    #: What the family cannot do, and the message that refuses it (``str.format`` fields from :meth:`require`).
+    #: What the family cannot do, and the message that refuses it (``str.format`` fields from :meth:`require`):
+    #: ``"mode M"`` (generation mode ``M``), ``"attribute"`` (attribute vectors), ``"code examples"``,
+    #: ``"--code-examples"`` (generate's), ``"codes options"`` (``--codes``, ``--slot``, ``--all-combinations``).
     unsupported: ClassVar[dict[str, str]] = {}
 
     def __init__(self, model: CVAEBase) -> None:
         self.model = model
 
     def supports(self, what: str) -> bool:
+        """Whether the family can do ``what`` (a key of :attr:`unsupported`)."""
         return what not in self.unsupported
 
     def require(self, what: str, **fields: Any) -> None:
