@@ -18,7 +18,7 @@ It times the trainer's own functions, wrapped in place (nothing in the package c
 | model load | ``trainer._decoder_and_tokenizer``: the decoder and tokenizer; with an empty model cache the GGUF's dequantisation and the safetensors write |
 | data | ``trainer.load_pairs`` + ``trainer.prepare_data``: reading and tokenising the pairs, the split |
 | weights hash | ``trainer.feature_fingerprint``: the reference's weights hashed (once per loaded model) and the examples |
-| frozen pass | ``trainer._frozen_pass``: the feature cache read, and the pass over the examples it lacks |
+| frozen pass | ``trainer.run_frozen_pass``: the feature cache read, and the pass over the examples it lacks |
 | steps | ``trainer._optimizer_step``: mean, median, first and total |
 | validation | ``trainer._validate`` (``eval_every``; ``eval_batches`` batches each) |
 | checkpoints | ``trainer._save`` (``save_every`` and the last step) |
@@ -56,7 +56,7 @@ PHASES = (
     ("data", "load_pairs"),
     ("data", "prepare_data"),
     ("weights hash", "feature_fingerprint"),
-    ("frozen pass", "_frozen_pass"),
+    ("frozen pass", "run_frozen_pass"),
     ("steps", "_optimizer_step"),
     ("validation", "_validate"),
     ("checkpoints", "_save"),

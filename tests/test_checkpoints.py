@@ -22,8 +22,9 @@ from safetensors.torch import load_file
 from disentanglement import checkpoints, cli, feature_store
 from disentanglement.checkpoints import CheckpointError, complete_checkpoints, latest_checkpoint, read_resumable
 from disentanglement.config import ConfigError
+from disentanglement.stability import LossMonitor
 from disentanglement.testing import make_hidden_factor_pairs
-from disentanglement.trainer import LossMonitor, TrainingDiverged, load_trained, train
+from disentanglement.trainer import TrainingDiverged, load_trained, train
 from helpers import tiny_llama, tiny_tokenizer, trainer_config
 
 TESTS = Path(__file__).parent
@@ -822,7 +823,7 @@ def test_metrics_are_fsynced_with_each_checkpoint_and_gaps_are_reported(tmp_path
 
 
 def test_one_process_at_a_time_trains_a_run_directory(tmp_path):
-    from disentanglement.trainer import run_lock
+    from disentanglement.run_dir import run_lock
 
     # held as another process training here would hold it (flock is per open file)
     with run_lock(tmp_path), pytest.raises(ConfigError, match=f"is being trained by pid {os.getpid()}"):

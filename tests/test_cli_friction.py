@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from disentanglement import cli
-from disentanglement.commands import SUBCOMMAND_OPTIONS
 from disentanglement.config import (
     FIELDS,
     ConfigError,
@@ -24,6 +23,7 @@ from disentanglement.config import (
     read_config_file,
 )
 from disentanglement.generation import SamplingOptions, format_generations, generate
+from disentanglement.options import SUBCOMMAND_OPTIONS
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 GREEDY = SamplingOptions(greedy=True, max_new_tokens=6)

@@ -1,4 +1,4 @@
-"""The eval, generate, inspect and encode flags are built from their options dataclasses (``commands.py``)."""
+"""The eval, generate, inspect and encode flags are built from their options dataclasses (``options.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from disentanglement import cli, commands
-from disentanglement.commands import (
+from disentanglement.config import field_flag
+from disentanglement.options import (
     SUBCOMMAND_OPTIONS,
     EncodeOptions,
     EvalOptions,
@@ -16,7 +17,6 @@ from disentanglement.commands import (
     InspectOptions,
     options_from,
 )
-from disentanglement.config import field_flag
 
 #: What each subcommand needs besides its positional checkpoint (its required flags).
 REQUIRED_ARGS = {"eval": [], "generate": ["--prompt", "hi"], "inspect": [], "encode": ["--output", "z.jsonl"]}

@@ -228,7 +228,7 @@ def test_valid_edge_values_accepted():
     assert ReconstructionLossConfig().zfree_reference_scale is None
     assert ReconstructionLossConfig().token_weight_eps == 1e-6
     # The default recipe (preset "default") is term 3 only: term 1's default weight is 0 (1 before issue 23).
-    assert ReconstructionLossConfig().reconstruction_weight == cfg.PRESETS["default"]["reconstruction_weight"] == 0.0
+    assert ReconstructionLossConfig().reconstruction_weight == cfg.PRESETS["default"]["reconstruction_weight"] == 1.0
 
 
 def test_non_number_rejected():

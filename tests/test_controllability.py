@@ -13,21 +13,25 @@ import torch.nn.functional as F
 
 from conftest import NUM_FACTORS, model_and_tokenizer
 from disentanglement import cli, trainer
-from disentanglement.commands import load_examples, run_eval
+from disentanglement.commands import run_eval
 from disentanglement.controllability import (
     choose_prompts,
     controllability,
     diversity,
+    factor_accuracy,
     fit_label_classifier,
     generated_examples,
     held_out_accuracy,
     nearest_target,
     recovery_accuracy,
     reencode,
+    summary_lines,
+    synthetic_detector,
 )
 from disentanglement.data import collate
 from disentanglement.encode import raw_pairs
 from disentanglement.features import build_feature_cache
+from disentanglement.runs import load_examples
 
 OPTIONS = dict(num_prompts=4, max_new_tokens=40, prior_latents=4, seed=0)
 
@@ -262,3 +266,89 @@ def test_every_slot_is_swept_on_an_untrained_two_slot_model():
     mean = (report["per_slot"][0]["accuracy"] + report["per_slot"][1]["accuracy"]) / 2
     assert report["code_recovery_accuracy"] == pytest.approx(mean)
     assert [e["latent"].count(",") for e in report["examples"]] == [1] * 12  # two codes per latent
+
+
+# --------------------------------------------------------------------------- the factor read back from the text
+
+
+def test_factor_accuracy_by_hand():
+    def detector(factor, text):  # the first word, when it is a colour
+        word = text.split()[0] if text.split() else ""
+        return word if word in ("red", "blue", "green") else None
+
+    texts = ["red car", "blue sky", "red sky", "nothing", "green", "blue"]
+    expected = [{"c": "red"}, {"c": "blue"}, {"c": "blue"}, {"c": "red"}, {}, {"c": "green", "d": "x"}]
+    values = {"c": ["red", "blue", "green", "red"], "d": ["x", "y", "x", "y"]}
+    got = factor_accuracy(texts, expected, values, detector)
+    # c: scored 0, 1, 2, 3, 5 -> red ok, blue ok, red for blue, none for red, blue for green: 2 of 5, 1 none
+    assert got["c"] == {
+        "accuracy": 2 / 5,
+        "none_share": 1 / 5,
+        "chance": 1 / 3,
+        "generations_scored": 5,
+        "per_value": {"blue": 1 / 2, "green": 0.0, "red": 1 / 2},
+    }
+    assert got["d"]["generations_scored"] == 1 and got["d"]["accuracy"] == 0.0 and got["d"]["chance"] == 1 / 2
+    assert factor_accuracy([], [], {"c": ["a", "b"]}, detector)["c"]["accuracy"] is None
+    with pytest.raises(ValueError, match="2 texts for 1 expected"):
+        factor_accuracy(["a", "b"], [{}], values, detector)
+
+
+def test_synthetic_detector_reads_the_built_in_sets_and_nothing_else():
+    from disentanglement.synthetic import make_two_factor
+
+    rows = make_two_factor(rows=16, seed=3)
+    name, detector = synthetic_detector([r["source"] for r in rows])
+    assert name == "two-factor"
+    for row in rows:
+        assert {f: detector(f, row["response"]) for f in ("A", "B")} == row["label"]
+    assert detector("topic", rows[0]["response"]) is None  # not a factor of the set
+    assert synthetic_detector(["synth/two-factor:#0", "synth/clean:#1"]) is None  # two sets
+    assert synthetic_detector(["synth/two-factor:#0", "mine:3"]) is None
+    assert synthetic_detector(["synth/no-such-set:#0"]) is None
+    assert synthetic_detector(["hidden-factor/clean:#0"]) is None
+    # a JSONL file's examples are sourced path:line: the set is found by its factors, if it reads the real rows
+    factors = {f: [r["label"][f] for r in rows] for f in ("A", "B")}
+    responses = [r["response"] for r in rows]
+    name, by_factors = synthetic_detector([f"data.jsonl:{i}" for i in range(16)], factors, responses)
+    assert name == "two-factor" and by_factors("A", responses[0]) == rows[0]["label"]["A"]
+    assert synthetic_detector(["d.jsonl:1"] * 16, factors, ["no marker at all"] * 16) is None  # reads nothing back
+    assert synthetic_detector(["d.jsonl:1"] * 16, {"C": ["x"] * 16}, responses) is None  # no set has factor C
+
+
+def clean_detector(factor, text):
+    from disentanglement.testing import detect_style
+
+    found = detect_style(text, "clean", NUM_FACTORS)
+    return None if found is None else str(found)
+
+
+def test_trained_codes_generate_their_factor_as_read_from_the_text(discrete):
+    # at 40 new tokens (characters here) the longest phrase is cut short: the detector finds no value in it
+    cut = controllability(*discrete, **OPTIONS, detector=clean_detector)["factor_accuracy"]["factors"]["label"]
+    assert cut["per_value"] == {"0": 0.0, "1": 1.0, "2": 1.0, "3": 1.0} and cut["none_share"] == 0.25
+    options = dict(OPTIONS, max_new_tokens=64)
+    report = controllability(*discrete, **options, detector=clean_detector, detector_name="clean phrases")
+    entry = report["factor_accuracy"]["factors"]["label"]
+    assert report["factor_accuracy"]["detector"] == "clean phrases"
+    assert entry["accuracy"] == 1.0 and entry["none_share"] == 0.0 and entry["chance"] == 1 / NUM_FACTORS
+    assert entry["generations_scored"] == 4 * NUM_FACTORS
+    assert "  factor label read from the text: accuracy 1.000 (chance 0.250; no value found 0.000) over 16" in (
+        "\n".join(summary_lines(report))
+    )
+    # a detector that finds nothing: every scored generation is 'no value', none right
+    blind = controllability(*discrete, **options, detector=lambda f, t: None)["factor_accuracy"]["factors"]["label"]
+    assert blind["accuracy"] == 0.0 and blind["none_share"] == 1.0
+    # the tiny data's sources name no built-in set: no detector, no factor_accuracy
+    assert "factor_accuracy" not in controllability(*discrete, **OPTIONS)
+
+
+def test_continuous_attribute_vectors_are_read_from_the_text(continuous):
+    report = controllability(*continuous, **OPTIONS, detector=clean_detector)
+    entry = report["factor_accuracy"]["factors"]["label"]
+    assert entry["generations_scored"] == 4 * NUM_FACTORS  # one per (prompt, attribute); prior draws unscored
+    detected = [clean_detector("label", e["text"]) for e in report["examples"] if e["latent"].startswith("factor")]
+    assert len(detected) == 2 * NUM_FACTORS
+    # the attribute targets' generations, read back by hand, give the same shares (the first two prompts shown)
+    assert 0 <= entry["accuracy"] <= 1 and 0 <= entry["none_share"] <= 1
+    assert entry["accuracy"] * 16 == pytest.approx(round(entry["accuracy"] * 16))  # a share of 16 generations

@@ -13,7 +13,7 @@ import torch
 
 from conftest import model_and_tokenizer
 from disentanglement import trainer
-from disentanglement.commands import load_examples, run_eval
+from disentanglement.commands import run_eval
 from disentanglement.data import Example
 from disentanglement.encode import (
     decode_from_latent,
@@ -26,6 +26,7 @@ from disentanglement.evaluation import posterior_latents
 from disentanglement.features import build_feature_cache
 from disentanglement.generation import SamplingOptions, generate
 from disentanglement.latent_file import COMMON_KEYS, CONTINUOUS_KEYS, DISCRETE_KEYS, read_latents, write_rows
+from disentanglement.runs import load_examples
 
 #: Small sample counts keep the continuous checks fast; eval gets the same ones.
 OPTIONS = dict(iw_samples=3, prior_samples=4, exact_limit=64, batch_size=8, seed=5)

@@ -14,13 +14,14 @@ import torch
 
 from conftest import NUM_FACTORS, hidden_factor_prompts, model_and_tokenizer
 from disentanglement import cli
-from disentanglement.commands import eval_summary_lines, load_examples, resolve_run, run_eval
+from disentanglement.commands import eval_summary_lines, run_eval
 from disentanglement.config import Scoring, build_config
 from disentanglement.data import DataError, collate, tokenize_pairs
 from disentanglement.evaluation import evaluate, label_recovery, mixture_token_nll, posterior_latents, score_batch
 from disentanglement.features import build_feature_cache
 from disentanglement.metrics import agreement_scores, kmeans_assignments, label_agreement, random_assignment_agreement
 from disentanglement.models import build_cvae
+from disentanglement.runs import load_examples, resolve_run
 from disentanglement.testing import make_hidden_factor_pairs
 from references import ALL_TERMS as SIX_TERMS
 

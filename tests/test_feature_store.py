@@ -8,12 +8,13 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from disentanglement import cli, feature_store
+from disentanglement import cli, feature_store, feature_store_files
 from disentanglement.config import build_config
 from disentanglement.cvae_base import CVAEBase
 from disentanglement.data import tokenize_pairs
@@ -254,11 +255,11 @@ def test_least_recently_used_entries_are_evicted_first(tmp_path):
     for age, p in zip((400, 300, 200, 100), paths, strict=True):
         os.utime(p, (now - age, now - age))
     feature_store._touch([paths[0]])  # "old" is used again: now the most recent
-    removed = feature_store.evict(tmp_path, max_bytes=sum(sizes) - 1)
+    removed = feature_store_files.evict(tmp_path, max_bytes=sum(sizes) - 1)
     assert removed == 1 and [p.exists() for p in paths] == [True, False, True, True]
-    removed = feature_store.evict(tmp_path, max_bytes=2 * sizes[0])
+    removed = feature_store_files.evict(tmp_path, max_bytes=2 * sizes[0])
     assert removed == 1 and [p.exists() for p in paths] == [True, False, False, True]
-    assert feature_store.evict(tmp_path, max_bytes=10**9) == 0
+    assert feature_store_files.evict(tmp_path, max_bytes=10**9) == 0
 
 
 def test_a_store_over_its_limit_keeps_the_newest_entries(tmp_path, tokenizer, pairs):
@@ -279,16 +280,16 @@ def test_cache_list_and_clear(tmp_path, tokenizer, pairs, capsys, monkeypatch):
     model, examples = setup(tokenizer, pairs)
     feature_store.load_or_build_features(model, examples, tokenizer.pad_token_id, tmp_path, 4, progress=False)
     total = sum(p.stat().st_size for p in entries(tmp_path))
-    monkeypatch.setenv(feature_store.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(feature_store_files.ENV_DIR, str(tmp_path))
     assert cli.main(["cache", "list"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"feature cache {tmp_path}: {len(examples)} entries, {feature_store._human(total)}"
+    assert out[0] == f"feature cache {tmp_path}: {len(examples)} entries, {feature_store_files.human_size(total)}"
     key = feature_store.reference_key(model)
     assert len(out) == 2 and out[1].split()[:3] == [key[:16], str(len(examples)), "entries"]
     assert out[1].endswith("LlamaForCausalLM (float32)") or "(float32)" in out[1]
     assert cli.main(["cache", "clear", "--dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == (
-        f"feature cache {tmp_path}: removed {len(examples)} entries ({feature_store._human(total)})"
+        f"feature cache {tmp_path}: removed {len(examples)} entries ({feature_store_files.human_size(total)})"
     )
     assert entries(tmp_path) == []
     assert cli.main(["cache", "list"]) == 0
@@ -296,14 +297,17 @@ def test_cache_list_and_clear(tmp_path, tokenizer, pairs, capsys, monkeypatch):
 
 
 def test_the_store_folder_and_limit_come_from_the_config_then_the_environment(tmp_path, monkeypatch):
-    monkeypatch.delenv(feature_store.ENV_DIR, raising=False)
-    monkeypatch.delenv(feature_store.ENV_MAX_GB, raising=False)
-    assert feature_store.store_dir() == feature_store.Path("~/.cache/disentanglement/features").expanduser()
-    assert feature_store.store_limit_bytes() == 20 * 10**9
-    monkeypatch.setenv(feature_store.ENV_DIR, str(tmp_path / "env"))
-    monkeypatch.setenv(feature_store.ENV_MAX_GB, "0.5")
-    assert feature_store.store_dir() == tmp_path / "env" and feature_store.store_limit_bytes() == 5 * 10**8
-    assert feature_store.store_dir(tmp_path / "cfg") == tmp_path / "cfg" and feature_store.store_limit_bytes(2) == 2e9
-    monkeypatch.setenv(feature_store.ENV_MAX_GB, "lots")
+    monkeypatch.delenv(feature_store_files.ENV_DIR, raising=False)
+    monkeypatch.delenv(feature_store_files.ENV_MAX_GB, raising=False)
+    assert feature_store_files.store_dir() == Path("~/.cache/disentanglement/features").expanduser()
+    assert feature_store_files.store_limit_bytes() == 20 * 10**9
+    monkeypatch.setenv(feature_store_files.ENV_DIR, str(tmp_path / "env"))
+    monkeypatch.setenv(feature_store_files.ENV_MAX_GB, "0.5")
+    assert feature_store_files.store_dir() == tmp_path / "env" and feature_store_files.store_limit_bytes() == 5 * 10**8
+    assert (
+        feature_store_files.store_dir(tmp_path / "cfg") == tmp_path / "cfg"
+        and feature_store_files.store_limit_bytes(2) == 2e9
+    )
+    monkeypatch.setenv(feature_store_files.ENV_MAX_GB, "lots")
     with pytest.raises(ValueError, match="DISENTANGLEMENT_FEATURE_CACHE_MAX_GB must be a number"):
-        feature_store.store_limit_bytes()
+        feature_store_files.store_limit_bytes()

@@ -28,8 +28,8 @@ from disentanglement.generation import (
 from disentanglement.latent_file import attribute_vector, code_examples, parse_attribute, read_latents, write_rows
 from disentanglement.latent_space import parse_codes
 from disentanglement.models import build_cvae
+from disentanglement.splits import prepare_data
 from disentanglement.testing import detect_style
-from disentanglement.trainer import prepare_data
 
 GREEDY = SamplingOptions(greedy=True, max_new_tokens=60)
 NEW_PROMPTS = ["sun pen 201", "moon tree 250"]  # shaped like the training prompts, never seen

@@ -14,8 +14,9 @@ from disentanglement.config import ConfigError, build_config, config_from_namesp
 from disentanglement.data import collate, tokenize_pairs
 from disentanglement.losses import TERM_WEIGHT_FIELDS
 from disentanglement.models import build_cvae, enable_activation_checkpointing
+from disentanglement.resume import check_resume_config
 from disentanglement.testing import make_hidden_factor_pairs
-from disentanglement.trainer import check_resume_config, train
+from disentanglement.trainer import train
 from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer, trainer_config
 
 ALL_TERMS = dict.fromkeys(TERM_WEIGHT_FIELDS.values(), 0.5)

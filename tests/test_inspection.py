@@ -10,9 +10,10 @@ import pytest
 
 from conftest import model_and_tokenizer
 from disentanglement import cli
-from disentanglement.commands import load_examples, run_inspect
+from disentanglement.commands import run_inspect
 from disentanglement.inspection import QUANTITIES
 from disentanglement.report import read_metrics_jsonl
+from disentanglement.runs import load_examples
 from helpers import capture_figures, check_html, line_series, tick_labels, visible_axes
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -191,9 +191,9 @@ def test_sweep_png_seeds_clipped_intervals_and_baselines_in_the_latent_s_panel(t
 
 
 def test_heat_map_names_the_factor_and_calls_clusters_clusters(continuous_run, tmp_path):
-    from disentanglement.commands import load_examples
     from disentanglement.features import build_feature_cache
     from disentanglement.inspection import write_run_plots
+    from disentanglement.runs import load_examples
 
     model, tok, config, _ = continuous_run.load()
     examples, _ = load_examples("validation", config, tok)

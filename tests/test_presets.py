@@ -24,9 +24,9 @@ from disentanglement.sweep import build_spec
 ROOT = Path(__file__).parent.parent
 DEFAULT_YAML = ROOT / "configs" / "default.yaml"
 
-#: The measured recipe, written out here independently of config.PRESETS (docs/results.md's chosen row).
+#: The default recipe, written out here independently of config.PRESETS (docs/what-the-cvae-adds.md).
 MEASURED = {
-    "reconstruction_weight": 0.0,
+    "reconstruction_weight": 1.0,
     "sequence_reconstruction_weight": 0.0,
     "token_weighted_weight": 1.0,
     "normalized_concentration_corrected_token_weighted_weight": 0.0,
@@ -37,8 +37,11 @@ MEASURED = {
 }
 #: The seed notes' recipe: the token-weighted term beside the raw one, alpha 1, the mean view.
 SEED = dict(MEASURED, reconstruction_weight=1.0, token_weighted_weight=1.0, token_weight_alpha=1.0)
+#: Term 3 alone at alpha 2 with the same view: the default before issue 22.
+TERM3 = dict(MEASURED, reconstruction_weight=0.0)
 SEED["encoder_view"] = "mean_last"
-#: What configs/default.yaml set before issue 23 (the main job must still train exactly this).
+#: What configs/default.yaml trains: its settings before issue 23, with the recipe that issue 22 made the default
+#: (term 1 added to term 3).
 MAIN_JOB_BEFORE = {
     "model": None,
     "decoder_training": "frozen",
@@ -109,6 +112,11 @@ def test_preset_seed_gives_the_seed_recipe():
     assert {k for k in FIELDS if seeded[k] != bare[k]} <= set(RECIPE_FIELDS)
 
 
+def test_preset_term3_gives_term_3_alone():
+    assert recipe(build_config({"preset": "term3"})) == TERM3
+    assert TERM3["reconstruction_weight"] == 0.0 and TERM3["token_weighted_weight"] == 1.0
+
+
 def test_every_preset_sets_the_whole_recipe_and_validates():
     for name, values in PRESETS.items():
         assert set(values) == set(RECIPE_FIELDS), name
@@ -165,7 +173,8 @@ def test_presets_are_listed_in_help(command, capsys):
     for name in PRESETS:
         assert name in text
     if command == "train":
-        assert "term 3 only at alpha 2" in text and "terms 1 + 3 at alpha 1" in text
+        assert "terms 1 + 3 at alpha 2" in text and "terms 1 + 3 at alpha 1" in text
+        assert "term 3 only at alpha 2" in text
         assert "--preset < the --config file < flags" in text
 
 

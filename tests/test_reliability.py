@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from disentanglement import checkpoints, cli, safe_io, trainer
+from disentanglement import checkpoints, cli, safe_io, stability, trainer
 from disentanglement.checkpoints import complete_checkpoints, latest_checkpoint
 from disentanglement.testing import make_hidden_factor_pairs
 from helpers import tiny_llama, tiny_tokenizer, trainer_config
@@ -491,9 +491,9 @@ def test_parameter_norms_match_an_independent_computation():
         "decoder.layer.weight": torch.tensor([5.0, 12.0]),
         "usage": torch.tensor([7], dtype=torch.int64),  # not floating point: left out
     }
-    assert trainer.parameter_norms(state) == {"encoder": 5.0, "latent": 3.0, "decoder": 13.0}
-    assert trainer.norm_jump({"latent": 100.0}, {"latent": 0.5}) is None  # 100 x max(1, 0.5)
-    assert "latent 301 against 3 before" in trainer.norm_jump({"latent": 301.0}, {"latent": 3.0})
+    assert stability.parameter_norms(state) == {"encoder": 5.0, "latent": 3.0, "decoder": 13.0}
+    assert stability.norm_jump({"latent": 100.0}, {"latent": 0.5}) is None  # 100 x max(1, 0.5)
+    assert "latent 301 against 3 before" in stability.norm_jump({"latent": 301.0}, {"latent": 3.0})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -507,8 +507,8 @@ def test_generate_on_a_continuous_checkpoint_refuses_code_options(tiny_run, no_m
 
 
 def test_generate_refuses_code_options_on_a_loaded_continuous_model_too(tiny_run, loader):
-    from disentanglement.commands import load_checkpoint
     from disentanglement.generation import generate
+    from disentanglement.runs import load_checkpoint
 
     model, tokenizer, config, *_ = load_checkpoint(tiny_run, device="cpu")
     with pytest.raises(ValueError, match="--slot, --all-combinations: options of a discrete model"):
@@ -662,12 +662,12 @@ def weightless_run(tmp_path) -> Path:
 
 
 def _numeric_cases():
-    from disentanglement.commands import OPTION_RANGES, SUBCOMMAND_OPTIONS, numeric_fields
     from disentanglement.config import field_flag
+    from disentanglement.options import SUBCOMMAND_OPTIONS, numeric_fields, option_range
 
     for command, cls in SUBCOMMAND_OPTIONS.items():
         for f in numeric_fields(cls):
-            bound = OPTION_RANGES.get(f.name)
+            bound = option_range(f)
             if bound is None:  # a numeric option without a range: the test below fails on it
                 yield pytest.param(command, field_flag(f), None, id=f"{command}-{f.name}-unchecked")
                 continue
@@ -681,7 +681,7 @@ def _numeric_cases():
 def test_every_numeric_option_is_range_checked_before_the_model_loads(
     weightless_run, tmp_path, capsys, no_model, command, flag, bad
 ):
-    assert bad is not None, f"{command} {flag} has no range in commands.OPTION_RANGES"
+    assert bad is not None, f"{command} {flag} has no range (options.ranged)"
     value = str(int(bad)) if float(bad).is_integer() else str(bad)
     extra = {"generate": ["--prompt", "hi"], "encode": ["--output", str(tmp_path / "x.jsonl")]}.get(command, [])
     if flag.startswith("--explore") or flag == "--clusters":

@@ -143,6 +143,11 @@ def test_sweep_runs_every_cell_and_seed_resumes_and_skips_what_is_done(tmp_path,
         assert list(points.get_xdata()) == pytest.approx(means) and list(points.get_ydata()) == [0, 1]
     report = json.loads((tmp_path / "runs" / "raw" / "seed-1" / "eval" / "sweep_eval.json").read_text())
     assert rows[1]["label_nmi"] == report["label_nmi"]
+    # front.png: one point per run (4), NMI against the posterior NLL of each run's report
+    (front_panel,) = visible_axes(figures["front.png"])
+    drawn = sorted(tuple(p) for c in front_panel.collections for p in c.get_offsets().tolist())
+    expected = sorted((r["posterior_nll_nats_per_token"], r["label_nmi"]) for r in rows)
+    assert [x for p in drawn for x in p] == pytest.approx([x for p in expected for x in p])
     # Every cell and seed shares the user's frozen-pass cache (feature_store): none in the sweep's folder.
     assert not (tmp_path / "feature_cache").exists()
 

@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from disentanglement import synthetic
+from disentanglement import cli, synthetic
 from disentanglement.synthetic import (
     CLEAN_RESPONSES,
     ECHO_TEMPLATES,
@@ -20,7 +20,6 @@ from disentanglement.synthetic import (
     TOPICS,
     TWO_FACTOR_PHRASINGS,
     TWO_FACTOR_WORDS,
-    add_data_subcommand,
     balanced_design,
     detect_factor,
     make_clean,
@@ -324,9 +323,7 @@ def test_topic_keywords_name_only_their_own_topic():
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="disentangle")
-    add_data_subcommand(top.add_subparsers(dest="command", required=True))
-    return top
+    return cli.build_parser()
 
 
 def run_cli(argv):

@@ -611,7 +611,7 @@ def test_the_trainer_warns_when_term5_is_ill_conditioned(caplog):
     import logging
 
     from disentanglement.config import RunConfig
-    from disentanglement.trainer import _warn_term5_amplification
+    from disentanglement.frozen_pass import warn_term5_amplification
 
     def Cache() -> FeatureCache:
         return _cache([[3.0, 1e-3, 2.0]] * 5)  # max pi_inv / rho of about 1,700 each
@@ -626,17 +626,17 @@ def test_the_trainer_warns_when_term5_is_ill_conditioned(caplog):
         )
         return dataclasses.replace(base, reconstruction=rec)
 
-    with caplog.at_level(logging.WARNING, logger="disentanglement.trainer"):
-        _warn_term5_amplification(config(1.0, 2.0), Cache(), 3.0)
+    with caplog.at_level(logging.WARNING, logger="disentanglement.frozen_pass"):
+        warn_term5_amplification(config(1.0, 2.0), Cache(), 3.0)
     (record,) = caplog.records
     assert "term 5" in record.message and "token_weight_alpha 2" in record.message and "may diverge" in record.message
     expected = _plain_amplification([3.0, 1e-3, 2.0], 2.0)
     assert f"a median of {expected:.0f} times" in record.message
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="disentanglement.trainer"):
-        _warn_term5_amplification(config(0.0, 2.0), Cache(), 3.0)  # term 5 off
-        _warn_term5_amplification(config(1.0, 0.0), Cache(), 3.0)  # alpha 0: amplification 1/n
-        _warn_term5_amplification(config(1.0, 0.5), Cache(), 3.0)  # 16.6 < 100
-        _warn_term5_amplification(config(1.0, 2.0, "entropy"), Cache(), 3.0)  # another signal: not b_t's
-        _warn_term5_amplification(config(1.0, 2.0), None, 3.0)  # no frozen pass
+    with caplog.at_level(logging.WARNING, logger="disentanglement.frozen_pass"):
+        warn_term5_amplification(config(0.0, 2.0), Cache(), 3.0)  # term 5 off
+        warn_term5_amplification(config(1.0, 0.0), Cache(), 3.0)  # alpha 0: amplification 1/n
+        warn_term5_amplification(config(1.0, 0.5), Cache(), 3.0)  # 16.6 < 100
+        warn_term5_amplification(config(1.0, 2.0, "entropy"), Cache(), 3.0)  # another signal: not b_t's
+        warn_term5_amplification(config(1.0, 2.0), None, 3.0)  # no frozen pass
     assert not caplog.records

@@ -11,11 +11,12 @@ import torch
 
 from conftest import NUM_FACTORS, hidden_factor_prompts, model_and_tokenizer
 from disentanglement import cli
-from disentanglement.commands import eval_summary_lines, load_examples
+from disentanglement.commands import eval_summary_lines
 from disentanglement.config import build_config
 from disentanglement.data import tokenize_pairs
 from disentanglement.features import build_feature_cache
 from disentanglement.models import build_cvae
+from disentanglement.runs import load_examples
 from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.verdict import (
     BEATS,

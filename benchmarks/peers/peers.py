@@ -347,8 +347,8 @@ def write_plan(out: Path, data: Path, model_dir: Path, steps: int, batch_size: i
     split and :class:`DataOrder`), and of every example evaluated (train, then validation), for LangVAE."""
     from transformers import AutoTokenizer
 
-    from disentanglement.data import load_pairs
-    from disentanglement.trainer import DataOrder, prepare_data
+    from disentanglement.data import DataOrder, load_pairs
+    from disentanglement.trainer import prepare_data
 
     config = our_config(out, data, model_dir, "discrete", steps, batch_size, seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -376,7 +376,8 @@ def run_ours(args: argparse.Namespace, latent: str) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer
 
-    from disentanglement.trainer import DataOrder, train
+    from disentanglement.data import DataOrder
+    from disentanglement.trainer import train
 
     torch.set_num_threads(args.threads)
     config = our_config(args.out, args.data, args.model_dir, latent, args.steps, args.batch_size, args.seed)
@@ -420,8 +421,8 @@ def run_peft(args: argparse.Namespace) -> dict[str, Any]:
     from peft import PromptTuningConfig, TaskType, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from disentanglement.data import collate, load_pairs
-    from disentanglement.trainer import DataOrder, prepare_data
+    from disentanglement.data import DataOrder, collate, load_pairs
+    from disentanglement.trainer import prepare_data
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -11,8 +11,9 @@
     disentangle sweep --config base.yaml --output-dir OUT --set FIELD=V1,V2 --seeds 0,1,2 [...]
     disentangle cache list|clear [--dir DIR]
 
-Training flags are generated from the config dataclasses (``config.py``), those of eval, generate,
-inspect and encode from their options dataclasses (``commands.py``): every field has one.
+Every subcommand is registered in one table, :data:`SUBCOMMANDS`: its help, its description and the
+function that adds its arguments. Training flags are generated from the config dataclasses (``config.py``),
+those of eval, generate, inspect and encode from their options dataclasses (``options.py``): every field has one.
 
 Exit codes: 0 done; 2 bad input (config, data, checkpoint; the message names the file, line or
 field); 3 training diverged (the message names the last good checkpoint); 4 an OS error such as a
@@ -25,9 +26,12 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from . import commands, export, feature_store_files, sweep, synthetic
 from .config import (
     DEFAULT_PRESET,
     FIELDS,
@@ -42,18 +46,10 @@ from .config import (
     presets_help,
     read_config_file,
 )
+from .options import EncodeOptions, EvalOptions, GenerateOptions, InspectOptions, add_option_arguments
 
 
-def _add_train(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "train",
-        help="train a CVAE",
-        description="Train a CVAE. Precedence: the defaults (those of --preset default) < --preset < the "
-        "--config file < flags; the resolved config is written to OUTPUT_DIR/config.yaml. Presets: "
-        + presets_help()
-        + ".",
-        formatter_class=HelpFormatter,
-    )
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML or JSON config file (flat field names or nested by section)")
     parser.add_argument(
         "--preset",
@@ -64,6 +60,20 @@ def _add_train(subparsers) -> None:
     )
     add_config_arguments(parser)
     parser.set_defaults(func=_run_train)
+
+
+def _checkpoint_arguments(options: type, run: Callable[[argparse.Namespace], int]):
+    """The arguments of a subcommand that works on a checkpoint: the checkpoint, then one flag per field of its
+    ``options`` dataclass (:func:`options.add_option_arguments`); ``run`` runs it."""
+
+    def add(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "checkpoint", help="checkpoint directory (RUN/checkpoints/step-NNNNNN) or run directory (latest checkpoint)"
+        )
+        add_option_arguments(parser, options)
+        parser.set_defaults(func=run)
+
+    return add
 
 
 #: Where a run writes: never taken from a stored config (a checkpoint handed to a user must not choose).
@@ -185,18 +195,94 @@ class ArgumentParser(argparse.ArgumentParser):
         )
 
 
+@dataclass(frozen=True)
+class Subcommand:
+    """One subcommand of ``disentangle``: what ``--help`` says of it, and ``arguments``, the function that adds
+    its arguments to its parser and sets ``func`` (what runs it: ``func(args)`` returns the exit code)."""
+
+    help: str
+    description: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    formatter_class: type[argparse.HelpFormatter] = argparse.HelpFormatter
+    epilog: str | None = None
+
+
+#: Every subcommand of ``disentangle``, in the order ``disentangle --help`` lists them.
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "train": Subcommand(
+        "train a CVAE",
+        "Train a CVAE. Precedence: the defaults (those of --preset default) < --preset < the --config file < flags; "
+        "the resolved config is written to OUTPUT_DIR/config.yaml. Presets: " + presets_help() + ".",
+        _add_train_arguments,
+        HelpFormatter,
+    ),
+    "eval": Subcommand(
+        "evaluate a checkpoint: gains, ELBO, IW bound, KL, MI, code usage, label agreement",
+        "Evaluate a checkpoint; write a JSON report and a Markdown summary next to it.",
+        _checkpoint_arguments(EvalOptions, commands.eval_main),
+        HelpFormatter,
+    ),
+    "generate": Subcommand(
+        "generate responses under chosen latents (codes, prior samples, posteriors, interpolations)",
+        "Generate responses to prompts under chosen latents; print a table (or JSON) and the diversity "
+        "(distinct-1/2) across latents and samples.",
+        _checkpoint_arguments(GenerateOptions, commands.generate_main),
+        HelpFormatter,
+    ),
+    "inspect": Subcommand(
+        "token heat map of one example (HTML + JSON) and the run's plots (PNG)",
+        "Write a self-contained HTML page colouring one example's response tokens by z-free surprisal, token "
+        "weight, inverse weight, conditioned NLL and gain (with a JSON sidecar), and PNG plots of the run: "
+        "training curves, KL and schedules, code usage, code x label heat map.",
+        _checkpoint_arguments(InspectOptions, commands.inspect_main),
+        HelpFormatter,
+    ),
+    "encode": Subcommand(
+        "read z off data: one row per example (codes or mu, posterior, prior, KL, latent gain)",
+        "Encode every example of --data with a checkpoint and write one row per example, in data order, to a "
+        ".jsonl (or .parquet, with pyarrow) file: source, prompt, response, label, the posterior and prior "
+        "latents, the per-example KL and latent gain (the numbers eval aggregates, for the same options).",
+        _checkpoint_arguments(EncodeOptions, commands.encode_main),
+        HelpFormatter,
+    ),
+    "export": Subcommand(
+        "write a self-contained checkpoint to hand over (and upload it to the Hugging Face hub)",
+        "Write a self-contained export directory of a run or checkpoint: model.safetensors, config.yaml, the "
+        "base model's name and weight hash, and a model card README.md with the eval metrics and their "
+        "baselines. Load it with disentanglement.load(DIR) or pass it to eval, encode, generate, inspect.",
+        export.add_export_arguments,
+    ),
+    "sweep": Subcommand(
+        "train and evaluate a grid of settings over seeds; report means with 95%% intervals",
+        sweep.__doc__.split("\n\n")[0],
+        sweep.add_sweep_arguments,
+        argparse.RawDescriptionHelpFormatter,
+        epilog=sweep.__doc__.split("\n\n", 1)[1],
+    ),
+    "data": Subcommand("built-in data sets", "Built-in data sets.", synthetic.add_data_arguments),
+    "cache": Subcommand(
+        "list or clear the shared frozen-pass feature cache",
+        "The frozen-pass feature cache shared by every run (docs/feature-cache.md). Its folder: "
+        f"--dir, else ${feature_store_files.ENV_DIR}, else {feature_store_files.DEFAULT_DIR}.",
+        feature_store_files.add_cache_arguments,
+    ),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="disentangle", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_train(subparsers)
-    from . import commands, export, feature_store, sweep, synthetic
-
-    commands.add_subcommands(subparsers)  # eval, generate, inspect, encode
-    export.add_export_subcommand(subparsers)
-    sweep.add_sweep_subcommand(subparsers)
-    synthetic.add_data_subcommand(subparsers)
-    feature_store.add_cache_subcommand(subparsers)
+    for name, subcommand in SUBCOMMANDS.items():
+        kwargs: dict[str, Any] = {"epilog": subcommand.epilog} if subcommand.epilog is not None else {}
+        sub = subparsers.add_parser(
+            name,
+            help=subcommand.help,
+            description=subcommand.description,
+            formatter_class=subcommand.formatter_class,
+            **kwargs,
+        )
+        subcommand.arguments(sub)
     return parser
 
 

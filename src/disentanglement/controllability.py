@@ -22,6 +22,11 @@ alone), and measure:
   examples assigned to its code in that slot (discrete; codes no real example is assigned to are left
   out). ``real_accuracy`` is the same classifier's accuracy on a seeded quarter of the real responses
   held out from its training (how well the features can tell the labels at all).
+- **factor accuracy** (labelled data with a detector, e.g. the built-in synthetic sets): the factor is read back
+  from the generated text itself (``synthetic.detect_factor`` for data whose every source is ``synth/NAME:...``);
+  per factor, ``accuracy`` is the share of the generations standing for a value (as for label accuracy) whose
+  detected value is that value, ``none_share`` the share where the detector finds no single value, and
+  ``chance`` one over the factor's number of values among the real examples.
 - **diversity**: distinct-1/2 over all generations, and the mean over prompts of distinct-1/2 across one
   prompt's generations.
 - **fluency**: the z-free reference's NLL of the generations, nats per response token (the
@@ -34,8 +39,9 @@ random state and the model's mode are kept.
 from __future__ import annotations
 
 import random
+import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,6 +58,9 @@ from .reference import eval_mode
 
 #: Generations of the first prompts shown in the report.
 EXAMPLES_SHOWN = 2
+
+#: ``detector(factor, text)``: the value of ``factor`` that a response text shows, or None when it shows none.
+Detector = Callable[[str, str], "str | None"]
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -114,6 +123,78 @@ def choose_prompts(prompts: Sequence[str], count: int, seed: int = 0) -> list[st
     unique = list(dict.fromkeys(prompts))
     chosen = set(random.Random(seed).sample(range(len(unique)), min(count, len(unique))))
     return [p for i, p in enumerate(unique) if i in chosen]
+
+
+#: A detector is used only when it reads at least this share of the real responses' factor values back.
+DETECTOR_MIN_REAL_ACCURACY = 0.9
+
+
+def synthetic_detector(
+    sources: Sequence[str], factors: dict[str, list[str]] | None = None, responses: Sequence[str] | None = None
+) -> tuple[str, Detector] | None:
+    """``(set name, detector)`` of the built-in synthetic set the data comes from (names joined by ``/`` when
+    several sets with the same factors read the data alike), the detector being
+    ``synthetic.detect_factor`` of that set; else None. The set is the one every source names
+    (``synth/NAME:...``, as ``data synth`` writes in its rows), or else (a JSONL file's examples are sourced
+    ``path:line``) the first set whose factors are exactly the data's ``factors`` and whose detector reads
+    back at least :data:`DETECTOR_MIN_REAL_ACCURACY` of the real ``responses``' values of every factor."""
+    from .synthetic import SYNTHETIC_SETS, detect_factor
+
+    names = {m.group(1) if (m := re.match(r"synth/([^:]+):", s or "")) else None for s in sources}
+    if len(names) == 1 and None not in names and (name := next(iter(names))) in SYNTHETIC_SETS:
+        candidates = [name]
+    elif factors and responses is not None and len(responses) == len(next(iter(factors.values()))):
+        candidates = [n for n, spec in SYNTHETIC_SETS.items() if set(spec.factors) == set(factors)]
+        candidates = [
+            n
+            for n in candidates
+            if all(
+                recovery_accuracy([detect_factor(n, f, r) for r in responses], values) >= DETECTOR_MIN_REAL_ACCURACY
+                for f, values in factors.items()
+            )
+        ]
+    else:
+        candidates = []
+    if not candidates:
+        return None
+    name = candidates[0]  # sets with the same factors read them alike (style-in-content, style-in-echo)
+    factors = SYNTHETIC_SETS[name].factors
+
+    def detector(factor: str, text: str) -> str | None:
+        return detect_factor(name, factor, text) if factor in factors else None
+
+    return "/".join(candidates), detector
+
+
+def factor_accuracy(
+    texts: Sequence[str],
+    expected: Sequence[dict[str, str]],
+    values: dict[str, list[str]],
+    detector: Detector,
+) -> dict[str, dict[str, Any]]:
+    """Per factor of ``values`` (each real example's value), the factor read back from the generated ``texts``
+    by ``detector`` against ``expected[i][factor]``, the value generation ``i`` stands for (generations
+    without one for the factor are not scored): ``{"accuracy", "none_share", "chance", "generations_scored",
+    "per_value": {value: accuracy}}``; accuracy and none_share are None when nothing is scored."""
+    if len(texts) != len(expected):
+        raise ValueError(f"{len(texts)} texts for {len(expected)} expected values")
+    out: dict[str, dict[str, Any]] = {}
+    for name, real in values.items():
+        scored = [i for i, e in enumerate(expected) if name in e]
+        detected = [detector(name, texts[i]) for i in scored]
+        wanted = [expected[i][name] for i in scored]
+        per_value = {
+            v: recovery_accuracy([d for d, w in zip(detected, wanted, strict=True) if w == v], [v] * wanted.count(v))
+            for v in sorted(set(wanted))
+        }
+        out[name] = {
+            "accuracy": recovery_accuracy(detected, wanted) if scored else None,
+            "none_share": float(np.mean([d is None for d in detected])) if scored else None,
+            "chance": 1 / len(set(real)),
+            "generations_scored": len(scored),
+            "per_value": per_value,
+        }
+    return out
 
 
 # --------------------------------------------------------------------------- re-encoding
@@ -289,6 +370,8 @@ def controllability(
     seed: int = 0,
     batch_size: int = 16,
     progress: bool = False,
+    detector: Detector | None = None,
+    detector_name: str | None = None,
 ) -> dict[str, Any]:
     """The controllability report of a model on held-out data (see the module docstring); ``progress`` shows
     a progress bar over the generations.
@@ -298,7 +381,9 @@ def controllability(
     dict: ``prompts``, ``generations``, ``decoding``, ``code_recovery_accuracy`` and ``per_slot`` (discrete) or
     ``latent_recovery_accuracy`` and ``attributes`` (continuous), ``recovery_chance``, ``labels`` (per factor,
     when every example is labelled), distinct-n, ``zfree_nll_per_token`` and ``real_zfree_nll_per_token``,
-    and ``examples`` (the first prompts' generations). Example::
+    and ``examples`` (the first prompts' generations); with labelled data and a ``detector`` (default: the
+    synthetic set's, :func:`synthetic_detector`, when the examples' sources name one) also ``factor_accuracy``
+    (``{"detector": NAME, "factors": {factor: ...}}``, :func:`factor_accuracy`). Example::
 
         report = controllability(model, tokenizer, config, examples, cache, pairs, num_prompts=4)
         report["code_recovery_accuracy"], report["labels"]["label"]["accuracy"]
@@ -386,6 +471,16 @@ def controllability(
             labels_report[name] = entry
         report["labels"] = labels_report
 
+    if detector is None and factors:
+        found = synthetic_detector([e.source for e in examples], factors, [p.response for p in pairs])
+        if found is not None:
+            detector_name, detector = f"synthetic set {found[0]}", found[1]
+    if factors and detector is not None:
+        report["factor_accuracy"] = {
+            "detector": detector_name or "given",
+            "factors": factor_accuracy(texts, [t["labels"] for t in targets], factors, detector),
+        }
+
     per_prompt = [[texts[i] for i, t in enumerate(targets) if t["prompt"] == p] for p in range(len(prompts))]
     report.update(diversity(per_prompt))
     tokens = encoded["tokens"].double()
@@ -428,5 +523,17 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(
             f"  label {name}: classifier accuracy on generations {accuracy} (real held-out {real}, chance "
             f"{entry['chance']:.3f})"
+        )
+    for name, entry in report.get("factor_accuracy", {}).get("factors", {}).items():
+        if entry["accuracy"] is None:
+            continue
+        lines.append(
+            f"  factor {name} read from the text: accuracy {entry['accuracy']:.3f} (chance {entry['chance']:.3f}; "
+            f"no value found {entry['none_share']:.3f}) over {entry['generations_scored']} generations"
+        )
+    if report.get("real_zfree_nll_per_token"):
+        lines.append(
+            f"  z-free NLL of the generations / of the real responses: "
+            f"{report['zfree_nll_per_token'] / report['real_zfree_nll_per_token']:.3f}"
         )
     return lines

@@ -8,14 +8,16 @@ One no-grad pass of the frozen model over the z-free sequence ``[x][y]`` gives t
 per-token surprisal, the prior's features (hidden state at the last prompt token) and the
 encoder's features: a pool of the response's hidden states, concatenated with the last token's.
 The pool is the encoder's view (``LatentConfig.encoder_view``): the plain mean (``mean_last``, the
-default), the sum weighted by term 3's token weights ``pi_t`` (``token_weighted``), or a learned
+default), the sum weighted by term 3's token weights ``pi_t`` (``token_weighted``), a learned
 query's attention over the per-token states (``attention``, pooled in the step by
-:class:`AttentionPool`). Features come from ``hidden_states[encoder_layer]`` (the last layer by
+:class:`AttentionPool`), or that attention with ``log pi_t`` added to its logits
+(``token_weighted_attention``: it starts exactly at the ``token_weighted`` pool and can move away). Features come from ``hidden_states[encoder_layer]`` (the last layer by
 default); the surprisal always from the last.
 The latent family (a subclass) turns features into a latent vector; a linear projection turns
 it into ``P`` soft embeddings placed ``[z][x][y]`` (``prefix``) or ``[x][z][y]`` (``between``), or
 mapped to ``P`` key/value memory slots of every attention layer (``memory``, :mod:`.memory`): the
 decoder then sees ``[x][y]`` at its z-free positions, with the memory as a past-key-value cache.
+The injection and the layout it gives the decoder's input are :mod:`.injection`'s.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .attention_backward import fast_attention_backward
 from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
 from .data import Batch
+from .injection import LatentLayout, latent_memory, latent_projection
 from .losses import apply_head, default_chunk_size, masked_token_nll_per_position, reconstruction_loss_stack
-from .memory import LatentMemory, memory_geometry
 from .reference import ZFreeReference, reference_hidden_states, unused_logits
 from .regularizers import beta_at, kl_objective, next_token_divergence
 from .token_weighting import (
@@ -192,12 +194,19 @@ def mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d_in, d_hidden), nn.GELU(approximate="tanh"), nn.Linear(d_hidden, d_out))
 
 
+#: The encoder views whose pool is learned over the per-token states (cached per token).
+ATTENTION_VIEWS = ("attention", "token_weighted_attention")
+
+
 class AttentionPool(nn.Module):
     """A learned query's attention over the response's hidden states (``encoder_view = "attention"``).
 
     ``a_t = softmax_t(q . LayerNorm(h_t) / sqrt(H))`` over the response positions only (prompt and
     padding masked out), pooled ``sum_t a_t h_t``, ``[B, H]``. The key's LayerNorm has no parameters;
     the query starts at zero, so before training the pool is the plain mean of ``mean_last``.
+    With ``log_prior`` (``[B, T]``; ``encoder_view = "token_weighted_attention"`` passes ``log pi_t``, i.e.
+    ``alpha log b_t`` up to a constant per example) the logits are ``log_prior_t + q . LayerNorm(h_t) /
+    sqrt(H)``: at ``q = 0`` the weights are ``softmax(log pi) = pi``, the ``token_weighted`` pool.
     """
 
     def __init__(self, hidden_size: int) -> None:
@@ -206,13 +215,16 @@ class AttentionPool(nn.Module):
         self.key_norm = nn.LayerNorm(hidden_size, elementwise_affine=False)
         self.scale = hidden_size**-0.5
 
-    def weights(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``a_t``, ``[B, T]`` for ``[B, T, H]`` states and a ``[B, T]`` mask (rows sum to 1 over the mask)."""
-        scores = (self.key_norm(hidden) @ self.query.to(hidden.dtype)) * self.scale  # [B, T]
-        return torch.softmax(scores.float().masked_fill(~mask.bool(), float("-inf")), dim=1)
+    def weights(self, hidden: torch.Tensor, mask: torch.Tensor, log_prior: torch.Tensor | None = None) -> torch.Tensor:
+        """``a_t``, ``[B, T]`` for ``[B, T, H]`` states and a ``[B, T]`` mask (rows sum to 1 over the mask);
+        ``log_prior [B, T]`` is added to the logits (its values off the mask are never used)."""
+        scores = ((self.key_norm(hidden) @ self.query.to(hidden.dtype)) * self.scale).float()  # [B, T]
+        if log_prior is not None:
+            scores = scores + torch.where(mask.bool(), log_prior.float(), torch.zeros_like(scores))
+        return torch.softmax(scores.masked_fill(~mask.bool(), float("-inf")), dim=1)
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        weights = self.weights(hidden, mask).to(hidden.dtype)  # [B, T], exactly 0 off the response
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, log_prior: torch.Tensor | None = None) -> torch.Tensor:
+        weights = self.weights(hidden, mask, log_prior).to(hidden.dtype)  # [B, T], exactly 0 off the response
         return (weights.unsqueeze(-1) * hidden).sum(1)
 
 
@@ -329,20 +341,16 @@ class CVAEBase(nn.Module):
         self.encoder_layer_index = latent.encoder_layer % (layers + 1) if layers is not None else None
         self.decoder_layers = layers
         # encoder_view "attention": the learned query, trained with the encoder heads ("encoder" group).
-        self.encoder_pool = AttentionPool(H) if latent.encoder_view == "attention" else None
+        # encoder_view "token_weighted_attention": the same query, its logits starting at log pi_t.
+        self.encoder_pool = AttentionPool(H) if latent.encoder_view in ATTENTION_VIEWS else None
         # Parameter-free: the first Linear of each head absorbs any affine, and a norm of frozen
         # features without parameters has nothing to differentiate.
         self.encoder_norm = nn.LayerNorm(2 * H, elementwise_affine=False)
         self.prior_norm = nn.LayerNorm(H, elementwise_affine=False)
-        self.latent_projection = nn.Linear(self.latent_vector_dim, latent.latent_tokens * H)
-        # Latent embeddings start on the scale of the token embeddings (inputs of unit scale).
-        embedding_std = float(embeddings.weight.detach().float().std())
-        nn.init.normal_(self.latent_projection.weight, std=embedding_std / self.latent_vector_dim**0.5)
-        nn.init.zeros_(self.latent_projection.bias)
-        # latent_placement "memory": the slots' embeddings -> every layer's memory keys and values.
-        self.latent_memory = None
-        if latent.latent_placement == "memory":
-            self.latent_memory = LatentMemory(H, memory_geometry(decoder))
+        # Latent injection (:mod:`.injection`): the projection to P embeddings, where they go, and the memory.
+        self.latent_projection = latent_projection(self.latent_vector_dim, latent.latent_tokens, embeddings)
+        self.latent_memory = latent_memory(latent.latent_placement, H, decoder)
+        self.layout = LatentLayout(latent.latent_placement, latent.latent_tokens, H)
         vocab_size = decoder.get_output_embeddings().weight.shape[0]
         self.bow_head = nn.Linear(self.latent_vector_dim, vocab_size) if latent.bow_weight > 0 else None
 
@@ -409,17 +417,32 @@ class CVAEBase(nn.Module):
     # -- the encoder's view ----------------------------------------------------------------------
     def encoder_input(self, features: FrozenFeatures) -> torch.Tensor:
         """What the encoder head sees, ``[B, 2H]`` (before its LayerNorm): ``features.encoder_features``,
-        except for ``encoder_view = "attention"``, where the response pool is the learned query's."""
+        except for the attention views, where the response pool is the learned query's."""
         if self.encoder_pool is None:
             return features.encoder_features
+        view = self.latent_cfg.encoder_view
         if features.response_hidden is None or features.response_mask is None:
             raise ValueError(
-                "encoder_view 'attention' needs the per-token response hidden states, which these features do "
+                f"encoder_view {view!r} needs the per-token response hidden states, which these features do "
                 "not carry: pass features from frozen_pass or FeatureCache.features of a cache built by a model "
-                "with encoder_view 'attention'"
+                f"with encoder_view {view!r}"
             )
-        pooled = self.encoder_pool(features.response_hidden, features.response_mask)  # [B, H]
+        log_prior = self.encoder_log_token_weights(features) if view == "token_weighted_attention" else None
+        pooled = self.encoder_pool(features.response_hidden, features.response_mask, log_prior)  # [B, H]
         return torch.cat([pooled, features.encoder_features[:, self.hidden_size :].to(pooled.dtype)], dim=-1)
+
+    def encoder_log_token_weights(self, features: FrozenFeatures) -> torch.Tensor:
+        """``log pi_t`` of the ``token_weighted`` view (:attr:`encoder_weighting_params`) placed at the response
+        tokens' own positions, ``[B, T]`` (0 off the response): recomputed from the features' z-free ``b_t``
+        (and entropy), so cached and fresh features give the same."""
+        w = self.encoder_weighting_params
+        mask = features.response_mask[:, 1:]  # [B, T-1]: position t predicts token t + 1
+        signal = features.zfree_token_entropy if w.source == "entropy" else None
+        pi = token_weighting_from_base_nll(
+            features.zfree_token_nll, mask, w.alpha, w.eps, signal=signal, interpolation=w.interpolation
+        ).token_weights.double()  # [B, T-1]
+        log_pi = torch.where(mask.bool() & (pi > 0), pi.clamp_min(1e-300).log(), torch.zeros_like(pi))
+        return F.pad(log_pi, (1, 0))  # [B, T], token t + 1 at its own position
 
     @property
     def encoder_view_params(self) -> dict[str, object]:
@@ -429,7 +452,7 @@ class CVAEBase(nn.Module):
         cfg = self.latent_cfg
         if cfg.encoder_view != "mean_last":
             params["encoder_view"] = cfg.encoder_view
-        if cfg.encoder_view == "token_weighted":
+        if cfg.encoder_view in ("token_weighted", "token_weighted_attention"):
             w = self.encoder_weighting_params
             params.update(source=w.source, alpha=w.alpha, eps=w.eps, interpolation=w.interpolation)
         if self.encoder_layer_index is None:
@@ -512,7 +535,7 @@ class CVAEBase(nn.Module):
         prior_features = hidden[rows, batch.prompt_lengths - 1]  # [B, H]
         mask = batch.target_mask.to(hidden.dtype).unsqueeze(-1)  # [B, T, 1]
         view = self.latent_cfg.encoder_view
-        if view == "token_weighted":
+        if view in ("token_weighted", "token_weighted_attention"):  # the latter's pool starts here
             w = self.encoder_weighting_params
             source, alpha, eps, interpolation = w.source, w.alpha, w.eps, w.interpolation
             pi = token_weighting_from_base_nll(
@@ -529,7 +552,7 @@ class CVAEBase(nn.Module):
         last_token = hidden[rows, batch.prompt_lengths + batch.response_lengths - 1]  # [B, H]
         encoder_features = torch.cat([pooled, last_token], dim=-1)
         features = FrozenFeatures(zfree_nll, prior_features, encoder_features, zfree_token_entropy=entropy)
-        if view == "attention":
+        if view in ATTENTION_VIEWS:
             features.response_hidden = hidden * mask  # [B, T, H], zero off the response
             features.response_mask = batch.target_mask.bool()
         return features
@@ -539,70 +562,23 @@ class CVAEBase(nn.Module):
         """``[B, L] -> [B, P, H]`` soft latent embeddings."""
         return self.latent_projection(vector).view(vector.shape[0], self.num_latent_tokens, self.hidden_size)
 
-    @property
-    def sequence_latent_tokens(self) -> int:
-        """How many latent positions the decoder's input sequence holds: ``P``, or 0 for the memory placement."""
-        return 0 if self.latent_memory is not None else self.num_latent_tokens
-
     def alignment_offsets(self, batch: Batch) -> torch.Tensor:
-        """``[B]``: z-free position ``t`` of a response token is conditioned position ``t + offset``.
-
-        Both sequence placements put the ``P`` latent embeddings before every response token; the memory
-        placement leaves the sequence as it is (offset 0).
-        """
-        return torch.full(
-            (batch.input_ids.shape[0],), self.sequence_latent_tokens, dtype=torch.long, device=batch.input_ids.device
-        )
-
-    def _conditioned_layout(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Where each conditioned position comes from, ``[B, Tc]`` each: ``is_latent``, the z-free
-        position ``source`` of a token position, and the latent embedding index of a latent position."""
-        B, T = batch.input_ids.shape
-        P = self.sequence_latent_tokens
-        device = batch.input_ids.device
-        if P == 0:  # memory: the z-free layout itself
-            source = torch.arange(T, device=device).expand(B, T)
-            return torch.zeros(B, T, dtype=torch.bool, device=device), source, torch.zeros_like(source)
-        if self.latent_cfg.latent_placement == "prefix":
-            insert_at = torch.zeros(B, dtype=torch.long, device=device)
-        else:
-            insert_at = batch.prompt_lengths
-        j = torch.arange(T + P, device=device).unsqueeze(0)  # [1, Tc]
-        start = insert_at.unsqueeze(1)  # [B, 1]
-        is_latent = (j >= start) & (j < start + P)  # [B, Tc]
-        source = torch.where(j < start, j, j - P).clamp(0, T - 1)  # [B, Tc] z-free position
-        latent_index = (j - start).clamp(0, P - 1)  # [B, Tc]
-        return is_latent, source, latent_index
+        """``[B]``: z-free position ``t`` of a response token is conditioned position ``t + offset``
+        (:meth:`.injection.LatentLayout.alignment_offsets`)."""
+        return self.layout.alignment_offsets(batch)
 
     def conditioned_target_mask(self, batch: Batch) -> torch.Tensor:
         """The ``[B, Tc]`` token mask of the conditioned sequence (1 on response tokens), without decoding."""
-        is_latent, source, _ = self._conditioned_layout(batch)
-        return batch.target_mask.gather(1, source).masked_fill(is_latent, 0)
+        return self.layout.target_mask(batch)
 
     def conditioned_inputs(
         self, batch: Batch, latent_embeds: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Insert ``P`` latent embeddings into the z-free batch.
-
-        Returns ``inputs_embeds [B, Tc, H]``, ``input_ids [B, Tc]`` (0 at latent positions),
-        ``attention_mask [B, Tc]``, ``target_mask [B, Tc]`` and ``alignment_offsets [B]``. For the memory
-        placement these are the z-free batch's own (``Tc = T``, offsets 0; the latent goes to
-        :meth:`memory_inputs`).
-        """
-        is_latent, source, latent_index = self._conditioned_layout(batch)
+        """Insert ``P`` latent embeddings into the z-free batch (:meth:`.injection.LatentLayout.inputs`):
+        ``inputs_embeds [B, Tc, H]``, ``input_ids [B, Tc]`` (0 at latent positions), ``attention_mask [B, Tc]``,
+        ``target_mask [B, Tc]`` and ``alignment_offsets [B]``."""
         token_embeds = self.decoder.get_input_embeddings()(batch.input_ids)  # [B, T, H]
-        if self.latent_memory is not None:
-            offsets = self.alignment_offsets(batch)
-            return token_embeds, batch.input_ids, batch.attention_mask, batch.target_mask, offsets
-        gathered_tokens = token_embeds.gather(1, source.unsqueeze(-1).expand(-1, -1, self.hidden_size))
-        gathered_latent = latent_embeds.to(token_embeds.dtype).gather(
-            1, latent_index.unsqueeze(-1).expand(-1, -1, self.hidden_size)
-        )
-        inputs_embeds = torch.where(is_latent.unsqueeze(-1), gathered_latent, gathered_tokens)
-        input_ids = batch.input_ids.gather(1, source).masked_fill(is_latent, 0)
-        attention_mask = batch.attention_mask.gather(1, source).masked_fill(is_latent, 1)
-        target_mask = batch.target_mask.gather(1, source).masked_fill(is_latent, 0)
-        return inputs_embeds, input_ids, attention_mask, target_mask, self.alignment_offsets(batch)
+        return self.layout.inputs(batch, token_embeds, latent_embeds)
 
     def decode(self, batch: Batch, vector: torch.Tensor, window: bool = True) -> Decoded:
         """Run the decoder under a latent.
@@ -613,11 +589,7 @@ class CVAEBase(nn.Module):
         """
         latent_embeds = self.latent_embeddings(vector)
         embeds, ids, attention, target, offsets = self.conditioned_inputs(batch, latent_embeds)
-        extra: dict[str, object] = {"attention_mask": attention}
-        if self.latent_memory is not None:
-            # The z-free pass's positions 0 .. T-1 (right-padded rows), the memory in front of them.
-            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-            extra = self.memory_inputs(latent_embeds, attention, positions, embeds.dtype)
+        extra = self.layout.decoder_arguments(self.latent_memory, self.decoder, latent_embeds, attention, embeds.dtype)
         start = 0
         if window:
             supervised = target[:, 1:].bool()  # [B, N]

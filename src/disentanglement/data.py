@@ -15,7 +15,7 @@ import logging
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -239,11 +239,6 @@ def load_jsonl(
     pairs: list[PromptResponse] = []
     problems: list[str] = []
     invalid_lines: set[int] = set()
-
-    def report(lineno: int, problem: str) -> None:
-        problems.append(problem)
-        invalid_lines.add(lineno)
-
     empty_responses: list[int] = []
     seen_labels: dict[tuple[str, str], tuple[str, int]] = {}  # (factor, text) -> (kind, first line)
     offset = 0
@@ -252,55 +247,85 @@ def load_jsonl(
             where = f"{path}:{lineno}"
             line, problem = _decode_line(raw, where, offset)
             offset += len(raw)
-            if problem is not None:
-                report(lineno, problem)
+            if problem is None and not line.strip():
                 continue
-            if not line.strip():
-                continue
-            duplicates: list[str] = []
-            try:
-                record = json.loads(line, object_pairs_hook=_unique_keys(duplicates))
-            except json.JSONDecodeError as exc:
-                report(
-                    lineno,
-                    f"{where}: invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno}); expected one JSON object",
+            record, problem = (None, problem) if problem is not None else _read_record(line, where)
+            found = [problem] if problem is not None else []
+            if record is not None:
+                values, label, found = _record_fields(
+                    record, where, lineno, (prompt_key, response_key, label_key), seen_labels
                 )
-                continue
-            if duplicates:
-                keys = ", ".join(repr(k) for k in duplicates)
-                report(lineno, f"{where}: duplicate key{'s' if len(duplicates) > 1 else ''} {keys}")
-                continue
-            if not isinstance(record, dict):
-                report(lineno, f"{where}: expected a JSON object, got {type(record).__name__}")
-                continue
-            bad = False
-            values: dict[str, str] = {}
-            for key in (prompt_key, response_key):
-                if key not in record:
-                    report(lineno, f"{where}: missing key {key!r} (expected a string; keys present: {sorted(record)})")
-                    bad = True
-                elif not isinstance(record[key], str):
-                    report(lineno, f"{where}: key {key!r} must be a string, got {type(record[key]).__name__}")
-                    bad = True
-                elif problem := _surrogate_problem(record[key], f"key {key!r}"):
-                    report(lineno, f"{where}: {problem}")
-                    bad = True
-                else:
-                    values[key] = record[key]
-            label, problem = _parse_label(record.get(label_key), label_key)
-            if problem is None:
-                problem = _label_surrogate_problem(record.get(label_key), label_key)
-            if problem is None:
-                problem = _mixed_label_problem(record.get(label_key), label_key, lineno, seen_labels)
-            if problem is not None:
-                report(lineno, f"{where}: {problem}")
-                bad = True
-            if bad:
+            if found:
+                problems.extend(found)
+                invalid_lines.add(lineno)
                 continue
             if not values[response_key].strip():
                 empty_responses.append(lineno)
                 continue
             pairs.append(PromptResponse(values[prompt_key], values[response_key], label, where))
+    _check_jsonl_pairs(path, pairs, problems, invalid_lines, empty_responses, response_key)
+    return pairs
+
+
+def _read_record(line: str, where: str) -> tuple[dict | None, str | None]:
+    """One line's JSON object, or the problem with it: invalid JSON, a key given twice, not an object."""
+    duplicates: list[str] = []
+    try:
+        record = json.loads(line, object_pairs_hook=_unique_keys(duplicates))
+    except json.JSONDecodeError as exc:
+        return (
+            None,
+            f"{where}: invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno}); expected one JSON object",
+        )
+    if duplicates:
+        keys = ", ".join(repr(k) for k in duplicates)
+        return None, f"{where}: duplicate key{'s' if len(duplicates) > 1 else ''} {keys}"
+    if not isinstance(record, dict):
+        return None, f"{where}: expected a JSON object, got {type(record).__name__}"
+    return record, None
+
+
+def _record_fields(
+    record: dict,
+    where: str,
+    lineno: int,
+    keys: tuple[str, str, str],
+    seen_labels: dict[tuple[str, str], tuple[str, int]],
+) -> tuple[dict[str, str], Label, list[str]]:
+    """A record's prompt and response strings, its label, and every problem with them, in that order
+    (``keys``: the prompt, response and label keys; ``seen_labels``: the labels' kinds so far)."""
+    prompt_key, response_key, label_key = keys
+    problems: list[str] = []
+    values: dict[str, str] = {}
+    for key in (prompt_key, response_key):
+        if key not in record:
+            problems.append(f"{where}: missing key {key!r} (expected a string; keys present: {sorted(record)})")
+        elif not isinstance(record[key], str):
+            problems.append(f"{where}: key {key!r} must be a string, got {type(record[key]).__name__}")
+        elif problem := _surrogate_problem(record[key], f"key {key!r}"):
+            problems.append(f"{where}: {problem}")
+        else:
+            values[key] = record[key]
+    label, problem = _parse_label(record.get(label_key), label_key)
+    if problem is None:
+        problem = _label_surrogate_problem(record.get(label_key), label_key)
+    if problem is None:
+        problem = _mixed_label_problem(record.get(label_key), label_key, lineno, seen_labels)
+    if problem is not None:
+        problems.append(f"{where}: {problem}")
+    return values, label, problems
+
+
+def _check_jsonl_pairs(
+    path: Path,
+    pairs: list[PromptResponse],
+    problems: list[str],
+    invalid_lines: set[int],
+    empty_responses: list[int],
+    response_key: str,
+) -> None:
+    """Raise what reading ``path`` found: the invalid lines (the first 20 problems), then the empty
+    responses, then no pairs at all; the labels' factors must agree (:func:`label_factor_names`)."""
     if problems:
         shown = problems[:20]
         more = f"\n... and {len(problems) - 20} more problems" if len(problems) > 20 else ""
@@ -313,7 +338,6 @@ def load_jsonl(
     if not pairs:
         raise DataError(f"{path} holds no prompt/response pairs")
     label_factor_names(pairs)
-    return pairs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -561,6 +585,31 @@ def tokenize_pairs(pairs: Sequence[PromptResponse], tokenizer: Any, cfg: DataCon
     special_token_texts = _warn_special_token_texts(pairs, tokenizer)
     prompt_ids_all = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
     response_ids_all = tokenizer(response_texts, add_special_tokens=False)["input_ids"]
+    examples, counts = _truncated_examples(pairs, prompt_ids_all, response_ids_all, eos, cfg)
+    stats = {
+        "examples": len(examples),
+        "truncated_prompts": counts["truncated_prompts"],
+        "truncated_responses": counts["truncated_responses"],
+        "mean_prompt_tokens": sum(len(e.prompt_ids) for e in examples) / len(examples),
+        "mean_response_tokens": sum(len(e.response_ids) for e in examples) / len(examples),
+        "max_prompt_tokens_before_truncation": counts["max_prompt_tokens_before_truncation"],
+        "max_response_tokens_before_truncation": counts["max_response_tokens_before_truncation"],
+        "chat_template": use_template,
+        "special_token_texts": special_token_texts,
+    }
+    _log_tokenized(stats, cfg)
+    return examples, stats
+
+
+def _truncated_examples(
+    pairs: Sequence[PromptResponse],
+    prompt_ids_all: Sequence[Sequence[int]],
+    response_ids_all: Sequence[Sequence[int]],
+    eos: int | None,
+    cfg: DataConfig,
+) -> tuple[list[Example], dict[str, int]]:
+    """The examples of the tokenised pairs (``eos`` appended to each response when given), truncated as
+    :func:`tokenize_pairs` says, with the counts of truncations and the longest prompt and response before."""
     examples: list[Example] = []
     truncated_prompts = truncated_responses = 0
     max_prompt_seen = max_response_seen = 0
@@ -582,30 +631,28 @@ def tokenize_pairs(pairs: Sequence[PromptResponse], tokenizer: Any, cfg: DataCon
             response_ids = response_ids[: cfg.max_response_tokens]
             truncated_responses += 1
         examples.append(Example(prompt_ids, response_ids, pair.label, pair.source))
-    stats = {
-        "examples": len(examples),
+    counts = {
         "truncated_prompts": truncated_prompts,
         "truncated_responses": truncated_responses,
-        "mean_prompt_tokens": sum(len(e.prompt_ids) for e in examples) / len(examples),
-        "mean_response_tokens": sum(len(e.response_ids) for e in examples) / len(examples),
         "max_prompt_tokens_before_truncation": max_prompt_seen,
         "max_response_tokens_before_truncation": max_response_seen,
-        "chat_template": use_template,
-        "special_token_texts": special_token_texts,
     }
+    return examples, counts
+
+
+def _log_tokenized(stats: dict, cfg: DataConfig) -> None:
     logger.info(
         "tokenised %d examples (chat template: %s): mean prompt %.1f tokens, mean response %.1f tokens; "
         "truncated %d prompts (> %d tokens, kept the last) and %d responses (> %d tokens, kept the first)",
-        len(examples),
-        use_template,
+        stats["examples"],
+        stats["chat_template"],
         stats["mean_prompt_tokens"],
         stats["mean_response_tokens"],
-        truncated_prompts,
+        stats["truncated_prompts"],
         cfg.max_prompt_tokens,
-        truncated_responses,
+        stats["truncated_responses"],
         cfg.max_response_tokens,
     )
-    return examples, stats
 
 
 # --------------------------------------------------------------------------------------------------
@@ -643,6 +690,39 @@ def split_train_validation(items: Sequence[T], validation_fraction: float, seed:
     train = [item for i, item in enumerate(items) if i not in val_index]
     val = [item for i, item in enumerate(items) if i in val_index]
     return train, val
+
+
+@dataclass
+class DataOrder:
+    """Deterministic epoch-wise shuffling whose position is saved with each checkpoint."""
+
+    size: int
+    seed: int
+    epoch: int = 0
+    position: int = 0
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._order = self._permutation(self.epoch)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.size, generator=generator).tolist()
+
+    def next_indices(self, count: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < count:
+            if self.position >= self.size:
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation(self.epoch)
+            take = min(count - len(out), self.size - self.position)
+            out.extend(self._order[self.position : self.position + take])
+            self.position += take
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
 
 
 @dataclass

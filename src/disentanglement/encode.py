@@ -3,7 +3,7 @@
     disentangle encode CHECKPOINT --data validation|train|chatterbot|FILE.jsonl --output latents.jsonl
         [--max-examples N] [--batch-size B] [--seed S] [--iw-samples k] [--prior-samples S] [--exact-limit L]
 
-One row per example of ``--data``, in data order (the order :func:`commands.load_examples` gives:
+One row per example of ``--data``, in data order (the order :func:`runs.load_examples` gives:
 the split's or the file's order, a ``--max-examples`` subset keeping it); the keys of a row and the two
 formats are those of the latent file (:mod:`latent_file`).
 
@@ -40,9 +40,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import commands
+from . import runs
 from .config import DEFAULT_SCORING, Scoring
 from .latent_file import check_output, write_rows
+from .options import EncodeOptions, check_at_least, with_overrides
 
 if TYPE_CHECKING:  # torch and the models load when a command runs, not for --help
     import torch
@@ -96,7 +97,7 @@ def encode_examples(
         raise ValueError(f"the feature cache holds {len(cache)} examples, but {len(examples)} were given")
     if pairs is not None and len(pairs) != len(examples):
         raise ValueError(f"{len(pairs)} pairs were given for {len(examples)} examples")
-    commands._check_at_least("batch_size", batch_size, 1)
+    check_at_least("batch_size", batch_size, 1)
     space = model.latent_space  # the family's fields of a row
     device = next(model.parameters()).device
     E = len(examples)
@@ -153,7 +154,7 @@ def _batch_row_scores(space: LatentSpace, features: FrozenFeatures, scored: Batc
 
 
 def raw_pairs(data: str | None, config: RunConfig, examples: Sequence[Example]) -> list[PromptResponse]:
-    """The raw pairs of ``examples`` as :func:`commands.load_examples` loaded them from ``data``, in order.
+    """The raw pairs of ``examples`` as :func:`runs.load_examples` loaded them from ``data``, in order.
 
     An example keeps only token ids; its pair is found again by its ``source`` (``FILE:LINE``, or the
     corpus id), which names one pair of the data. A ``ValueError`` if a source names no pair, several
@@ -162,7 +163,7 @@ def raw_pairs(data: str | None, config: RunConfig, examples: Sequence[Example]) 
     from .data import load_pairs
 
     data = data or "validation"
-    data_cfg = config.data if data in commands.SPLITS else dataclasses.replace(config.data, data=data)
+    data_cfg = config.data if data in runs.SPLITS else dataclasses.replace(config.data, data=data)
     by_source: dict[str, PromptResponse] = {}
     repeated: set[str] = set()
     for pair in load_pairs(data_cfg):
@@ -181,23 +182,16 @@ def raw_pairs(data: str | None, config: RunConfig, examples: Sequence[Example]) 
 # --------------------------------------------------------------------------- the command
 
 
-def _encode_to_file(
-    checkpoint: str | Path, options: commands.EncodeOptions, model_and_tokenizer=None
-) -> tuple[Path, int]:
-    # options first, before the model loads
-    commands.check_numeric_options(options)
+def _encode_to_file(checkpoint: str | Path, options: EncodeOptions, model_and_tokenizer=None) -> tuple[Path, int]:
+    # options first (their numbers are checked as they are made), before the model loads
     scoring = options.scoring()
-    commands._check_at_least("--batch-size", options.batch_size, 1)
-    commands._check_at_least("--max-examples", options.max_examples, 1, optional=True)
     check_output(options.output)
-    commands.check_data_option(checkpoint, options.data)
+    runs.check_data_option(checkpoint, options.data)
 
-    model, tokenizer, config, _, _, _ = commands.load_checkpoint(checkpoint, model_and_tokenizer, options.device)
-    examples, _ = commands.load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
+    model, tokenizer, config, _, _, _ = runs.load_checkpoint(checkpoint, model_and_tokenizer, options.device)
+    examples, _ = runs.load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
     pairs = raw_pairs(options.data, config, examples)
-    cache = commands.stored_features(
-        model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress
-    )
+    cache = runs.stored_features(model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress)
     rows = encode_examples(
         model,
         examples,
@@ -213,15 +207,13 @@ def _encode_to_file(
 
 
 def run_encode(
-    checkpoint: str | Path, options: commands.EncodeOptions | None = None, *, model_and_tokenizer=None, **overrides: Any
+    checkpoint: str | Path, options: EncodeOptions | None = None, *, model_and_tokenizer=None, **overrides: Any
 ) -> Path:
     """Encode ``data`` (as ``eval``'s ``--data``) with a checkpoint; write one row per example to ``output``
-    (``.jsonl``, or ``.parquet`` with pyarrow). ``options`` (default :class:`commands.EncodeOptions`) with the
+    (``.jsonl``, or ``.parquet`` with pyarrow). ``options`` (default :class:`options.EncodeOptions`) with the
     keyword ``overrides`` on top (``run_encode(ckpt, output="latents.jsonl", data="train")``). Options,
     ``data`` and ``output`` are checked before the model loads. Returns the path written."""
-    path, _ = _encode_to_file(
-        checkpoint, commands._with(commands.EncodeOptions, options, overrides), model_and_tokenizer
-    )
+    path, _ = _encode_to_file(checkpoint, with_overrides(EncodeOptions, options, overrides), model_and_tokenizer)
     return path
 
 

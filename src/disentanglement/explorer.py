@@ -26,7 +26,7 @@ gain ``prior_nll - l_t``, ...), and greedy generations under the group's latent 
 the code in its slot, the other slots at the group's most common codes; continuous: the centroid).
 
 Nothing on the page comes from the network; every text (prompts, responses, labels, token strings) is
-HTML-escaped and the embedded data is JSON with ``<``, ``>`` and ``&`` escaped (``report._json_for_script``).
+HTML-escaped and the embedded data is JSON with ``<``, ``>`` and ``&`` escaped (``report.json_for_script``).
 
 The page is built in two steps: :func:`explore` computes a plain, JSON-able dict (no model in it), and
 :func:`render_explorer_html` turns such a dict into the page, so the page's content is testable by hand.
@@ -43,18 +43,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import commands
+from . import runs
 from .config import DEFAULT_SCORING, Scoring
 from .data import label_factors
 from .latent_space import latent_space_of
+from .options import check_at_least
 from .report import (
     TOKEN_COLOUR_JS,
-    _colour,
-    _format_value,
-    _json_for_script,
-    _scale,
-    _token_text_html,
+    colour,
+    colour_scale,
+    format_value,
+    json_for_script,
     legend_html,
+    token_text_html,
 )
 
 if TYPE_CHECKING:
@@ -209,10 +210,10 @@ def default_clusters(labels: Sequence[Any], examples: int) -> int:
 
 
 def _check_options(examples: int, prompts: int, tokens: int, clusters: int | None) -> None:
-    commands._check_at_least("--explore-examples", examples, 1)
-    commands._check_at_least("--explore-prompts", prompts, 0)
-    commands._check_at_least("--explore-tokens", tokens, 1)
-    commands._check_at_least("--clusters", clusters, 1, optional=True)
+    check_at_least("--explore-examples", examples, 1)
+    check_at_least("--explore-prompts", prompts, 0)
+    check_at_least("--explore-tokens", tokens, 1)
+    check_at_least("--clusters", clusters, 1, optional=True)
 
 
 def explore(
@@ -493,7 +494,7 @@ def _scales(page: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     for q in page["quantities"]:
         values = [v for e in page["examples"] for v in e["values"][q]]
         values = [float(v) if v is not None and math.isfinite(float(v)) else None for v in values]
-        scales[q] = _scale(values, q in SIGNED_QUANTITIES)
+        scales[q] = colour_scale(values, q in SIGNED_QUANTITIES)
     return scales
 
 
@@ -546,12 +547,12 @@ def _example_html(index: int, example: Mapping[str, Any], confidence: float, pag
     for t, token in enumerate(example["tokens"]):
         tip = "\n".join(
             [f"#{t} {token!r}"]
-            + [f"{q}: {_format_value(_clean([example['values'][q][t]])[0])}" for q in page["quantities"]]
+            + [f"{q}: {format_value(_clean([example['values'][q][t]])[0])}" for q in page["quantities"]]
         )
-        style = f"background-color:{_colour(values[t], scales[default])}"
+        style = f"background-color:{colour(values[t], scales[default])}"
         spans.append(
             f'<span class="tok" data-e="{index}" data-i="{t}" title="{_esc(tip)}" style="{style}">'
-            f"{_token_text_html(str(token))}</span>"
+            f"{token_text_html(str(token))}</span>"
         )
     what = latent_space_of(page["latent"]).confidence
     label = "" if example["label"] is None else f" · label {_esc(example['label'])}"
@@ -662,7 +663,7 @@ def render_explorer_html(page: Mapping[str, Any]) -> str:
         f'<select id="quantity">{options}</select>'
         f"{legend_html(scales[default])}</div>\n"
         f"{_overview_html(page)}\n{sections}\n"
-        f'<script type="application/json" id="explorer-data">{_json_for_script(payload)}</script>\n'
+        f'<script type="application/json" id="explorer-data">{json_for_script(payload)}</script>\n'
         f"<script>{_JS}</script>\n</body>\n</html>\n"
     )
 
@@ -702,22 +703,20 @@ def run_explore(
     from .encode import raw_pairs
 
     _check_options(examples_per_group, num_prompts, max_new_tokens, clusters)
-    commands._check_at_least("--max-examples", max_examples, 1, optional=True)
-    commands._check_at_least("--batch-size", batch_size, 1)
+    check_at_least("--max-examples", max_examples, 1, optional=True)
+    check_at_least("--batch-size", batch_size, 1)
     if prompts is not None and any(not str(p).strip() for p in prompts):
         raise ValueError("--explore-prompt must not be empty")
-    commands.check_data_option(checkpoint, data)
-    run_dir = commands.resolve_run(checkpoint)[1]
+    runs.check_data_option(checkpoint, data)
+    run_dir = runs.resolve_run(checkpoint)[1]
     target = Path(output) if output is not None else run_dir / "inspect" / "explorer.html"
-    commands.check_writable_target(target, "--output")
+    runs.check_writable_target(target, "--output")
     if output is None:  # RUN/inspect must be a real folder of the run, not a link to elsewhere
         from .safe_io import ensure_dir
 
         ensure_dir(target.parent, run_dir)
-    model, tokenizer, config, state, checkpoint_dir, _ = commands.load_checkpoint(
-        checkpoint, model_and_tokenizer, device
-    )
-    examples, description = commands.load_examples(data, config, tokenizer, max_examples, seed)
+    model, tokenizer, config, state, checkpoint_dir, _ = runs.load_checkpoint(checkpoint, model_and_tokenizer, device)
+    examples, description = runs.load_examples(data, config, tokenizer, max_examples, seed)
     pairs = raw_pairs(data, config, examples)
     meta = {"checkpoint": str(checkpoint_dir), "step": state.get("step"), "data": description}
     page = explore(

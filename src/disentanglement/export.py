@@ -529,16 +529,8 @@ def _export_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_export_subcommand(subparsers) -> None:
-    """Register ``disentangle export RUN --output DIR [--push-to-hub REPO]``."""
-    parser = subparsers.add_parser(
-        "export",
-        help="write a self-contained checkpoint to hand over (and upload it to the Hugging Face hub)",
-        description="Write a self-contained export directory of a run or checkpoint: model.safetensors, "
-        "config.yaml, the base model's name and weight hash, and a model card README.md with the eval metrics "
-        "and their baselines. Load it with disentanglement.load(DIR) or pass it to eval, encode, generate, "
-        "inspect.",
-    )
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``disentangle export RUN --output DIR [--push-to-hub REPO]`` (``cli.SUBCOMMANDS``)."""
     parser.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or checkpoint directory")
     parser.add_argument("--output", required=True, metavar="DIR", help="the export directory (new or empty)")
     parser.add_argument(

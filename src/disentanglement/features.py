@@ -24,7 +24,7 @@ from safetensors.torch import save
 from tqdm.auto import tqdm
 
 from .checkpoints import replace_file_durably
-from .cvae_base import CVAEBase, FrozenFeatures, WeightingParams
+from .cvae_base import ATTENTION_VIEWS, CVAEBase, FrozenFeatures, WeightingParams
 from .data import Batch, Example, collate
 from .distributed import barrier, gather_objects, is_main, rank_and_size
 from .token_weighting import TokenWeighting, token_weighting_from_base_nll
@@ -409,12 +409,14 @@ def load_or_build_feature_cache(
     path = Path(cache_dir) / "frozen_pass.safetensors"
     cache = load_feature_cache(path, fingerprint)
     needs_entropy = model.reconstruction_cfg.token_weight_source == "entropy"
-    needs_hidden = model.latent_cfg.encoder_view == "attention"
+    needs_hidden = model.latent_cfg.encoder_view in ATTENTION_VIEWS
     if cache is not None and len(cache) == len(examples):
         if needs_entropy and cache.response_entropy is None:
             logger.info("frozen pass: %s holds no predictive entropy (token_weight_source 'entropy'); rebuilding", path)
         elif needs_hidden and cache.response_hidden is None:
-            logger.info("frozen pass: %s holds no per-token hidden states (encoder_view 'attention'); rebuilding", path)
+            logger.info(
+                "frozen pass: %s holds no per-token hidden states (an attention encoder_view); rebuilding", path
+            )
         else:
             logger.info("frozen pass: reusing %s (fingerprint %s)", path, fingerprint)
             return cache

@@ -49,8 +49,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import commands
+from . import runs
 from .latent_space import LATENT_SPACES, ContinuousLatentSpace, DiscreteLatentSpace
+from .options import check_at_least
 
 if TYPE_CHECKING:  # torch and the models load when a command runs, not for --help
     import torch
@@ -78,7 +79,7 @@ def check_output(output: str | Path) -> Path:
     if output is None or str(output) == "":
         raise ValueError("--output is required (a .jsonl or .parquet path)")
     path = Path(output)
-    commands.check_writable_target(path, "--output")
+    runs.check_writable_target(path, "--output")
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise ValueError(f"--output {path} must end in .jsonl or .parquet")
@@ -341,7 +342,7 @@ def code_examples(
     file = as_latent_rows(latents)
     if not 0 <= slot < model.num_slots or not 0 <= code < model.codebook_size:
         raise ValueError(f"slot {slot} / code {code} is outside [0, {model.num_slots}) x [0, {model.codebook_size})")
-    commands._check_at_least("--code-examples", count, 1)
+    check_at_least("--code-examples", count, 1)
     assigned = []
     for i in range(len(file.rows)):
         if _row_value(model, file, i)[slot] != code:

@@ -47,7 +47,9 @@ def _clean_values(tokens: Sequence[str], values: Mapping[str, Sequence[Any]]) ->
     return out
 
 
-def _scale(vals: Sequence[float | None], signed: bool) -> dict[str, Any]:
+def colour_scale(vals: Sequence[float | None], signed: bool) -> dict[str, Any]:
+    """The colour scale of one quantity over ``vals`` (None: no value), as :func:`colour` reads it: ``min``,
+    ``max``, ``signed`` (asked for, or a negative value) and ``ref``, the value drawn in full colour."""
     finite = [v for v in vals if v is not None]
     lo = min(finite) if finite else 0.0
     hi = max(finite) if finite else 0.0
@@ -57,7 +59,7 @@ def _scale(vals: Sequence[float | None], signed: bool) -> dict[str, Any]:
 
 
 def legend_ends(scale: Mapping[str, Any]) -> tuple[float, float]:
-    """The values at the legend's two ends, the values :func:`_colour` draws in its end colours: ``0`` (white)
+    """The values at the legend's two ends, the values :func:`colour` draws in its end colours: ``0`` (white)
     and ``ref`` (red) for a non-negative quantity, ``-ref`` (blue) and ``ref`` (red) for a signed one. (Not the
     data's minimum: a token at the minimum is coloured by ``min / ref``, white only when the minimum is 0.)"""
     ref = float(scale["ref"])
@@ -66,7 +68,7 @@ def legend_ends(scale: Mapping[str, Any]) -> tuple[float, float]:
 
 def legend_html(scale: Mapping[str, Any]) -> str:
     """The colour legend of a token page: a swatch and the value at each end of the gradient bar (both the
-    colours of :func:`_colour` at those values), and the data's range beside it. Ids ``legend-lo-swatch``,
+    colours of :func:`colour` at those values), and the data's range beside it. Ids ``legend-lo-swatch``,
     ``legend-min``, ``legend-bar``, ``legend-max``, ``legend-hi-swatch``, ``legend-range`` (the pages' script
     updates them, :data:`TOKEN_COLOUR_JS`'s ``legend``)."""
     lo, hi = legend_ends(scale)
@@ -76,17 +78,17 @@ def legend_html(scale: Mapping[str, Any]) -> str:
         else "linear-gradient(to right, #fff, rgb(255,0,0))"
     )
     return (
-        f'<span class="legend"><span class="swatch" id="legend-lo-swatch" style="background-color:{_colour(lo, scale)}">'
-        f'</span><span id="legend-min">{_format_value(lo)}</span>'
+        f'<span class="legend"><span class="swatch" id="legend-lo-swatch" style="background-color:{colour(lo, scale)}">'
+        f'</span><span id="legend-min">{format_value(lo)}</span>'
         f'<span class="bar" id="legend-bar" style="background:{gradient}"></span>'
-        f'<span id="legend-max">{_format_value(hi)}</span>'
-        f'<span class="swatch" id="legend-hi-swatch" style="background-color:{_colour(hi, scale)}"></span>'
-        f'<span id="legend-range" class="range">(tokens range {_format_value(scale["min"])} to '
-        f"{_format_value(scale['max'])})</span></span>"
+        f'<span id="legend-max">{format_value(hi)}</span>'
+        f'<span class="swatch" id="legend-hi-swatch" style="background-color:{colour(hi, scale)}"></span>'
+        f'<span id="legend-range" class="range">(tokens range {format_value(scale["min"])} to '
+        f"{format_value(scale['max'])})</span></span>"
     )
 
 
-def _colour(v: float | None, scale: Mapping[str, Any]) -> str:
+def colour(v: float | None, scale: Mapping[str, Any]) -> str:
     """Background colour: white->red by v/max, or blue-white-red by v/max|v| when signed."""
     if v is None:
         return "#e6e6e6"
@@ -108,13 +110,14 @@ def _attr_name(key: str, used: set[str]) -> str:
     return name
 
 
-def _token_text_html(token: str) -> str:
+def token_text_html(token: str) -> str:
     """Escaped token text with visible line breaks (``\\n`` -> ``↵`` + ``<br>``)."""
     text = html.escape(token.replace("\r", "\u240d"), quote=True)
     return text.replace("\n", "\u21b5<br>")
 
 
-def _format_value(v: float | None) -> str:
+def format_value(v: float | None) -> str:
+    """A token value as the pages show it: four significant digits, ``n/a`` for None."""
     return "n/a" if v is None else f"{v:.4g}"
 
 
@@ -125,7 +128,7 @@ def save_figure(fig: Any, path: str | Path, **kwargs: Any) -> Path:
     return atomic_write(path, buffer.getvalue())
 
 
-def _json_for_script(obj: Any) -> str:
+def json_for_script(obj: Any) -> str:
     """JSON safe inside ``<script>``: ``<``, ``>`` and ``&`` as ``\\u`` escapes (so no ``</``)."""
     text = json.dumps(obj, ensure_ascii=False, allow_nan=False, default=str)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
@@ -147,7 +150,7 @@ span.tok { border-radius: 2px; padding: 0 0.5px; }
 span.tok:hover { outline: 1px solid #333; }
 """
 
-#: The token colouring of :func:`_colour` in JavaScript (blue-white-red on a quantity's scale), shared by the
+#: The token colouring of :func:`colour` in JavaScript (blue-white-red on a quantity's scale), shared by the
 #: inspect page and the explorer page.
 TOKEN_COLOUR_JS = """  function colour(v, sc) {
     if (v === null || v === undefined) { return "#e6e6e6"; }
@@ -222,19 +225,19 @@ def render_token_html(
     if default not in vals:
         raise ValueError(f"default {default!r} is not one of the quantities {keys}")
     signed = set(signed_keys)
-    scales = {k: _scale(v, k in signed) for k, v in vals.items()}
+    scales = {k: colour_scale(v, k in signed) for k, v in vals.items()}
     used: set[str] = set()
     attr = {k: _attr_name(k, used) for k in keys}
     esc = html.escape
 
     spans = []
     for i, tok in enumerate(tokens):
-        tip = "\n".join([f"#{i} {tok!r}"] + [f"{k}: {_format_value(vals[k][i])}" for k in keys])
-        data_attrs = " ".join(f'{attr[k]}="{_format_value(vals[k][i])}"' for k in keys)
-        style = f"background-color:{_colour(vals[default][i], scales[default])}"
+        tip = "\n".join([f"#{i} {tok!r}"] + [f"{k}: {format_value(vals[k][i])}" for k in keys])
+        data_attrs = " ".join(f'{attr[k]}="{format_value(vals[k][i])}"' for k in keys)
+        style = f"background-color:{colour(vals[default][i], scales[default])}"
         spans.append(
             f'<span class="tok" data-i="{i}" data-token="{esc(tok)}" {data_attrs} '
-            f'title="{esc(tip)}" style="{style}">{_token_text_html(tok)}</span>'
+            f'title="{esc(tip)}" style="{style}">{token_text_html(tok)}</span>'
         )
 
     options = "".join(f'<option value="{esc(k)}"{" selected" if k == default else ""}>{esc(k)}</option>' for k in keys)
@@ -260,7 +263,7 @@ def render_token_html(
         f'<select id="quantity">{options}</select>'
         f"{legend_html(scales[default])}</div>\n"
         f'<div id="tokens">{"".join(spans)}</div>\n'
-        f'<script type="application/json" id="token-data">{_json_for_script(payload)}</script>\n'
+        f'<script type="application/json" id="token-data">{json_for_script(payload)}</script>\n'
         f"<script>{_JS}</script>\n</body>\n</html>\n"
     )
 
@@ -368,7 +371,7 @@ def _grid_figure(series: Mapping[str, tuple[list[float], list[float]]], keys: Se
     return path
 
 
-#: The six reconstruction terms (DESIGN.md section 4, numbered as there) and their short names in the legend.
+#: The six reconstruction terms (docs/design.md section 4, numbered as there) and their short names in the legend.
 TERM_LABELS = {
     "reconstruction_loss": "1 token mean",
     "sequence_reconstruction_loss": "2 sequence",

@@ -18,6 +18,7 @@ Layout of the output directory::
     OUT/runs/CELL/seed-S/               a run directory (train's), its eval report in eval/sweep_eval.json
     OUT/sweep.csv                       one row per (cell, seed): the cell's settings and every metric
     OUT/sweep.md, OUT/sweep.png         per cell: mean and 95% CI over seeds (Student t) of the headline metrics
+    OUT/front.png                       NMI per factor against posterior NLL, one point per run (front.py)
 
 Resumable: a (cell, seed) whose evaluation report exists is skipped; one whose training was
 interrupted resumes from its last checkpoint. The frozen pass is shared by every cell and seed (and
@@ -90,11 +91,11 @@ RESERVED_HINTS = {
 
 def parse_value(text: str) -> Any:
     """A YAML scalar: ``1`` -> 1, ``0.5`` -> 0.5, ``true`` -> True, ``none`` -> None, else the string."""
-    from .config import _UniqueKeyLoader
+    from .config import YamlLoader
 
     if text.lower() in ("none", "null"):
         return None
-    value = yaml.load(text, Loader=_UniqueKeyLoader)  # numbers as in YAML 1.2, as a config file's: 1_0 is a string
+    value = yaml.load(text, Loader=YamlLoader)  # numbers as in YAML 1.2, as a config file's: 1_0 is a string
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)", text):
         return float(text)  # YAML 1.1 reads 1e-3 as a string
     return value
@@ -347,17 +348,21 @@ def run_sweep(
     summary = summarise(rows, list(spec.cells))
     atomic_write(output_dir / "sweep.md", summary_markdown(summary, spec))
     plot_summary(summary, output_dir / "sweep.png", rows)
+    from .front import plot_front
+
+    plot_front(rows, output_dir / "front.png")  # NMI against posterior NLL, one point per run
     return rows
 
 
 def check_eval_options(spec: SweepSpec) -> None:
     """``--eval-data`` and ``--eval-max-examples`` before any run trains (a typo must not cost a sweep): the
     data loaded with every cell's keys, as eval will load it; errors name the sweep's flag."""
-    from .commands import SPLITS, _check_at_least
     from .data import chatterbot_corpus_dir, load_pairs
+    from .options import check_at_least
+    from .splits import SPLITS
 
     try:
-        _check_at_least("--eval-max-examples", spec.eval_max_examples, 1, optional=True)
+        check_at_least("--eval-max-examples", spec.eval_max_examples, 1, optional=True)
     except ValueError as exc:
         raise ConfigError(f"sweep: {exc}") from None
     data = spec.eval_data
@@ -581,14 +586,8 @@ def plot_summary(
 # command line
 
 
-def add_sweep_subcommand(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "sweep",
-        help="train and evaluate a grid of settings over seeds; report means with 95%% intervals",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``disentangle sweep`` (``cli.SUBCOMMANDS``; its help is this module's docstring)."""
     parser.add_argument("--config", help="base config file (YAML or JSON)")
     parser.add_argument(
         "--preset",
@@ -636,4 +635,6 @@ def _sweep_main(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
     print((out / "sweep.md").read_text())
     print(f"table: {out / 'sweep.csv'}\nsummary: {out / 'sweep.md'}\nplot: {out / 'sweep.png'}")
+    if (out / "front.png").is_file():
+        print(f"front: {out / 'front.png'}")
     return 0

@@ -22,7 +22,7 @@ style) once; ``style-in-echo`` each (topic, sentence, template, style) once.
 with a one-line ``description``, its ``factors`` and ``default_rows``); :func:`write_synthetic`
 writes a set as JSONL; :func:`detect_factor` reads a factor back from a response text (every
 factor of every generated row is recovered exactly; tested), for checking generations;
-:func:`add_data_subcommand` registers the ``data synth`` command.
+:func:`add_data_arguments` adds the ``data synth`` command (to ``cli.SUBCOMMANDS``' ``data``).
 
 The sets:
 
@@ -688,7 +688,7 @@ def detect_factor(set_name: str, factor: str, text: str) -> str | None:
     return _chatterbot_response_categories().get(_strip_style_marker(text))
 
 
-def _check_output_path(path: str | Path) -> Path:
+def check_output_path(path: str | Path) -> Path:
     """``path`` as a Path, or ValueError naming it when it cannot take a JSONL file."""
     out = Path(path).expanduser()
     if out.is_dir():
@@ -712,7 +712,7 @@ def write_synthetic(name: str, path: str | Path, rows: int | None = None, seed: 
     naming it, before anything is generated.
     """
     spec = _get_set(name)
-    out = _check_output_path(path)
+    out = check_output_path(path)
     data = spec(rows, seed)
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in data)
     from .safe_io import atomic_write
@@ -767,10 +767,10 @@ def run_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_data_subcommand(subparsers) -> argparse.ArgumentParser:
-    """Register ``data`` (with ``data synth``) on the ``subparsers`` of the ``disentangle`` parser."""
-    data = subparsers.add_parser("data", help="built-in data sets", description="Built-in data sets.")
-    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="{synth}")
+def add_data_arguments(data: argparse.ArgumentParser) -> None:
+    """The subcommands of ``disentangle data`` (``data synth``, ``data dailydialog``, ``data split``) on its parser
+    ``data`` (``cli.SUBCOMMANDS``)."""
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="{synth,dailydialog,split}")
     synth = data_sub.add_parser(
         "synth",
         help="write a built-in hidden-factor data set as JSONL",
@@ -786,4 +786,6 @@ def add_data_subcommand(subparsers) -> argparse.ArgumentParser:
     synth.add_argument("--seed", type=_int, default=0, help="random seed (default: 0)")
     synth.add_argument("--list", action="store_true", help="list the sets with their descriptions and exit")
     synth.set_defaults(func=run_synth, synth_parser=synth)
-    return data
+    from .corpora import add_corpus_subcommands
+
+    add_corpus_subcommands(data_sub)  # data dailydialog, data split

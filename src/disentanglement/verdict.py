@@ -231,8 +231,8 @@ def train_verdict(result: Any, config: Any) -> tuple[dict[str, Any], dict[str, A
     """:func:`validation_verdict` of a finished ``trainer.train`` run (``result``, a ``TrainResult``) on its
     validation split with ``eval``'s defaults (seed, batch size, scoring: ``disentangle eval RUN`` prints the
     same numbers), reusing the run's frozen pass when it made one; None without validation examples."""
-    from .commands import EvalOptions
     from .features import build_feature_cache
+    from .options import EvalOptions
 
     data = getattr(result, "data", None)  # a stand-in result without data (tests) has nothing to judge
     validation = getattr(data, "validation", None)

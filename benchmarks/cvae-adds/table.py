@@ -1,0 +1,65 @@
+"""The tables of docs/what-the-cvae-adds.md from eval reports (``disentangle eval ... --generation``'s JSON).
+
+    python benchmarks/cvae-adds/table.py REPORT.json [REPORT.json ...]
+
+One row per report: its run and step, per factor the latent's NMI beside k-means of the encoder's view and of
+the prior features, the posterior and z-free NLL (nats/token), the latent gain, and (with --generation) per
+factor the share of generations whose factor, read back from the text, is the one their code stands for, with
+chance and the share where no value was found, and the generations' z-free NLL over the real responses'.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def row(path: Path) -> str:
+    report = json.loads(path.read_text())
+    checkpoint = Path(report["checkpoint"])
+    run = f"{checkpoint.parent.parent.parent.name}/{checkpoint.parent.parent.name} @{report.get('step')}"
+    factors = report.get("factors") or {}
+    nmi = "; ".join(
+        f"{n} {f['latent']['nmi']:.3f} (view {f['encoder_kmeans']['nmi']:.3f}, prior {f['prior_kmeans']['nmi']:.3f})"
+        for n, f in factors.items()
+    )
+    cells = [
+        run,
+        nmi or f"label {report.get('label_nmi', float('nan')):.3f}",
+        f"{report['posterior_nll_nats_per_token']:.3f} / {report['zfree_nll_nats_per_token']:.3f}",
+        f"{report['latent_gain_nats_per_token']:+.4f}",
+    ]
+    control = report.get("controllability")
+    if control:
+        accuracy = control.get("factor_accuracy", {}).get("factors", {})
+        cells.append(
+            "; ".join(
+                f"{n} {e['accuracy']:.3f} (chance {e['chance']:.2f}, none {e['none_share']:.2f}, n {e['generations_scored']})"
+                for n, e in accuracy.items()
+                if e["accuracy"] is not None
+            )
+            or "-"
+        )
+        cells.append(f"{control['zfree_nll_per_token'] / control['real_zfree_nll_per_token']:.2f}")
+    else:
+        cells += ["-", "-"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    print(
+        "| run @step | NMI per factor (k-means of the view, of the prior) | posterior / z-free NLL | latent gain "
+        "| factor read from the generations (chance, no value, generations) | generations' / real z-free NLL |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in argv:
+        print(row(Path(name)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
