@@ -13,7 +13,9 @@ family:
   :meth:`LatentSpace.plan`, the latents to decode for a :class:`SteeringRequest`);
 - ``evaluation.py``: the posterior's columns of the eval records (:meth:`LatentSpace.record_columns`), the KL
   unit and the latent's report columns (:meth:`LatentSpace.latent_report`);
-- ``explorer.py``: the explorer's groups (:meth:`LatentSpace.explorer_groups`) and what their confidence is.
+- ``explorer.py``: the explorer's groups (:meth:`LatentSpace.explorer_groups`) and what their confidence is;
+- ``controllability.py``: the target latents, what a re-encoding recovers and the recovery fields of the
+  report (:meth:`LatentSpace.control_targets`, :meth:`LatentSpace.recovered`, :meth:`LatentSpace.recovery_report`).
 
 What a family cannot do is refused with its own message: :meth:`LatentSpace.require` raises the
 ``ValueError`` of :attr:`LatentSpace.unsupported` (e.g. ``--attribute`` on a discrete model).
@@ -130,6 +132,35 @@ class LatentSpace:
     def slot_assignments(self, latents: Mapping[str, Any]) -> list[Any]:
         """Each slot's own assignment ``[E]`` when the latent has several slots (else none)."""
         return []
+
+    def control_targets(
+        self,
+        features: FrozenFeatures,
+        latents: dict[str, Any],
+        factors: dict[str, list[str]] | None,
+        prior_latents: int,
+    ) -> list[dict[str, Any]]:
+        """``controllability``'s target latents: ``{prompt, group, target, vector, labels}``; ``group`` is what
+        recovery is measured within and ``target`` the index to recover within it."""
+        raise NotImplementedError
+
+    def reencoded_latent(self, summary: PosteriorSummary) -> dict[str, torch.Tensor]:
+        """The latent of a re-encoded batch that recovery reads (``codes [B, M]`` or ``mu [B, D]``)."""
+        raise NotImplementedError
+
+    def recovered(self, targets: list[dict[str, Any]], encoded: dict[str, Any], features: FrozenFeatures) -> list[int]:
+        """The target index each generation's re-encoding recovers, within its group."""
+        raise NotImplementedError
+
+    def recovery_report(
+        self, accuracy_of: Any, factors: dict[str, list[str]] | None, prior_latents: int
+    ) -> dict[str, Any]:
+        """The controllability report's recovery fields; ``accuracy_of(group)`` is a group's recovery accuracy."""
+        raise NotImplementedError
+
+    def target_name(self, target: dict[str, Any]) -> str:
+        """How the report's examples name a target latent."""
+        raise NotImplementedError
 
     def explorer_groups(
         self, rows: Sequence[Mapping[str, Any]], count: int, clusters: int | None, seed: int
@@ -268,6 +299,79 @@ class DiscreteLatentSpace(LatentSpace):
         codes = latents["codes"]
         return [codes[:, m] for m in range(codes.shape[1])] if codes.shape[1] > 1 else []
 
+    def control_targets(
+        self,
+        features: FrozenFeatures,
+        latents: dict[str, Any],
+        factors: dict[str, list[str]] | None,
+        prior_latents: int,
+    ) -> list[dict[str, Any]]:
+        """Every code of every slot around the prompt's prior mode (group ``slot m``, target the code), with the
+        label each code stands for (the most frequent value among the real examples assigned to it)."""
+        from collections import Counter
+
+        model = self.model
+        targets: list[dict[str, Any]] = []
+        P = features.prior_features.shape[0]
+        M, K = model.num_slots, model.codebook_size
+        mode = model.prior_log_probs(features).argmax(-1)  # [P, M]
+        # the label each code stands for: the most frequent value among the real examples assigned to it
+        code_labels: dict[tuple[int, int], dict[str, str]] = {}
+        for name, values in (factors or {}).items():
+            for m in range(M):
+                for k in range(K):
+                    assigned = [v for v, c in zip(values, latents["codes"][:, m], strict=True) if c == k]
+                    if assigned:
+                        top = Counter(assigned).most_common()
+                        best = min(v for v, n in top if n == top[0][1])  # ties: the smallest value
+                        code_labels.setdefault((m, k), {})[name] = best
+        for p in range(P):
+            for m in range(M):
+                for k in range(K):
+                    codes = mode[p].clone()
+                    codes[m] = k
+                    targets.append(
+                        {
+                            "prompt": p,
+                            "group": f"slot {m}",
+                            "target": k,
+                            "vector": model.codes_to_vector(codes.unsqueeze(0))[0],
+                            "codes": codes.tolist(),
+                            "labels": code_labels.get((m, k), {}),
+                        }
+                    )
+        return targets
+
+    def reencoded_latent(self, summary: PosteriorSummary) -> dict[str, torch.Tensor]:
+        return {"codes": summary.codes}
+
+    def recovered(self, targets: list[dict[str, Any]], encoded: dict[str, Any], features: FrozenFeatures) -> list[int]:
+        """The re-encoded argmax code of the target's slot."""
+        out: list[int] = []
+        for t, codes in zip(targets, encoded["codes"].tolist(), strict=True):
+            out.append(codes[int(t["group"].split()[1])])
+        return out
+
+    def recovery_report(
+        self, accuracy_of: Any, factors: dict[str, list[str]] | None, prior_latents: int
+    ) -> dict[str, Any]:
+        import numpy as np
+
+        model = self.model
+        per_slot = [
+            {"slot": m, "accuracy": accuracy_of(f"slot {m}"), "chance": 1 / model.codebook_size}
+            for m in range(model.num_slots)
+        ]
+        return {
+            "recovery": "the re-encoded argmax code of the slot equals the code generated under",
+            "code_recovery_accuracy": float(np.mean([s["accuracy"] for s in per_slot])),
+            "recovery_chance": 1 / model.codebook_size,
+            "per_slot": per_slot,
+        }
+
+    def target_name(self, target: dict[str, Any]) -> str:
+        return f"codes={','.join(map(str, target['codes']))}"
+
     def explorer_groups(
         self, rows: Sequence[Mapping[str, Any]], count: int, clusters: int | None, seed: int
     ) -> list[dict[str, Any]]:
@@ -367,6 +471,101 @@ class ContinuousLatentSpace(LatentSpace):
         from .metrics import kmeans_assignments
 
         return kmeans_assignments(latents["mu"], num_clusters, seed=seed)
+
+    def control_targets(
+        self,
+        features: FrozenFeatures,
+        latents: dict[str, Any],
+        factors: dict[str, list[str]] | None,
+        prior_latents: int,
+    ) -> list[dict[str, Any]]:
+        """``prior_latents`` draws from the prior (group ``prior``) and, per factor of at least two values, the
+        prior mean plus each value's attribute vector (group ``factor NAME``, target the value's index)."""
+        import torch
+
+        model = self.model
+        targets: list[dict[str, Any]] = []
+        P = features.prior_features.shape[0]
+        prior_mu, _ = model.prior(features)  # [P, D]
+        draws = model.prior_vectors(features, prior_latents)  # [J, P, D]
+        for p in range(P):
+            for j in range(prior_latents):
+                targets.append({"prompt": p, "group": "prior", "target": j, "vector": draws[j, p], "labels": {}})
+        mu = torch.as_tensor(latents["mu"], dtype=torch.float64)  # [E, D]
+        for name, values in (factors or {}).items():
+            names = sorted(set(values))
+            if len(names) < 2:
+                continue
+            for index, value in enumerate(names):
+                chosen = torch.tensor([v == value for v in values])
+                attribute = (mu[chosen].mean(0) - mu.mean(0)).to(prior_mu)  # [D]
+                for p in range(P):
+                    targets.append(
+                        {
+                            "prompt": p,
+                            "group": f"factor {name}",
+                            "target": index,
+                            "vector": prior_mu[p] + attribute,
+                            "attribute": attribute,
+                            "labels": {name: value},
+                        }
+                    )
+        return targets
+
+    def reencoded_latent(self, summary: PosteriorSummary) -> dict[str, torch.Tensor]:
+        return {"mu": summary.mu.float()}
+
+    def recovered(self, targets: list[dict[str, Any]], encoded: dict[str, Any], features: FrozenFeatures) -> list[int]:
+        """The nearest target of the prompt's group: among the prior draws for ``mu``, among the attribute
+        vectors for ``mu - prior_mu``."""
+        import torch
+
+        from .controllability import nearest_target
+
+        prior_mu = self.model.prior(features)[0].cpu()
+        by_group: dict[tuple[int, str], list[int]] = {}
+        for i, t in enumerate(targets):
+            by_group.setdefault((t["prompt"], t["group"]), []).append(i)
+        recovered = [0] * len(targets)
+        for (p, group), members in by_group.items():
+            mu = encoded["mu"][members].double()  # [n, D]
+            if group == "prior":
+                candidates = torch.stack([targets[i]["vector"].double().cpu() for i in members])  # [J, D]
+                points = mu
+            else:  # mu - prior_mu against the attribute vectors
+                candidates = torch.stack([targets[i]["attribute"].double().cpu() for i in members])
+                points = mu - prior_mu[p].double().cpu()
+            nearest = nearest_target(points, candidates.expand(len(members), -1, -1))
+            for i, n in zip(members, nearest.tolist(), strict=True):
+                recovered[i] = targets[members[n]]["target"]
+        return recovered
+
+    def recovery_report(
+        self, accuracy_of: Any, factors: dict[str, list[str]] | None, prior_latents: int
+    ) -> dict[str, Any]:
+        report: dict[str, Any] = {
+            "recovery": (
+                f"the re-encoded posterior mean is nearest to its own target among the prompt's {prior_latents} "
+                "prior draws"
+            ),
+            "latent_recovery_accuracy": accuracy_of("prior"),
+            "recovery_chance": 1 / prior_latents,
+        }
+        attributes = {}
+        for name, values in (factors or {}).items():
+            count = len(set(values))
+            if count >= 2:
+                attributes[name] = {
+                    "recovery_accuracy": accuracy_of(f"factor {name}"),
+                    "chance": 1 / count,
+                    "values": count,
+                }
+        if attributes:
+            report["attributes"] = attributes
+        return report
+
+    def target_name(self, target: dict[str, Any]) -> str:
+        return f"{target['group']} #{target['target']}"
 
     def explorer_groups(
         self, rows: Sequence[Mapping[str, Any]], count: int, clusters: int | None, seed: int
