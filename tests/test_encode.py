@@ -16,20 +16,16 @@ from disentanglement import trainer
 from disentanglement.commands import run_eval
 from disentanglement.data import Example
 from disentanglement.encode import (
-    COMMON_KEYS,
-    CONTINUOUS_KEYS,
-    DISCRETE_KEYS,
     decode_from_latent,
     encode_examples,
     encode_pairs,
     raw_pairs,
-    read_latents,
     run_encode,
-    write_rows,
 )
 from disentanglement.evaluation import posterior_latents
 from disentanglement.features import build_feature_cache
 from disentanglement.generation import SamplingOptions, generate
+from disentanglement.latent_file import COMMON_KEYS, CONTINUOUS_KEYS, DISCRETE_KEYS, read_latents, write_rows
 from disentanglement.runs import load_examples
 
 #: Small sample counts keep the continuous checks fast; eval gets the same ones.

@@ -12,15 +12,7 @@ from conftest import NUM_FACTORS, hidden_factor_prompts, model_and_tokenizer
 from disentanglement import cli
 from disentanglement.config import build_config
 from disentanglement.data import Example, collate
-from disentanglement.encode import (
-    attribute_vector,
-    code_examples,
-    decode_from_latent,
-    encode_pairs,
-    parse_attribute,
-    read_latents,
-    write_rows,
-)
+from disentanglement.encode import decode_from_latent, encode_pairs
 from disentanglement.evaluation import label_recovery
 from disentanglement.features import build_feature_cache
 from disentanglement.generation import (
@@ -29,11 +21,12 @@ from disentanglement.generation import (
     format_generations,
     generate,
     generation_inputs,
-    parse_codes,
     parse_range,
     prompt_features,
     traversal_offsets,
 )
+from disentanglement.latent_file import attribute_vector, code_examples, parse_attribute, read_latents, write_rows
+from disentanglement.latent_space import parse_codes
 from disentanglement.models import build_cvae
 from disentanglement.splits import prepare_data
 from disentanglement.testing import detect_style

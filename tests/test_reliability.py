@@ -461,7 +461,7 @@ def test_json_with_a_non_finite_number_names_the_file(tmp_path):
 
 
 def test_parquet_rows_with_nan_are_refused(tmp_path):
-    from disentanglement.encode import write_rows
+    from disentanglement.latent_file import write_rows
 
     with pytest.raises(ValueError, match=r"rows\.parquet: not written: latent_gain is nan"):
         write_rows([{"latent_gain": float("nan"), "label": None}], tmp_path / "rows.parquet")
@@ -518,9 +518,11 @@ def test_generate_refuses_code_options_on_a_loaded_continuous_model_too(tiny_run
 def test_a_posterior_of_another_codebook_size_is_refused():
     from types import SimpleNamespace
 
-    from disentanglement.encode import code_examples
+    from disentanglement.latent_file import code_examples
+    from disentanglement.latent_space import DiscreteLatentSpace
 
     model = SimpleNamespace(is_discrete=True, num_slots=1, codebook_size=4)
+    model.latent_space = DiscreteLatentSpace(model)
     rows = [{"codes": [1], "posterior": [[0.5, 0.5]], "response": "a"}]
     with pytest.raises(ValueError, match=r"row 0: 'posterior' of slot 0 must have 4 probabilities .* got 2 entries"):
         code_examples(model, rows, 0, 1, 1)
@@ -708,7 +710,8 @@ def test_row_needs_latents_reads_well():
     from types import SimpleNamespace
 
     from disentanglement.generation import _check_steering
+    from disentanglement.latent_space import ContinuousLatentSpace
 
     model = SimpleNamespace(latent_vector_dim=4)
     with pytest.raises(ValueError, match=r"^--row needs --latents FILE"):
-        _check_steering(model, False, "row", None, 0, [], None, None, 0)
+        _check_steering(model, ContinuousLatentSpace(model), "row", None, 0, [], None, None, 0)

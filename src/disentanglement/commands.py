@@ -255,23 +255,24 @@ def run_generate(
     # the latent file and the steering options before the model loads
     if options.get("codes") is not None or options.get("slot") is not None or options.get("all_combinations"):
         from .config import load_run_config
-        from .generation import _check_discrete_options
+        from .generation import check_codes_options
+        from .latent_space import latent_space_of
 
         stored = load_run_config(resolve_run(checkpoint)[0] / "config.yaml")
-        _check_discrete_options(
-            stored.latent.latent == "discrete",
+        check_codes_options(
+            latent_space_of(stored.latent.latent),
             options.get("slot"),
             options.get("codes"),
             options.get("all_combinations"),
         )
     if isinstance(options.get("latents"), str | Path):
-        from .encode import read_latents
+        from .latent_file import read_latents
 
         options["latents"] = read_latents(options["latents"])
     if options.get("traverse") is not None:
         parse_range(options.get("traverse_range", (-3.0, 3.0)))
     if options.get("attributes"):
-        from .encode import parse_attribute
+        from .latent_file import parse_attribute
 
         for spec in options["attributes"]:
             parse_attribute(spec)

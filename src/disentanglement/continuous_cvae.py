@@ -10,6 +10,7 @@ import torch
 
 from .cvae_base import CVAEBase, FrozenFeatures, LatentSample, PosteriorSummary, PriorMixture, mlp
 from .data import Batch
+from .latent_space import ContinuousLatentSpace
 from .regularizers import diag_gaussian_log_density, gaussian_kl
 
 LOGVAR_RANGE = (-12.0, 8.0)  # keeps exp(logvar) finite in float32 and bfloat16
@@ -21,6 +22,11 @@ class ContinuousCVAE(CVAEBase):
         D, H = latent.latent_dim, self.hidden_size
         self.encoder = mlp(2 * H, latent.encoder_hidden, 2 * D)
         self.prior_head = mlp(H, latent.encoder_hidden, 2 * D) if latent.prior == "learned" else None
+
+    @property
+    def latent_space(self) -> ContinuousLatentSpace:
+        """What this family's latents mean to the tools that read, steer and report them (``latent_space.py``)."""
+        return ContinuousLatentSpace(self)
 
     @property
     def latent_vector_dim(self) -> int:

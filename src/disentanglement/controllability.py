@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import random
 import re
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,11 +47,12 @@ import numpy as np
 import torch
 
 from .config import RunConfig
-from .cvae_base import CVAEBase, FrozenFeatures
+from .cvae_base import CVAEBase
 from .data import Example, PromptResponse, collate, tokenize_pairs
 from .evaluation import example_factor_values, posterior_latents
 from .features import FeatureCache
 from .generation import SamplingOptions, encode_prompts, generate_texts, prompt_features
+from .latent_space import LatentSpace
 from .metrics import distinct_n
 from .reference import eval_mode
 
@@ -238,10 +238,7 @@ def reencode(model: CVAEBase, examples: Sequence[Example], pad_token_id: int, ba
             "nll": (features.zfree_token_nll.double() * batch.target_mask[:, 1:].double()).sum(-1),
             "tokens": batch.response_lengths,
         }
-        if summary.codes is not None:
-            values["codes"] = summary.codes
-        else:
-            values["mu"] = summary.mu.float()
+        values.update(model.latent_space.reencoded_latent(summary))
         for key, value in values.items():
             parts.setdefault(key, []).append(value.cpu())
     return {key: torch.cat(chunks) for key, chunks in parts.items()}
@@ -262,98 +259,6 @@ def real_encoder_inputs(
 
 
 # --------------------------------------------------------------------------- the measure
-
-
-def _targets(
-    model: CVAEBase,
-    features: FrozenFeatures,
-    latents: dict[str, np.ndarray],
-    factors: dict[str, list[str]] | None,
-    prior_latents: int,
-) -> list[dict[str, Any]]:
-    """Every target latent: ``{prompt, group, target, vector, label?}``; ``group`` is what recovery is measured
-    within (``slot m``; ``prior``; ``factor NAME``) and ``target`` the index to recover within it."""
-    targets: list[dict[str, Any]] = []
-    P = features.prior_features.shape[0]
-    if model.is_discrete:
-        M, K = model.num_slots, model.codebook_size
-        mode = model.prior_log_probs(features).argmax(-1)  # [P, M]
-        # the label each code stands for: the most frequent value among the real examples assigned to it
-        code_labels: dict[tuple[int, int], dict[str, str]] = {}
-        for name, values in (factors or {}).items():
-            for m in range(M):
-                for k in range(K):
-                    assigned = [v for v, c in zip(values, latents["codes"][:, m], strict=True) if c == k]
-                    if assigned:
-                        top = Counter(assigned).most_common()
-                        best = min(v for v, n in top if n == top[0][1])  # ties: the smallest value
-                        code_labels.setdefault((m, k), {})[name] = best
-        for p in range(P):
-            for m in range(M):
-                for k in range(K):
-                    codes = mode[p].clone()
-                    codes[m] = k
-                    targets.append(
-                        {
-                            "prompt": p,
-                            "group": f"slot {m}",
-                            "target": k,
-                            "vector": model.codes_to_vector(codes.unsqueeze(0))[0],
-                            "codes": codes.tolist(),
-                            "labels": code_labels.get((m, k), {}),
-                        }
-                    )
-        return targets
-    prior_mu, _ = model.prior(features)  # [P, D]
-    draws = model.prior_vectors(features, prior_latents)  # [J, P, D]
-    for p in range(P):
-        for j in range(prior_latents):
-            targets.append({"prompt": p, "group": "prior", "target": j, "vector": draws[j, p], "labels": {}})
-    mu = torch.as_tensor(latents["mu"], dtype=torch.float64)  # [E, D]
-    for name, values in (factors or {}).items():
-        names = sorted(set(values))
-        if len(names) < 2:
-            continue
-        for index, value in enumerate(names):
-            chosen = torch.tensor([v == value for v in values])
-            attribute = (mu[chosen].mean(0) - mu.mean(0)).to(prior_mu)  # [D]
-            for p in range(P):
-                targets.append(
-                    {
-                        "prompt": p,
-                        "group": f"factor {name}",
-                        "target": index,
-                        "vector": prior_mu[p] + attribute,
-                        "attribute": attribute,
-                        "labels": {name: value},
-                    }
-                )
-    return targets
-
-
-def _recovered(model: CVAEBase, targets: list[dict[str, Any]], encoded: dict[str, Any], prior_mu) -> list[int]:
-    """The target index each generation's re-encoding recovers, within its group (see the module docstring)."""
-    out: list[int] = []
-    if model.is_discrete:
-        for t, codes in zip(targets, encoded["codes"].tolist(), strict=True):
-            out.append(codes[int(t["group"].split()[1])])
-        return out
-    by_group: dict[tuple[int, str], list[int]] = {}
-    for i, t in enumerate(targets):
-        by_group.setdefault((t["prompt"], t["group"]), []).append(i)
-    recovered = [0] * len(targets)
-    for (p, group), members in by_group.items():
-        mu = encoded["mu"][members].double()  # [n, D]
-        if group == "prior":
-            candidates = torch.stack([targets[i]["vector"].double().cpu() for i in members])  # [J, D]
-            points = mu
-        else:  # mu - prior_mu against the attribute vectors
-            candidates = torch.stack([targets[i]["attribute"].double().cpu() for i in members])
-            points = mu - prior_mu[p].double().cpu()
-        nearest = nearest_target(points, candidates.expand(len(members), -1, -1))
-        for i, n in zip(members, nearest.tolist(), strict=True):
-            recovered[i] = targets[members[n]]["target"]
-    return recovered
 
 
 def controllability(
@@ -395,27 +300,13 @@ def controllability(
             raise ValueError(f"--generation-{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
     if isinstance(prior_latents, bool) or not isinstance(prior_latents, int) or prior_latents < 2:
         raise ValueError(f"--generation-latents must be an integer >= 2, got {prior_latents!r}")
-    discrete = model.is_discrete
-    device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id
+    space = model.latent_space
     prompts = choose_prompts([p.prompt for p in pairs], num_prompts, seed)
     factors = example_factor_values(examples)
-    sampling = SamplingOptions(greedy=True, max_new_tokens=max_new_tokens, seed=seed)
-    with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-        torch.manual_seed(seed)
-        latents = posterior_latents(model, examples, cache, pad)
-        prompt_ids = encode_prompts(prompts, tokenizer, config.data)
-        features = prompt_features(model, prompt_ids, pad)
-        targets = _targets(model, features, latents, factors, prior_latents)
-        vectors = torch.stack([t["vector"] for t in targets])  # [G, L]
-        rows = [prompt_ids[t["prompt"]] for t in targets]
-        texts = generate_texts(model, tokenizer, rows, vectors, sampling, batch_size, progress)
-        generated = generated_examples(tokenizer, config, [prompts[t["prompt"]] for t in targets], texts)
-        encoded = reencode(model, generated, pad, batch_size)
-        prior_mu = None if discrete else model.prior(features)[0].cpu()
-        recovered = _recovered(model, targets, encoded, prior_mu)
-        real_features = real_encoder_inputs(model, examples, cache, pad) if factors else None
-
+    targets, texts, encoded, recovered, real_features = _generate_and_reencode(
+        model, tokenizer, config, examples, cache, prompts, factors, max_new_tokens, prior_latents, seed, batch_size,
+        progress,
+    )  # fmt: skip
     report: dict[str, Any] = {
         "prompts": len(prompts),
         "generations": len(targets),
@@ -427,50 +318,9 @@ def controllability(
         members = [i for i, t in enumerate(targets) if t["group"] == group]
         return recovery_accuracy([recovered[i] for i in members], [targets[i]["target"] for i in members])
 
-    if discrete:
-        per_slot = [
-            {"slot": m, "accuracy": accuracy_of(f"slot {m}"), "chance": 1 / model.codebook_size}
-            for m in range(model.num_slots)
-        ]
-        report["recovery"] = "the re-encoded argmax code of the slot equals the code generated under"
-        report["code_recovery_accuracy"] = float(np.mean([s["accuracy"] for s in per_slot]))
-        report["recovery_chance"] = 1 / model.codebook_size
-        report["per_slot"] = per_slot
-    else:
-        report["recovery"] = (
-            f"the re-encoded posterior mean is nearest to its own target among the prompt's {prior_latents} prior draws"
-        )
-        report["latent_recovery_accuracy"] = accuracy_of("prior")
-        report["recovery_chance"] = 1 / prior_latents
-        attributes = {}
-        for name, values in (factors or {}).items():
-            count = len(set(values))
-            if count >= 2:
-                attributes[name] = {
-                    "recovery_accuracy": accuracy_of(f"factor {name}"),
-                    "chance": 1 / count,
-                    "values": count,
-                }
-        if attributes:
-            report["attributes"] = attributes
-
+    report.update(space.recovery_report(accuracy_of, factors, prior_latents))
     if factors and real_features is not None:
-        labels_report = {}
-        generation_features = encoded["features"].numpy()
-        for name, values in factors.items():
-            classifier = fit_label_classifier(real_features, values, seed)
-            scored = [i for i, t in enumerate(targets) if name in t["labels"]]
-            entry: dict[str, Any] = {"classes": len(set(values)), "generations_scored": len(scored)}
-            if classifier is not None and scored:
-                predicted = classifier.predict(generation_features[scored])
-                entry["accuracy"] = recovery_accuracy(list(predicted), [targets[i]["labels"][name] for i in scored])
-            else:
-                entry["accuracy"] = None
-            entry["chance"] = 1 / len(set(values))
-            entry["real_accuracy"] = held_out_accuracy(real_features, values, seed)
-            labels_report[name] = entry
-        report["labels"] = labels_report
-
+        report["labels"] = _labels_report(factors, targets, encoded, real_features, seed)
     if detector is None and factors:
         found = synthetic_detector([e.source for e in examples], factors, [p.response for p in pairs])
         if found is not None:
@@ -480,17 +330,25 @@ def controllability(
             "detector": detector_name or "given",
             "factors": factor_accuracy(texts, [t["labels"] for t in targets], factors, detector),
         }
-
     per_prompt = [[texts[i] for i, t in enumerate(targets) if t["prompt"] == p] for p in range(len(prompts))]
     report.update(diversity(per_prompt))
     tokens = encoded["tokens"].double()
     report["zfree_nll_per_token"] = float(encoded["nll"].sum() / tokens.sum())
     real_tokens = sum(len(n) for n in cache.response_nll)
     report["real_zfree_nll_per_token"] = float(sum(n.double().sum() for n in cache.response_nll) / real_tokens)
+    report["examples"] = _shown_examples(space, targets, prompts, texts, recovered)
+    return report
+
+
+def _shown_examples(
+    space: LatentSpace, targets: list[dict[str, Any]], prompts: list[str], texts: list[str], recovered: list[int]
+) -> list[dict[str, Any]]:
+    """The report's ``examples``: the generations for the first ``EXAMPLES_SHOWN`` prompts, each with its target
+    latent (named by the latent ``space``) and whether its re-encoding recovered it."""
     shown = []
     for i, t in enumerate(targets):
         if t["prompt"] < EXAMPLES_SHOWN:
-            latent = f"codes={','.join(map(str, t['codes']))}" if discrete else f"{t['group']} #{t['target']}"
+            latent = space.target_name(t)
             shown.append(
                 {
                     "prompt": prompts[t["prompt"]],
@@ -499,8 +357,70 @@ def controllability(
                     "recovered": bool(recovered[i] == t["target"]),
                 }
             )
-    report["examples"] = shown
-    return report
+    return shown
+
+
+def _generate_and_reencode(
+    model: CVAEBase,
+    tokenizer: Any,
+    config: RunConfig,
+    examples: Sequence[Example],
+    cache: FeatureCache,
+    prompts: list[str],
+    factors: dict[str, list[str]] | None,
+    max_new_tokens: int,
+    prior_latents: int,
+    seed: int,
+    batch_size: int,
+    progress: bool,
+) -> tuple[list[dict[str, Any]], list[str], dict[str, Any], list[int], np.ndarray | None]:
+    """Generate under every target latent of the model's latent space and re-encode the generations (in eval
+    mode, under ``seed``): ``(targets, texts, encoded, recovered, real_features)``, the last the real
+    examples' encoder inputs when there are factors (else None)."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id
+    space = model.latent_space
+    sampling = SamplingOptions(greedy=True, max_new_tokens=max_new_tokens, seed=seed)
+    with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(seed)
+        latents = posterior_latents(model, examples, cache, pad)
+        prompt_ids = encode_prompts(prompts, tokenizer, config.data)
+        features = prompt_features(model, prompt_ids, pad)
+        targets = space.control_targets(features, latents, factors, prior_latents)
+        vectors = torch.stack([t["vector"] for t in targets])  # [G, L]
+        rows = [prompt_ids[t["prompt"]] for t in targets]
+        texts = generate_texts(model, tokenizer, rows, vectors, sampling, batch_size, progress)
+        generated = generated_examples(tokenizer, config, [prompts[t["prompt"]] for t in targets], texts)
+        encoded = reencode(model, generated, pad, batch_size)
+        recovered = space.recovered(targets, encoded, features)
+        real_features = real_encoder_inputs(model, examples, cache, pad) if factors else None
+    return targets, texts, encoded, recovered, real_features
+
+
+def _labels_report(
+    factors: dict[str, list[str]],
+    targets: list[dict[str, Any]],
+    encoded: dict[str, Any],
+    real_features: np.ndarray,
+    seed: int,
+) -> dict[str, Any]:
+    """Per factor: a classifier fitted on the real examples' encoder inputs, its accuracy on the generations
+    that have a label for the factor, chance and its held-out accuracy on real examples."""
+    labels_report = {}
+    generation_features = encoded["features"].numpy()
+    for name, values in factors.items():
+        classifier = fit_label_classifier(real_features, values, seed)
+        scored = [i for i, t in enumerate(targets) if name in t["labels"]]
+        entry: dict[str, Any] = {"classes": len(set(values)), "generations_scored": len(scored)}
+        if classifier is not None and scored:
+            predicted = classifier.predict(generation_features[scored])
+            entry["accuracy"] = recovery_accuracy(list(predicted), [targets[i]["labels"][name] for i in scored])
+        else:
+            entry["accuracy"] = None
+        entry["chance"] = 1 / len(set(values))
+        entry["real_accuracy"] = held_out_accuracy(real_features, values, seed)
+        labels_report[name] = entry
+    return labels_report
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:

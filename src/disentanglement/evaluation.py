@@ -34,6 +34,7 @@ from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary, PriorMixture
 from .data import Batch, Example, collate, label_factor_names, label_factors
 from .distributed import gather_objects, rank_and_size
 from .features import FeatureCache
+from .latent_space import LatentSpace, latent_space_of_latents
 from .losses import reconstruction_loss_stack
 from .metrics import (
     active_units,
@@ -43,7 +44,6 @@ from .metrics import (
     factor_agreement,
     gaussian_mutual_information,
     importance_weighted_nll,
-    kmeans_assignments,
     label_agreement,
     nats_to_bits,
     posterior_mean_variance,
@@ -75,13 +75,7 @@ def posterior_latents(
 def latent_assignments(latents: dict[str, np.ndarray], num_clusters: int, seed: int = 0) -> np.ndarray:
     """One cluster id per example: the argmax code (single slot) or code tuple id (several slots);
     k-means of posterior means for the continuous model."""
-    if "codes" in latents:
-        codes = latents["codes"]
-        if codes.shape[1] == 1:
-            return codes[:, 0]
-        _, ids = np.unique(codes, axis=0, return_inverse=True)
-        return ids.reshape(-1)
-    return kmeans_assignments(latents["mu"], num_clusters, seed=seed)
+    return latent_space_of_latents(latents).assignments(latents, num_clusters, seed)
 
 
 def example_factor_values(examples: Sequence[Example]) -> dict[str, list[str]] | None:
@@ -151,9 +145,9 @@ def factor_agreements(
     for name, values in factor_values.items():
         assignments = latent_assignments(latents, min(len(set(values)), E), seed=seed)
         entry = factor_agreement(assignments, values, kmeans_features, seed, permutations, kmeans_cache)
-        codes = latents.get("codes")
-        if codes is not None and codes.shape[1] > 1:
-            entry["latent_per_slot"] = [agreement_scores(codes[:, m], values) for m in range(codes.shape[1])]
+        per_slot = model.latent_space.slot_assignments(latents)
+        if per_slot:
+            entry["latent_per_slot"] = [agreement_scores(slot, values) for slot in per_slot]
         out[name] = entry
     return out
 
@@ -298,8 +292,9 @@ class BatchRecords:
         return len(self.columns["index"])
 
 
-def batch_records(scores: BatchScores, indices: Sequence[int]) -> BatchRecords:
-    """The per-example records of a scored batch whose rows are the examples ``indices``."""
+def batch_records(scores: BatchScores, indices: Sequence[int], space: LatentSpace) -> BatchRecords:
+    """The per-example records of a scored batch whose rows are the examples ``indices``; the posterior's
+    columns are those of the model's latent ``space``."""
 
     def column(values: torch.Tensor) -> np.ndarray:
         return values.cpu().numpy().astype(np.float64)
@@ -317,12 +312,7 @@ def batch_records(scores: BatchScores, indices: Sequence[int]) -> BatchRecords:
     columns["reconstruction"] = column(scores.iw_sequence_nll.mean(0))
     summary = scores.summary
     columns["kl"] = column(summary.kl_per_unit.double())
-    if summary.codes is not None:
-        columns["codes"] = summary.codes.cpu().numpy().astype(np.int64)
-        columns["probs"] = column(summary.log_q.exp().double())
-    else:
-        columns["mu"] = column(summary.mu.double())
-        columns["logvar"] = column(summary.logvar.double())
+    columns.update(space.record_columns(summary))
     return BatchRecords(
         columns,
         scores.reconstruction_terms,
@@ -460,11 +450,25 @@ def evaluate(
     batches = score_examples(model, examples, cache, pad_token_id, scoring, batch_size, seed, progress, state=state)
     columns = concatenate_records(batches)
     last = batches[-1]
-    discrete = "codes" in columns  # the discrete family's posterior is codes, the continuous one's a mean
+    space = model.latent_space
+    report = _report_header(model, space.kind, len(examples), columns, seed)
+    report.update(nll_and_gain_report(columns))
+    report["prior_mixture"] = {"method": last.mixture_method, "latents": last.mixture_size}
+    report["reconstruction_terms"] = mean_reconstruction_terms(batches)
+    report.update(bound_report(columns, scoring.iw_samples, last.iw_exact))
+    report["kl"] = kl_report(columns["kl"], space.kl_units)
+    report.update(space.latent_report(columns, seed))
+    latents = {space.latent_key: columns[space.latent_key]}
+    report.update(label_report(model, latents, examples, factor_values, cache, seed))
+    return report
+
+
+def _report_header(model: CVAEBase, latent: str, examples: int, columns: dict[str, np.ndarray], seed: int) -> dict:
+    """The eval report's first fields: the family, the data's size, the seed and the token weighting."""
     cfg = model.reconstruction_cfg
-    report: dict = {
-        "latent": "discrete" if discrete else "continuous",
-        "examples": len(examples),
+    return {
+        "latent": latent,
+        "examples": examples,
         "response_tokens": int(columns["tokens"].sum()),
         "seed": seed,
         "token_weight_alpha": float(cfg.token_weight_alpha),
@@ -472,18 +476,6 @@ def evaluate(
         "token_weight_interpolation": float(cfg.token_weight_interpolation),
         "zfree_reference_scale": model.zfree_reference_scale,
     }
-    report.update(nll_and_gain_report(columns))
-    report["prior_mixture"] = {"method": last.mixture_method, "latents": last.mixture_size}
-    report["reconstruction_terms"] = mean_reconstruction_terms(batches)
-    report.update(bound_report(columns, scoring.iw_samples, last.iw_exact))
-    report["kl"] = kl_report(columns["kl"], "per_slot" if discrete else "per_dimension")
-    if discrete:
-        report.update(discrete_latent_report(columns["codes"], columns["probs"]))
-    else:
-        report.update(continuous_latent_report(columns["mu"], columns["logvar"], seed))
-    latents = {name: columns[name] for name in ("codes", "mu") if name in columns}
-    report.update(label_report(model, latents, examples, factor_values, cache, seed))
-    return report
 
 
 def score_examples(
@@ -516,7 +508,7 @@ def score_examples(
             chunk = order[starts[number] : starts[number] + batch_size]
             batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
             scores = score_batch(model, batch, cache.features(batch), scoring)
-            batches.append((number, batch_records(scores, chunk)))
+            batches.append((number, batch_records(scores, chunk, model.latent_space)))
     if size > 1:
         batches = sorted((pair for part in gather_objects(state, batches) for pair in part), key=lambda pair: pair[0])
     return [records for _, records in batches]
@@ -559,10 +551,11 @@ def label_report(
         return report
     labels = [e.label for e in examples]
     has_labels = all(isinstance(label, str) for label in labels)
-    codes = latents.get("codes")
-    if has_labels and codes is not None and codes.shape[1] > 1:
-        report["label_agreement_per_slot"] = [label_agreement(codes[:, m], labels) for m in range(codes.shape[1])]
-    report["label_assignment"] = "argmax code" if codes is not None else "k-means of posterior means"
+    space = model.latent_space
+    per_slot = space.slot_assignments(latents)
+    if has_labels and per_slot:
+        report["label_agreement_per_slot"] = [label_agreement(slot, labels) for slot in per_slot]
+    report["label_assignment"] = space.assignment
     if has_labels:
         assignments = latent_assignments(latents, min(len(set(labels)), len(examples)), seed=seed)
         agreement = label_agreement(assignments, labels)

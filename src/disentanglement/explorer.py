@@ -19,7 +19,7 @@ Per group: its share of the data (per slot, the shares sum to 1), the mean KL an
 examples, its label distribution per factor (a string label is the factor ``label``; unlabelled examples
 are counted apart) beside each value's base rate (its share of all the page's data: the share a group shows
 by chance), its most confident examples (discrete: the highest posterior probability of the code,
-as ``encode.code_examples``; continuous: the nearest posterior means to the cluster's centroid), each with
+as ``latent_file.code_examples``; continuous: the nearest posterior means to the cluster's centroid), each with
 its response tokens coloured as ``inspect`` colours one example (:func:`inspection.token_values`; a
 selector switches the quantity: z-free surprisal ``b_t``, token weight ``pi_t``, gain ``b_t - l_t``, latent
 gain ``prior_nll - l_t``, ...), and greedy generations under the group's latent for a few prompts (discrete:
@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from . import runs
 from .config import DEFAULT_SCORING, Scoring
 from .data import label_factors
+from .latent_space import latent_space_of
 from .options import check_at_least
 from .report import (
     TOKEN_COLOUR_JS,
@@ -240,18 +241,59 @@ def explore(
     Generation is greedy, ``max_new_tokens`` tokens at most. ``scoring``: the prior mixture's samples
     (default :class:`config.Scoring`; one posterior sample). Deterministic given ``seed``.
     """
-    import torch
-
-    from .encode import encode_examples, latent_vector
-    from .features import build_feature_cache
-    from .generation import SamplingOptions, encode_prompts, generate_texts
-    from .inspection import QUANTITIES, token_values
-    from .verdict import validation_verdict, verdict_lines
+    from .inspection import QUANTITIES
+    from .verdict import verdict_lines
 
     _check_options(examples_per_group, num_prompts, max_new_tokens, clusters)
     if not examples or len(pairs) != len(examples):
         raise ValueError(f"{len(pairs)} pairs for {len(examples)} examples; the explorer needs one pair per example")
-    device = next(model.parameters()).device
+    rows, report, judged = _encode_and_judge(model, tokenizer, examples, pairs, scoring, batch_size, seed, progress)
+    space = model.latent_space
+    labels = [r["label"] for r in rows]
+    groups = space.explorer_groups(rows, examples_per_group, clusters, seed)
+    if prompts is None:
+        prompts = list(dict.fromkeys(p.prompt for p in pairs))[:num_prompts]
+    prompts = [str(p) for p in prompts]
+    latents = [g["generate_under"] for g in groups]
+    generations = _generate_for_groups(
+        model, tokenizer, config, prompts, latents, max_new_tokens, batch_size, seed, progress
+    )
+    shown, page_examples = _page_examples(model, tokenizer, examples, rows, groups, scoring, seed)
+    out_groups = [
+        _page_group(g, rows, labels, shown, prompts, generations[index * len(prompts) : (index + 1) * len(prompts)])
+        for index, g in enumerate(groups)
+    ]
+    return {
+        "title": "Corpus explorer",
+        "meta": dict(meta or {}),
+        "latent": space.kind,
+        "examples_total": len(rows),
+        "verdict": {"verdict": judged["verdict"], "reason": judged["reason"], "lines": verdict_lines(report, judged)},
+        "labels": label_distribution(labels),
+        "quantities": [q for q in QUANTITY_LABELS if q in QUANTITIES],
+        "default": DEFAULT_QUANTITY,
+        "groups": out_groups,
+        "examples": page_examples,
+        "generation": {"greedy": True, "max_new_tokens": max_new_tokens, "prompts": prompts},
+    }
+
+
+def _encode_and_judge(
+    model: CVAEBase,
+    tokenizer: Any,
+    examples: Sequence[Example],
+    pairs: Sequence[Any],
+    scoring: Scoring,
+    batch_size: int,
+    seed: int,
+    progress: bool,
+) -> tuple[list[dict[str, Any]], dict, dict]:
+    """The explorer's encode rows of ``examples`` (one posterior sample) and the validation verdict on them:
+    ``(rows, report, judged)``, one frozen pass shared."""
+    from .encode import encode_examples
+    from .features import build_feature_cache
+    from .verdict import validation_verdict
+
     cache = build_feature_cache(model, examples, tokenizer.pad_token_id, batch_size, progress=progress)
     rows = encode_examples(
         model,
@@ -276,45 +318,57 @@ def explore(
         scoring=verdict_scoring,
         progress=progress,
     )
-    discrete = model.is_discrete
-    labels = [r["label"] for r in rows]
-    if discrete:
-        groups = discrete_groups(rows, model.codebook_size, examples_per_group)
-        latents = [g["codes"] for g in groups]
-        for g in groups:
-            g["id"] = f"s{g['slot']}-c{g['code']}"
-            g["title"] = f"slot {g['slot']} · code {g['code']}"
-            g["latent"] = {"codes": g["codes"]}
-    else:
-        n = clusters if clusters is not None else default_clusters(labels, len(rows))
-        if n > len(rows):
-            raise ValueError(f"--clusters {n} is more than the {len(rows)} examples of the data")
-        groups = cluster_groups([r["mu"] for r in rows], n, examples_per_group, seed=seed)
-        latents = [g["centroid"] for g in groups]
-        for g in groups:
-            g["id"] = f"k{g['cluster']}"
-            g["title"] = f"cluster {g['cluster']}"
-            g["latent"] = {"centroid": [round(v, 5) for v in g["centroid"]]}
+    return rows, report, judged
 
-    if prompts is None:
-        prompts = list(dict.fromkeys(p.prompt for p in pairs))[:num_prompts]
-    prompts = [str(p) for p in prompts]
-    generations: list[str] = []
-    if prompts:
-        sampling = SamplingOptions(greedy=True, max_new_tokens=max_new_tokens, seed=seed)
-        prompt_ids = encode_prompts(prompts, tokenizer, config.data)
-        vectors = torch.stack([latent_vector(model, latent) for latent in latents])  # [G, L]
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-            torch.manual_seed(seed)
-            generations = generate_texts(
-                model,
-                tokenizer,
-                [ids for _ in latents for ids in prompt_ids],
-                vectors.repeat_interleave(len(prompts), dim=0),
-                sampling,
-                batch_size=batch_size,
-                progress=progress,
-            )
+
+def _generate_for_groups(
+    model: CVAEBase,
+    tokenizer: Any,
+    config: RunConfig,
+    prompts: list[str],
+    latents: list[Any],
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int,
+    progress: bool,
+) -> list[str]:
+    """Greedy responses to every prompt under every group's latent, group-major (none without prompts)."""
+    import torch
+
+    from .encode import latent_vector
+    from .generation import SamplingOptions, encode_prompts, generate_texts
+
+    if not prompts:
+        return []
+    device = next(model.parameters()).device
+    sampling = SamplingOptions(greedy=True, max_new_tokens=max_new_tokens, seed=seed)
+    prompt_ids = encode_prompts(prompts, tokenizer, config.data)
+    vectors = torch.stack([latent_vector(model, latent) for latent in latents])  # [G, L]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(seed)
+        return generate_texts(
+            model,
+            tokenizer,
+            [ids for _ in latents for ids in prompt_ids],
+            vectors.repeat_interleave(len(prompts), dim=0),
+            sampling,
+            batch_size=batch_size,
+            progress=progress,
+        )
+
+
+def _page_examples(
+    model: CVAEBase,
+    tokenizer: Any,
+    examples: Sequence[Example],
+    rows: list[dict[str, Any]],
+    groups: list[dict[str, Any]],
+    scoring: Scoring,
+    seed: int,
+) -> tuple[dict[int, int], list[dict[str, Any]]]:
+    """The examples the groups show, each once, with its per-token quantities: ``(shown, page_examples)``,
+    ``shown`` mapping a row index to its position in ``page_examples``."""
+    from .inspection import QUANTITIES, token_values
 
     shown: dict[int, int] = {}  # row index -> position in the page's examples
     page_examples: list[dict[str, Any]] = []
@@ -335,42 +389,34 @@ def explore(
                     "values": {q: values[q] for q in QUANTITIES},
                 }
             )
-    out_groups = []
-    for index, g in enumerate(groups):
-        members = g["members"]
-        out_groups.append(
-            {
-                "id": g["id"],
-                "title": g["title"],
-                "slot": g.get("slot"),
-                "code": g.get("code"),
-                "cluster": g.get("cluster"),
-                "count": len(members),
-                "share": g["share"],
-                "mean_kl": _mean([rows[i]["kl"] for i in members]),
-                "mean_latent_gain": _mean([rows[i]["latent_gain_nats_per_token"] for i in members]),
-                "labels": label_distribution([labels[i] for i in members]),
-                "latent": g["latent"],
-                "examples": [
-                    {"example": shown[i], "confidence": c} for i, c in zip(g["top"], g["confidence"], strict=True)
-                ],
-                "generations": [
-                    {"prompt": p, "text": generations[index * len(prompts) + j]} for j, p in enumerate(prompts)
-                ],
-            }
-        )
+    return shown, page_examples
+
+
+def _page_group(
+    g: dict[str, Any],
+    rows: list[dict[str, Any]],
+    labels: list[Any],
+    shown: dict[int, int],
+    prompts: list[str],
+    generations: list[str],
+) -> dict[str, Any]:
+    """One group of the page: its members' statistics and labels, its examples and its ``generations``
+    (one per prompt)."""
+    members = g["members"]
     return {
-        "title": "Corpus explorer",
-        "meta": dict(meta or {}),
-        "latent": "discrete" if discrete else "continuous",
-        "examples_total": len(rows),
-        "verdict": {"verdict": judged["verdict"], "reason": judged["reason"], "lines": verdict_lines(report, judged)},
-        "labels": label_distribution(labels),
-        "quantities": [q for q in QUANTITY_LABELS if q in QUANTITIES],
-        "default": DEFAULT_QUANTITY,
-        "groups": out_groups,
-        "examples": page_examples,
-        "generation": {"greedy": True, "max_new_tokens": max_new_tokens, "prompts": prompts},
+        "id": g["id"],
+        "title": g["title"],
+        "slot": g.get("slot"),
+        "code": g.get("code"),
+        "cluster": g.get("cluster"),
+        "count": len(members),
+        "share": g["share"],
+        "mean_kl": _mean([rows[i]["kl"] for i in members]),
+        "mean_latent_gain": _mean([rows[i]["latent_gain_nats_per_token"] for i in members]),
+        "labels": label_distribution([labels[i] for i in members]),
+        "latent": g["latent"],
+        "examples": [{"example": shown[i], "confidence": c} for i, c in zip(g["top"], g["confidence"], strict=True)],
+        "generations": [{"prompt": p, "text": generations[j]} for j, p in enumerate(prompts)],
     }
 
 
@@ -508,7 +554,7 @@ def _example_html(index: int, example: Mapping[str, Any], confidence: float, pag
             f'<span class="tok" data-e="{index}" data-i="{t}" title="{_esc(tip)}" style="{style}">'
             f"{token_text_html(str(token))}</span>"
         )
-    what = "posterior probability" if page["latent"] == "discrete" else "minus distance to the centroid"
+    what = latent_space_of(page["latent"]).confidence
     label = "" if example["label"] is None else f" · label {_esc(example['label'])}"
     return (
         f'<div class="example" data-example="{index}"><div class="head">{_esc(example["source"])}{label} · '

@@ -29,13 +29,13 @@ Latents read off data (``latents``: an encode file of ``disentangle encode``, or
   (so ``slot`` still sweeps one slot around them); continuous (mode ``row``): its ``mu``.
 - ``attribute`` (continuous): ``attributes`` ``["LABEL:SCALE", ...]``; the latent is the base (the row's
   ``mu`` with ``row``, else the prompt's prior mean) plus ``sum SCALE * (mean(mu | LABEL) - mean(mu))``
-  over the file's rows (:func:`encode.attribute_vector`); the base itself is generated first, for
+  over the file's rows (:func:`latent_file.attribute_vector`); the base itself is generated first, for
   comparison (``latent_description["base_only"]`` true).
 - ``traverse`` (continuous): dimension ``traverse`` of the base (with any attributes added) set to
   ``base[dim] + offset`` for ``steps`` offsets evenly spaced over ``traverse_range`` (``-3:3``, ends
   included; :func:`traversal_offsets`); each generation's description has ``offset`` and ``value``.
 - ``code_examples`` ``N`` (discrete): for every code the generations use, per slot, the ``N`` rows of the
-  file most typical of it (assigned to it, highest posterior probability; :func:`encode.code_examples`),
+  file most typical of it (assigned to it, highest posterior probability; :func:`latent_file.code_examples`),
   in ``result["code_examples"]``.
 
 Unless ``mode`` is given it is ``traverse`` with ``traverse``, ``attribute`` with ``attributes``, ``row``
@@ -47,9 +47,7 @@ latents and samples, and their mean over prompts.
 
 from __future__ import annotations
 
-import itertools
 import json
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -58,19 +56,16 @@ from typing import Any
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from . import encode as encode_module
+from . import latent_file
 from .config import DataConfig, RunConfig
 from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary
 from .data import PromptResponse, collate, prompt_text_for_generation, tokenize_pairs
+from .latent_space import STEERING_MODES, LatentChoice, LatentSpace, SteeringRequest
 from .memory import memory_attention_mask, positions_from_mask
 from .metrics import distinct_n
 from .reference import eval_mode, reference_hidden_states
-from .shared_discrete_cvae import SharedDiscreteCVAE
 
-logger = logging.getLogger(__name__)
 MODES = ("codes", "prior", "posterior", "interpolate", "row", "attribute", "traverse")
-#: Continuous modes whose base latent is a row's mu or the prompt's prior mean.
-STEERING_MODES = ("row", "attribute", "traverse")
 
 
 @dataclass
@@ -305,129 +300,6 @@ def memory_generate(
 # --------------------------------------------------------------------------- what to generate
 
 
-@dataclass
-class LatentChoice:
-    """One latent to decode for one prompt, with a JSON-able description."""
-
-    prompt_index: int
-    label: str
-    description: dict[str, Any]
-    vector: torch.Tensor  # [L]
-
-
-def parse_codes(text: str | None, num_slots: int, codebook_size: int) -> list[int | None] | None:
-    """``"0,2"`` -> ``[0, 2]``; ``-`` leaves a slot free (its prior mode, or swept). None stays None."""
-    if text is None:
-        return None
-    parts = [p.strip() for p in str(text).split(",")]
-    if len(parts) != num_slots:
-        raise ValueError(f"--codes needs one entry per slot ({num_slots}), got {len(parts)} in {text!r}")
-    codes: list[int | None] = []
-    for part in parts:
-        if part in ("-", "*", ""):
-            codes.append(None)
-            continue
-        try:
-            code = int(part)
-        except ValueError:
-            raise ValueError(f"--codes entries must be integers or '-', got {part!r}") from None
-        if not 0 <= code < codebook_size:
-            raise ValueError(f"--codes entry {code} is outside [0, {codebook_size})")
-        codes.append(code)
-    return codes
-
-
-def _discrete_plan(
-    model: SharedDiscreteCVAE,
-    features: FrozenFeatures,
-    mode: str,
-    slot: int | None,
-    codes: list[int | None] | None,
-    all_combinations: bool,
-    max_combinations: int,
-    num_samples: int,
-    posteriors: list[PosteriorSummary] | None,
-) -> list[LatentChoice]:
-    M, K = model.num_slots, model.codebook_size
-    log_p = model.prior_log_probs(features)  # [B, M, K]
-    B = log_p.shape[0]
-    choices: list[LatentChoice] = []
-
-    def add(p: int, combo: Sequence[int], label: str, **extra: Any) -> None:
-        codes_t = torch.tensor([list(combo)], device=log_p.device)
-        choices.append(LatentChoice(p, label, dict(extra, codes=list(combo)), model.codes_to_vector(codes_t)[0]))
-
-    if mode == "prior":
-        for p in range(B):
-            draws = torch.multinomial(log_p[p].exp(), num_samples, replacement=True).T  # [S, M]
-            for s, combo in enumerate(draws.tolist()):
-                add(p, combo, f"prior#{s} codes={','.join(map(str, combo))}", prior_sample=s)
-        return choices
-    if mode == "posterior":
-        assert posteriors is not None
-        for p, summary in enumerate(posteriors):
-            combo = summary.codes[0].tolist()
-            add(p, combo, f"posterior codes={','.join(map(str, combo))}", posterior_of="reference_response")
-        return choices
-    if slot is not None and not 0 <= slot < M:
-        raise ValueError(f"--slot {slot} is outside [0, {M})")
-    forced = codes if codes is not None else [None] * M
-    sweep = slot if slot is not None else (0 if codes is None else None)
-    for p in range(B):
-        mode_codes = log_p[p].argmax(-1).tolist()  # [M], the prior mode
-        base = [forced[m] if forced[m] is not None else mode_codes[m] for m in range(M)]
-        if all_combinations:
-            options = [[forced[m]] if forced[m] is not None else list(range(K)) for m in range(M)]
-            combos = list(itertools.islice(itertools.product(*options), max_combinations))
-            total = math.prod(len(o) for o in options)
-            if p == 0 and total > max_combinations:
-                logger.warning("generating the first %d of %d code combinations", max_combinations, total)
-        elif sweep is not None:
-            combos = [tuple(base[:sweep] + [k] + base[sweep + 1 :]) for k in range(K)]
-        else:
-            combos = [tuple(base)]
-        for combo in combos:
-            add(p, combo, f"codes={','.join(map(str, combo))}")
-    return choices
-
-
-def _continuous_plan(
-    model: CVAEBase,
-    features: FrozenFeatures,
-    mode: str,
-    num_samples: int,
-    steps: int,
-    posteriors: list[PosteriorSummary] | None,
-    posteriors_b: list[PosteriorSummary] | None,
-) -> list[LatentChoice]:
-    choices: list[LatentChoice] = []
-    B = features.prior_features.shape[0]
-
-    def z_list(z: torch.Tensor) -> list[float]:
-        return [round(float(v), 5) for v in z]
-
-    if mode == "prior":
-        draws = model.prior_vectors(features, num_samples)  # [S, B, D]
-        for p in range(B):
-            for s in range(num_samples):
-                choices.append(
-                    LatentChoice(p, f"prior#{s}", {"prior_sample": s, "z": z_list(draws[s, p])}, draws[s, p])
-                )
-    elif mode == "posterior":
-        assert posteriors is not None
-        for p, summary in enumerate(posteriors):
-            mu = summary.mu[0]
-            choices.append(LatentChoice(p, "posterior", {"posterior_of": "reference_response", "z": z_list(mu)}, mu))
-    else:  # interpolate
-        assert posteriors is not None and posteriors_b is not None
-        for p, (a, b) in enumerate(zip(posteriors, posteriors_b, strict=True)):
-            for i in range(steps):
-                t = i / (steps - 1) if steps > 1 else 0.0
-                z = (1 - t) * a.mu[0] + t * b.mu[0]
-                choices.append(LatentChoice(p, f"t={t:.2f}", {"t": t, "z": z_list(z)}, z))
-    return choices
-
-
 def parse_range(text: str | Sequence[float]) -> tuple[float, float]:
     """``"-3:3"`` -> ``(-3.0, 3.0)`` (a pair of numbers passes through); low < high, both finite."""
     if isinstance(text, str):
@@ -453,58 +325,11 @@ def traversal_offsets(low: float, high: float, steps: int) -> list[float]:
     return [low + (high - low) * i / (steps - 1) for i in range(steps)]
 
 
-def _steering_plan(
-    model: CVAEBase,
-    features: FrozenFeatures,
-    mode: str,
-    row_mu: torch.Tensor | None,
-    row_description: dict[str, Any],
-    attributes: list[tuple[torch.Tensor, dict[str, Any], float]],
-    traverse: int | None,
-    offsets: list[float],
-) -> list[LatentChoice]:
-    """Continuous ``row``, ``attribute`` and ``traverse`` latents (see the module docstring)."""
-    prior_mu, _ = model.prior(features)  # [B, D]
-    choices: list[LatentChoice] = []
-
-    def z_list(z: torch.Tensor) -> list[float]:
-        return [round(float(v), 5) for v in z]
-
-    for p in range(prior_mu.shape[0]):
-        if row_mu is not None:
-            base, base_name = row_mu.to(prior_mu), f"row {row_description['row']}"
-            common: dict[str, Any] = {"base": "row", **row_description}
-        else:
-            base, base_name = prior_mu[p], "prior mean"
-            common = {"base": "prior_mean"}
-        if mode == "row":
-            choices.append(LatentChoice(p, base_name, {**common, "z": z_list(base)}, base))
-            continue
-        steered, name = base.clone(), base_name
-        for vector, description, scale in attributes:
-            steered = steered + scale * vector.to(steered)
-            name += f" {'+' if scale >= 0 else '-'} {abs(scale):g}*{description['label']}"
-        common["attributes"] = [{**d, "scale": scale} for _, d, scale in attributes]
-        if mode == "attribute":
-            choices.append(LatentChoice(p, base_name, {**common, "base_only": True, "z": z_list(base)}, base))
-            choices.append(LatentChoice(p, name, {**common, "base_only": False, "z": z_list(steered)}, steered))
-            continue
-        assert traverse is not None
-        for offset in offsets:
-            z = steered.clone()
-            z[traverse] = steered[traverse] + offset
-            value = float(z[traverse])
-            label = f"{name} dim{traverse}{offset:+.2f} (z[{traverse}]={value:+.3f})"  # the offset and the value
-            description = {**common, "dim": traverse, "offset": offset, "value": value, "z": z_list(z)}
-            choices.append(LatentChoice(p, label, description, z))
-    return choices
-
-
 @dataclass
 class _Steering:
     """What the latent file gives a call of :func:`generate` (checked against the model)."""
 
-    file: Any = None  # encode.LatentRows
+    file: Any = None  # latent_file.LatentRows
     row_value: list | None = None  # the row's codes or mu
     row_description: dict[str, Any] = field(default_factory=dict)
     attributes: list[tuple[torch.Tensor, dict[str, Any], float]] = field(default_factory=list)
@@ -512,7 +337,7 @@ class _Steering:
 
 def _check_steering(
     model: CVAEBase,
-    discrete: bool,
+    space: LatentSpace,
     mode: str,
     latents: Any,
     row: int | None,
@@ -521,11 +346,49 @@ def _check_steering(
     codes: Any,
     code_examples: int,
 ) -> _Steering:
-    """Check the latent-file options against the mode and the model; read the row and the attributes."""
-    family = "discrete" if discrete else "continuous"
-    if mode in STEERING_MODES and discrete:
-        flag = {"row": "--mode row", "attribute": "--attribute", "traverse": "--traverse"}[mode]
-        raise ValueError(f"{flag} needs a continuous model; a discrete model is steered with --codes or --row")
+    """Check the latent-file options against the mode and the model's latent ``space``; read the row and the
+    attributes."""
+    if mode in STEERING_MODES:
+        space.require(f"mode {mode}")
+    _check_steering_options(model, space, mode, row, attributes, traverse, codes, code_examples)
+    needs_file = [
+        flag
+        for flag, used in (("--row", row is not None), ("--attribute", attributes), ("--code-examples", code_examples))
+        if used
+    ]
+    steering = _Steering()
+    if latents is None:
+        if needs_file:
+            verb = "needs" if len(needs_file) == 1 else "need"
+            raise ValueError(f"{' and '.join(needs_file)} {verb} --latents FILE (an output of disentangle encode)")
+        return steering
+    if not needs_file:
+        raise ValueError(
+            f"--latents is read by --row, --attribute or --code-examples; give one of them ({space.kind} model)"
+        )
+    steering.file = latent_file.as_latent_rows(latents)
+    if row is not None:
+        steering.row_value = latent_file.row_latent(model, steering.file, row)
+        source = steering.file.rows[row].get("source")
+        steering.row_description = {"row": row, "row_source": source, "latents": steering.file.path}
+    for spec in attributes:
+        label, scale = latent_file.parse_attribute(spec)
+        vector, description = latent_file.attribute_vector(model, steering.file, label)
+        steering.attributes.append((vector, description, scale))
+    return steering
+
+
+def _check_steering_options(
+    model: CVAEBase,
+    space: LatentSpace,
+    mode: str,
+    row: int | None,
+    attributes: list[str],
+    traverse: int | None,
+    codes: Any,
+    code_examples: int,
+) -> None:
+    """``--attribute``, ``--traverse``, ``--row`` and ``--code-examples`` against the mode and the family."""
     if attributes and mode not in ("attribute", "traverse"):
         raise ValueError(f"--attribute is used by modes attribute and traverse, not {mode!r}")
     if traverse is not None and mode != "traverse":
@@ -542,44 +405,18 @@ def _check_steering(
         raise ValueError("mode 'row' needs --latents FILE --row I")
     if row is not None and mode not in ("codes", *STEERING_MODES):
         raise ValueError(f"--row is used by modes codes (discrete), row, attribute and traverse, not {mode!r}")
-    if discrete and row is not None and codes is not None:
+    if space.supports("mode codes") and row is not None and codes is not None:
         raise ValueError("--row and --codes both fix the codes; give one of them")
     if code_examples:
-        if not discrete:
-            raise ValueError("--code-examples needs a discrete model (a code's typical responses)")
+        space.require("--code-examples")
         if mode != "codes":
             raise ValueError(f"--code-examples is used by mode codes, not {mode!r}")
         if isinstance(code_examples, bool) or not isinstance(code_examples, int) or code_examples < 0:
             raise ValueError(f"--code-examples must be an integer >= 0, got {code_examples!r}")
-    needs_file = [
-        flag
-        for flag, used in (("--row", row is not None), ("--attribute", attributes), ("--code-examples", code_examples))
-        if used
-    ]
-    steering = _Steering()
-    if latents is None:
-        if needs_file:
-            verb = "needs" if len(needs_file) == 1 else "need"
-            raise ValueError(f"{' and '.join(needs_file)} {verb} --latents FILE (an output of disentangle encode)")
-        return steering
-    if not needs_file:
-        raise ValueError(
-            f"--latents is read by --row, --attribute or --code-examples; give one of them ({family} model)"
-        )
-    steering.file = encode_module._as_latent_rows(latents)
-    if row is not None:
-        steering.row_value = encode_module.row_latent(model, steering.file, row)
-        source = steering.file.rows[row].get("source")
-        steering.row_description = {"row": row, "row_source": source, "latents": steering.file.path}
-    for spec in attributes:
-        label, scale = encode_module.parse_attribute(spec)
-        vector, description = encode_module.attribute_vector(model, steering.file, label)
-        steering.attributes.append((vector, description, scale))
-    return steering
 
 
 def _resolve_mode(
-    mode: str | None, discrete: bool, traverse: int | None, attributes: Sequence[str], row: int | None
+    mode: str | None, space: LatentSpace, traverse: int | None, attributes: Sequence[str], row: int | None
 ) -> str:
     """The generation mode: ``mode`` if given, else the one the steering options ask for."""
     if mode is None:
@@ -587,31 +424,27 @@ def _resolve_mode(
             mode = "traverse"
         elif attributes:
             mode = "attribute"
-        elif row is not None and not discrete:
-            mode = "row"
         else:
-            mode = "codes" if discrete else "prior"
+            mode = space.default_mode(row)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     return mode
 
 
 def _check_mode_inputs(
-    mode: str, discrete: bool, reference_response: str | None, reference_response_b: str | None
+    mode: str, space: LatentSpace, reference_response: str | None, reference_response_b: str | None
 ) -> None:
     """A clear error when ``mode`` does not fit the latent family or lacks its reference responses."""
-    if mode == "codes" and not discrete:
-        raise ValueError("mode 'codes' needs a discrete model; use prior, posterior or interpolate")
-    if mode == "interpolate" and discrete:
-        raise ValueError("mode 'interpolate' needs a continuous model")
+    if mode in ("codes", "interpolate"):
+        space.require(f"mode {mode}")
     if mode in ("posterior", "interpolate") and reference_response is None:
         raise ValueError(f"mode {mode!r} needs --reference-response")
     if mode == "interpolate" and reference_response_b is None:
         raise ValueError("mode 'interpolate' needs --reference-response-b")
 
 
-def _check_discrete_options(discrete: bool, slot: int | None, codes: Any, all_combinations: bool) -> None:
-    """``--codes``, ``--slot`` and ``--all-combinations`` choose codes: refused on a continuous model
+def check_codes_options(space: LatentSpace, slot: int | None, codes: Any, all_combinations: bool) -> None:
+    """``--codes``, ``--slot`` and ``--all-combinations`` choose codes: refused by a family without codes
     (which would otherwise sample from the prior as if they were not given)."""
     given = [
         flag
@@ -622,11 +455,8 @@ def _check_discrete_options(discrete: bool, slot: int | None, codes: Any, all_co
         )
         if used
     ]
-    if given and not discrete:
-        raise ValueError(
-            f"{', '.join(given)}: {'an option' if len(given) == 1 else 'options'} of a discrete model (codes); this "
-            "checkpoint is continuous: use --mode prior, posterior, interpolate, row, attribute or traverse"
-        )
+    if given:
+        space.require("codes options", flags=", ".join(given), count="an option" if len(given) == 1 else "options")
 
 
 def diversity(prompts: Sequence[str], generations: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -677,7 +507,7 @@ def generate(
     """Generate responses to ``prompts`` under chosen latents (see the module docstring); ``progress`` shows a
     progress bar over the responses.
 
-    ``latents`` is an encode file's path, its :class:`encode.LatentRows` or its rows; ``row``,
+    ``latents`` is an encode file's path, its :class:`latent_file.LatentRows` or its rows; ``row``,
     ``attributes`` and ``code_examples`` need it. Example (a notebook)::
 
         generate(model, tokenizer, config, ["Hi"], latents="z.jsonl", attributes=["polite:2"])
@@ -691,69 +521,16 @@ def generate(
     ``sampling.seed``; the caller's random state is left untouched.
     """
     sampling = sampling or SamplingOptions()
-    discrete = model.is_discrete
-    attributes = list(attributes or [])
-    mode = _resolve_mode(mode, discrete, traverse, attributes, row)
-    steering = _check_steering(model, discrete, mode, latents, row, attributes, traverse, codes, code_examples)
-    offsets = traversal_offsets(*parse_range(traverse_range), steps) if mode == "traverse" else []
-    _check_mode_inputs(mode, discrete, reference_response, reference_response_b)
-    _check_discrete_options(discrete, slot, codes, all_combinations)
-    if num_samples < 1 or steps < 1 or max_combinations < 1:
-        raise ValueError("num_samples, steps and max_combinations must be >= 1")
-    if codes is not None and not isinstance(codes, str):
-        codes = ",".join("-" if c is None else str(c) for c in codes)
-    pad = tokenizer.pad_token_id
-    prompt_ids = encode_prompts(prompts, tokenizer, config.data)
-    device = _device(model)
-    with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-        torch.manual_seed(sampling.seed)
-        features = prompt_features(model, prompt_ids, pad)
-        posteriors = posteriors_b = None
-        if reference_response is not None and mode in ("posterior", "interpolate"):
-            posteriors = [reference_posterior(model, tokenizer, config.data, p, reference_response) for p in prompts]
-        if mode == "interpolate":
-            posteriors_b = [
-                reference_posterior(model, tokenizer, config.data, p, reference_response_b) for p in prompts
-            ]
-        if discrete:
-            if steering.row_value is not None:
-                codes = ",".join(map(str, steering.row_value))
-            parsed = parse_codes(codes, model.num_slots, model.codebook_size)
-            choices = _discrete_plan(
-                model,
-                features,
-                mode,
-                slot,
-                parsed,
-                all_combinations,
-                max_combinations,
-                num_samples,
-                posteriors,
-            )
-            for choice in choices:
-                choice.description.update(steering.row_description)
-                if steering.row_value is not None:  # the output names the row
-                    choice.label = f"row {row} {choice.label}"
-        elif mode in STEERING_MODES:
-            row_mu = None if steering.row_value is None else torch.tensor(steering.row_value)
-            choices = _steering_plan(
-                model,
-                features,
-                mode,
-                row_mu,
-                steering.row_description,
-                steering.attributes,
-                traverse,
-                offsets,
-            )
-        else:
-            choices = _continuous_plan(model, features, mode, num_samples, steps, posteriors, posteriors_b)
-        repeats = 1 if mode == "prior" else num_samples
-        rows = [(c, s) for c in choices for s in range(repeats)]
-        vectors = torch.stack([c.vector for c, _ in rows])
-        texts = generate_texts(
-            model, tokenizer, [prompt_ids[c.prompt_index] for c, _ in rows], vectors, sampling, batch_size, progress
-        )
+    space = model.latent_space
+    request, steering = _checked_request(
+        model, space, mode, slot, codes, all_combinations, max_combinations, num_samples, reference_response,
+        reference_response_b, steps, latents, row, list(attributes or []), traverse, traverse_range, code_examples,
+    )  # fmt: skip
+    mode = request.mode
+    choices, rows, texts = _generate_choices(
+        model, tokenizer, config, prompts, request, reference_response, reference_response_b, sampling, batch_size,
+        progress,
+    )  # fmt: skip
     generations = [
         {
             "prompt_index": c.prompt_index,
@@ -766,32 +543,134 @@ def generate(
         for (c, s), text in zip(rows, texts, strict=True)
     ]
     result: dict[str, Any] = {
-        "latent": "discrete" if discrete else "continuous",
+        "latent": space.kind,
         "mode": mode,
         "sampling": asdict(sampling),
         "prompts": list(prompts),
         "generations": generations,
         "diversity": diversity(prompts, generations),
     }
-    if discrete and mode == "codes":
-        result["slot"] = slot if slot is not None else (0 if codes is None and not all_combinations else None)
-        result["all_combinations"] = all_combinations
-    if latents is not None:
-        result["latents"] = steering.file.path
-    if row is not None:
-        result["row"] = row
-    if mode == "traverse":
-        result["traverse"] = {"dim": traverse, "offsets": offsets}
-    if code_examples:
-        used = sorted({(m, k) for c in choices for m, k in enumerate(c.description["codes"])})
-        result["code_examples"] = [
-            encode_module.code_examples(model, steering.file, m, k, code_examples) for m, k in used
-        ]
+    _add_request_fields(result, model, request, steering, choices, code_examples)
     if reference_response is not None:
         result["reference_response"] = reference_response
     if reference_response_b is not None:
         result["reference_response_b"] = reference_response_b
     return result
+
+
+def _checked_request(
+    model: CVAEBase,
+    space: LatentSpace,
+    mode: str | None,
+    slot: int | None,
+    codes: str | Sequence[int | None] | None,
+    all_combinations: bool,
+    max_combinations: int,
+    num_samples: int,
+    reference_response: str | None,
+    reference_response_b: str | None,
+    steps: int,
+    latents: Any,
+    row: int | None,
+    attributes: list[str],
+    traverse: int | None,
+    traverse_range: str | Sequence[float],
+    code_examples: int,
+) -> tuple[SteeringRequest, _Steering]:
+    """:func:`generate`'s options checked against each other and the model's latent ``space``, before anything
+    is generated: the request for the latent space, and what the latent file gave."""
+    mode = _resolve_mode(mode, space, traverse, attributes, row)
+    steering = _check_steering(model, space, mode, latents, row, attributes, traverse, codes, code_examples)
+    offsets = traversal_offsets(*parse_range(traverse_range), steps) if mode == "traverse" else []
+    _check_mode_inputs(mode, space, reference_response, reference_response_b)
+    check_codes_options(space, slot, codes, all_combinations)
+    if num_samples < 1 or steps < 1 or max_combinations < 1:
+        raise ValueError("num_samples, steps and max_combinations must be >= 1")
+    if codes is not None and not isinstance(codes, str):
+        codes = ",".join("-" if c is None else str(c) for c in codes)
+    request = SteeringRequest(
+        mode,
+        num_samples,
+        steps,
+        slot,
+        codes,
+        all_combinations,
+        max_combinations,
+        row=row,
+        row_value=steering.row_value,
+        row_description=steering.row_description,
+        attributes=steering.attributes,
+        traverse=traverse,
+        offsets=offsets,
+    )
+    return request, steering
+
+
+def _generate_choices(
+    model: CVAEBase,
+    tokenizer: Any,
+    config: RunConfig,
+    prompts: Sequence[str],
+    request: SteeringRequest,
+    reference_response: str | None,
+    reference_response_b: str | None,
+    sampling: SamplingOptions,
+    batch_size: int,
+    progress: bool,
+) -> tuple[list[LatentChoice], list[tuple[LatentChoice, int]], list[str]]:
+    """The latents the model's latent space plans for ``request``, and the responses under them: the
+    choices, the ``(choice, sample)`` rows generated and their texts (in eval mode, under ``sampling.seed``)."""
+    mode = request.mode
+    pad = tokenizer.pad_token_id
+    prompt_ids = encode_prompts(prompts, tokenizer, config.data)
+    device = _device(model)
+    with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(sampling.seed)
+        features = prompt_features(model, prompt_ids, pad)
+        if reference_response is not None and mode in ("posterior", "interpolate"):
+            request.posteriors = [
+                reference_posterior(model, tokenizer, config.data, p, reference_response) for p in prompts
+            ]
+        if mode == "interpolate":
+            request.posteriors_b = [
+                reference_posterior(model, tokenizer, config.data, p, reference_response_b) for p in prompts
+            ]
+        choices = model.latent_space.plan(features, request)
+        repeats = 1 if mode == "prior" else request.num_samples
+        rows = [(c, s) for c in choices for s in range(repeats)]
+        vectors = torch.stack([c.vector for c, _ in rows])
+        texts = generate_texts(
+            model, tokenizer, [prompt_ids[c.prompt_index] for c, _ in rows], vectors, sampling, batch_size, progress
+        )
+    return choices, rows, texts
+
+
+def _add_request_fields(
+    result: dict[str, Any],
+    model: CVAEBase,
+    request: SteeringRequest,
+    steering: _Steering,
+    choices: list[LatentChoice],
+    code_examples: int,
+) -> None:
+    """The result's fields of the options that chose the latents: ``slot`` and ``all_combinations`` (mode
+    codes), ``latents``, ``row``, ``traverse`` and ``code_examples``."""
+    if request.mode == "codes":  # a family with codes (others refuse the mode)
+        fixed = request.codes is not None or request.row_value is not None  # a row's codes are forced codes
+        slot = request.slot
+        result["slot"] = slot if slot is not None else (0 if not fixed and not request.all_combinations else None)
+        result["all_combinations"] = request.all_combinations
+    if steering.file is not None:
+        result["latents"] = steering.file.path
+    if request.row is not None:
+        result["row"] = request.row
+    if request.mode == "traverse":
+        result["traverse"] = {"dim": request.traverse, "offsets": request.offsets}
+    if code_examples:
+        used = sorted({(m, k) for c in choices for m, k in enumerate(c.description["codes"])})
+        result["code_examples"] = [
+            latent_file.code_examples(model, steering.file, m, k, code_examples) for m, k in used
+        ]
 
 
 def format_generations(result: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from .cvae_base import CVAEBase, FrozenFeatures, LatentSample, PosteriorSummary, PriorMixture, mlp
 from .data import Batch
+from .latent_space import DiscreteLatentSpace
 from .regularizers import annealed_temperature, categorical_kl
 
 
@@ -45,6 +46,11 @@ class SharedDiscreteCVAE(CVAEBase):
         # Step at which each code was last chosen, for dead-code restart.
         self.register_buffer("code_last_used", torch.zeros(K, dtype=torch.long))
         self._recent_encodings: torch.Tensor | None = None
+
+    @property
+    def latent_space(self) -> DiscreteLatentSpace:
+        """What this family's latents mean to the tools that read, steer and report them (``latent_space.py``)."""
+        return DiscreteLatentSpace(self)
 
     @property
     def latent_vector_dim(self) -> int:
