@@ -81,7 +81,7 @@ def test_help_lists_choices_defaults_once_and_flag_metavars():
     text = train.format_help()
     for flag, choices in (
         ("--latent", "{discrete,continuous}"),
-        ("--encoder-view", "{mean_last,token_weighted,attention}"),
+        ("--encoder-view", "{mean_last,token_weighted,attention,token_weighted_attention}"),
         ("--beta-schedule", "{constant,linear,cyclical}"),
         ("--decoder-training", "{frozen,lora,full}"),
     ):
