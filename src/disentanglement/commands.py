@@ -406,9 +406,9 @@ def inspect_main(args: argparse.Namespace) -> int:
 
 
 def encode_main(args: argparse.Namespace) -> int:
-    from .encode import _encode_to_file
+    from .encode import encode_to_file
 
     options = options_from(EncodeOptions, args)
-    path, count = _encode_to_file(args.checkpoint, options)
+    path, count = encode_to_file(args.checkpoint, options)
     print(f"wrote {count} rows to {path}")
     return 0

@@ -182,7 +182,7 @@ def raw_pairs(data: str | None, config: RunConfig, examples: Sequence[Example]) 
 # --------------------------------------------------------------------------- the command
 
 
-def _encode_to_file(checkpoint: str | Path, options: EncodeOptions, model_and_tokenizer=None) -> tuple[Path, int]:
+def encode_to_file(checkpoint: str | Path, options: EncodeOptions, model_and_tokenizer=None) -> tuple[Path, int]:
     # options first (their numbers are checked as they are made), before the model loads
     scoring = options.scoring()
     check_output(options.output)
@@ -213,7 +213,7 @@ def run_encode(
     (``.jsonl``, or ``.parquet`` with pyarrow). ``options`` (default :class:`options.EncodeOptions`) with the
     keyword ``overrides`` on top (``run_encode(ckpt, output="latents.jsonl", data="train")``). Options,
     ``data`` and ``output`` are checked before the model loads. Returns the path written."""
-    path, _ = _encode_to_file(checkpoint, with_overrides(EncodeOptions, options, overrides), model_and_tokenizer)
+    path, _ = encode_to_file(checkpoint, with_overrides(EncodeOptions, options, overrides), model_and_tokenizer)
     return path
 
 
