@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -288,9 +287,6 @@ class PriorMixture:
 
 class CVAEBase(nn.Module):
     """Frozen features, latent injection and the loss; subclasses define the latent."""
-
-    #: Whether the latent is a tuple of codes (discrete families) rather than a real vector.
-    is_discrete: ClassVar[bool] = False
 
     def __init__(
         self,

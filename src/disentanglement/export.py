@@ -45,6 +45,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .latent_space import latent_space_of
+
 if TYPE_CHECKING:  # torch and transformers load when something is exported or loaded, not for --help
     import torch
 
@@ -318,11 +320,7 @@ def _model_card(manifest: Mapping[str, Any], config: RunConfig, reports: list[tu
     base = manifest["base_model"]
     data = manifest["data"]
     latent = config.latent
-    shape = (
-        f"discrete, {latent.num_slots} slot(s) of {latent.codebook_size} codes"
-        if latent.latent == "discrete"
-        else f"continuous, {latent.latent_dim} dimensions"
-    )
+    shape = latent_space_of(latent.latent).shape(latent)
     lines = [
         "---",
         "library_name: disentanglement",

@@ -16,6 +16,7 @@ from .config import RunConfig
 from .cvae_base import CVAEBase, FrozenFeatures, WeightingParams
 from .data import collate
 from .features import FeatureCache, build_feature_cache
+from .latent_space import latent_space_of
 from .losses import estimate_zfree_reference_scale
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class FrozenPass:
 def uses_kmeans(config: RunConfig) -> bool:
     """Whether the codebook starts from k-means (a discrete latent with ``codebook_init: kmeans``, of the view,
     or ``prior_kmeans``, of the prompt features)."""
-    return config.latent.latent == "discrete" and config.latent.codebook_init in ("kmeans", "prior_kmeans")
+    return latent_space_of(config.latent.latent).uses_kmeans(config.latent)
 
 
 def refresh_every(config: RunConfig) -> int:

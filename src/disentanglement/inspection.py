@@ -30,7 +30,8 @@ from .cvae_base import CVAEBase
 from .data import Example, collate
 from .evaluation import batch_weighting, example_factor_values, latent_assignments, posterior_latents, score_batch
 from .features import FeatureCache
-from .metrics import code_usage_per_slot, label_agreement
+from .latent_space import latent_space_of_latents
+from .metrics import label_agreement
 from .reference import eval_mode
 from .report import (
     plot_code_usage,
@@ -98,11 +99,7 @@ def token_values(
         "prior_nll": prior,
         "latent_gain": prior - conditioned,
     }
-    summary = scores.summary
-    if summary.codes is not None:
-        latent: dict[str, Any] = {"codes": summary.codes[0].tolist()}
-    else:
-        latent = {"posterior_mean": [round(float(v), 5) for v in summary.mu[0]]}
+    latent = model.latent_space.example_latent(scores.summary)
     pi = values["token_weight"]
     meta = {
         "source": example.source,
@@ -167,8 +164,8 @@ def write_run_plots(
     if not examples:
         return written
     latents = posterior_latents(model, examples, cache, pad_token_id)
-    if "codes" in latents:  # discrete: codes [E, M] and their posteriors [E, M, K]
-        usage = code_usage_per_slot(latents["codes"], latents["probs"].shape[-1])
+    usage = latent_space_of_latents(latents).code_usage(latents)  # None: no codes (continuous)
+    if usage is not None:
         written.append(plot_code_usage(usage, out_dir / "code_usage.png"))
     factors = example_factor_values(examples) if len(examples) >= 2 else None
     for name, values in (factors or {}).items():  # one heat map per factor; a plain label is the factor "label"
@@ -181,10 +178,7 @@ def write_run_plots(
 
 def _rows_name(latents: dict[str, Any]) -> str:
     """What the heat map's rows are: argmax codes, code combinations (several slots) or k-means clusters."""
-    codes = latents.get("codes")
-    if codes is None:
-        return "cluster (k-means of posterior means)"
-    return "code" if codes.shape[1] == 1 else "code combination"
+    return latent_space_of_latents(latents).heatmap_rows(latents)
 
 
 def _safe_name(name: str) -> str:

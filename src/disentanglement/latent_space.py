@@ -16,6 +16,11 @@ family:
 - ``explorer.py``: the explorer's groups (:meth:`LatentSpace.explorer_groups`) and what their confidence is;
 - ``controllability.py``: the target latents, what a re-encoding recovers and the recovery fields of the
   report (:meth:`LatentSpace.control_targets`, :meth:`LatentSpace.recovered`, :meth:`LatentSpace.recovery_report`).
+- ``inspection.py``: an inspected example's latent, the code-usage plot and the heat map's rows
+  (:meth:`LatentSpace.example_latent`, :meth:`LatentSpace.code_usage`, :meth:`LatentSpace.heatmap_rows`);
+- ``export.py``: the model card's latent shape (:meth:`LatentSpace.shape`); ``frozen_pass.py``: whether the
+  codebook starts from k-means (:meth:`LatentSpace.uses_kmeans`); ``verdict.py``: the latent's usage read from an
+  eval report (:meth:`LatentSpace.usage_from_report`, the space chosen by :func:`latent_space_of_report`).
 
 What a family cannot do is refused with its own message: :meth:`LatentSpace.require` raises the
 ``ValueError`` of :attr:`LatentSpace.unsupported` (e.g. ``--attribute`` on a discrete model).
@@ -33,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:  # torch loads when a latent is used, not for --help (latent_file.py imports this module)
     import torch
 
+    from .config import LatentConfig
     from .continuous_cvae import ContinuousCVAE
     from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary
     from .latent_file import LatentRows
@@ -169,6 +175,35 @@ class LatentSpace:
         ``generate_under`` (the latent generated under, as :func:`encode.latent_vector` reads it)."""
         raise NotImplementedError
 
+    def example_latent(self, summary: PosteriorSummary) -> dict[str, Any]:
+        """The latent of an inspected example (its batch's first), for ``inspection.token_values``' sidecar."""
+        raise NotImplementedError
+
+    def code_usage(self, latents: Mapping[str, Any]) -> list[dict] | None:
+        """Each slot's code usage over the posterior ``latents`` (``evaluation.posterior_latents``), for the
+        code-usage plot; None: the family has no codes."""
+        return None
+
+    def heatmap_rows(self, latents: Mapping[str, Any]) -> str:
+        """What the heat map's rows are for the posterior ``latents``: argmax codes, code combinations (several
+        slots) or k-means clusters."""
+        raise NotImplementedError
+
+    @staticmethod
+    def shape(latent: LatentConfig) -> str:
+        """The latent's shape from its config, for the model card (``export.py``)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def uses_kmeans(latent: LatentConfig) -> bool:
+        """Whether the latent's codebook starts from k-means (``frozen_pass.uses_kmeans``)."""
+        return False
+
+    @staticmethod
+    def usage_from_report(report: Mapping[str, Any]) -> dict[str, Any]:
+        """The latent's usage read from an eval report, for the verdict (``verdict._usage``)."""
+        raise NotImplementedError
+
 
 class DiscreteLatentSpace(LatentSpace):
     """``M`` slots, each one of ``K`` codes: rows hold codes and their probabilities, generation forces codes."""
@@ -298,6 +333,38 @@ class DiscreteLatentSpace(LatentSpace):
     def slot_assignments(self, latents: Mapping[str, Any]) -> list[Any]:
         codes = latents["codes"]
         return [codes[:, m] for m in range(codes.shape[1])] if codes.shape[1] > 1 else []
+
+    def example_latent(self, summary: PosteriorSummary) -> dict[str, Any]:
+        return {"codes": summary.codes[0].tolist()}
+
+    def code_usage(self, latents: Mapping[str, Any]) -> list[dict] | None:
+        """``codes [E, M]`` and their posteriors ``probs [E, M, K]``."""
+        from .metrics import code_usage_per_slot
+
+        return code_usage_per_slot(latents["codes"], latents["probs"].shape[-1])
+
+    def heatmap_rows(self, latents: Mapping[str, Any]) -> str:
+        return "code" if latents["codes"].shape[1] == 1 else "code combination"
+
+    @staticmethod
+    def shape(latent: LatentConfig) -> str:
+        return f"discrete, {latent.num_slots} slot(s) of {latent.codebook_size} codes"
+
+    @staticmethod
+    def uses_kmeans(latent: LatentConfig) -> bool:
+        """``codebook_init: kmeans`` (of the view) or ``prior_kmeans`` (of the prompt features)."""
+        return latent.codebook_init in ("kmeans", "prior_kmeans")
+
+    @staticmethod
+    def usage_from_report(report: Mapping[str, Any]) -> dict[str, Any]:
+        """``{"kind": "codes", "used": [per slot], "of": [per slot], "perplexity": [per slot]}``."""
+        usage = report["code_usage"]
+        return {
+            "kind": "codes",
+            "used": [int(u["used_codes"]) for u in usage],
+            "of": [int(u.get("codebook_size", len(u.get("histogram", [])))) for u in usage],
+            "perplexity": [float(u["perplexity"]) for u in usage if "perplexity" in u],
+        }
 
     def control_targets(
         self,
@@ -585,6 +652,22 @@ class ContinuousLatentSpace(LatentSpace):
             g["generate_under"] = g["centroid"]
         return groups
 
+    def example_latent(self, summary: PosteriorSummary) -> dict[str, Any]:
+        return {"posterior_mean": [round(float(v), 5) for v in summary.mu[0]]}
+
+    def heatmap_rows(self, latents: Mapping[str, Any]) -> str:
+        return "cluster (k-means of posterior means)"
+
+    @staticmethod
+    def shape(latent: LatentConfig) -> str:
+        return f"continuous, {latent.latent_dim} dimensions"
+
+    @staticmethod
+    def usage_from_report(report: Mapping[str, Any]) -> dict[str, Any]:
+        """``{"kind": "units", "active", "of"}`` (``of``: the posterior mean's dimensions, None when unknown)."""
+        of = len(report.get("posterior_mean_variance") or []) or None
+        return {"kind": "units", "active": int(report["active_units"]), "of": of}
+
 
 #: The latent spaces of the families, as a latent-file row names its family (by :attr:`LatentSpace.latent_key`).
 LATENT_SPACES: tuple[type[LatentSpace], ...] = (DiscreteLatentSpace, ContinuousLatentSpace)
@@ -594,6 +677,14 @@ def latent_space_of(family: str) -> LatentSpace:
     """The latent space of the family named ``family`` (``LatentConfig.latent``) without a model: for the
     checks made before a checkpoint loads (what the family supports)."""
     return {space.kind: space for space in LATENT_SPACES}[family](None)  # type: ignore[arg-type]
+
+
+def latent_space_of_report(report: Mapping[str, Any]) -> LatentSpace:
+    """The latent space (without a model) of an eval report: the family its ``latent`` names, or whose usage
+    it holds (``code_usage``, for a report without ``latent``); else continuous."""
+    if report.get("latent") == DiscreteLatentSpace.kind or "code_usage" in report:
+        return DiscreteLatentSpace(None)  # type: ignore[arg-type]
+    return ContinuousLatentSpace(None)  # type: ignore[arg-type]
 
 
 def latent_space_of_latents(latents: Mapping[str, Any]) -> LatentSpace:

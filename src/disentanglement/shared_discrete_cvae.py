@@ -35,8 +35,6 @@ def one_hot_kl(log_p: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 class SharedDiscreteCVAE(CVAEBase):
-    is_discrete = True
-
     def __init__(self, decoder, latent, reconstruction, kl, divergence=None, **kwargs) -> None:
         super().__init__(decoder, latent, reconstruction, kl, divergence, **kwargs)
         M, K, C, H = latent.num_slots, latent.codebook_size, latent.code_dim, self.hidden_size

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .latent_space import latent_space_of_report
+
 #: A latent gain (nats per token) at or below this is "no gain": the decoder does not use ``z``.
 GAIN_EPSILON = 1e-3
 #: Two NMIs closer than this "match"; a latent "beats" a baseline by at least this much.
@@ -43,16 +45,7 @@ BASELINES = {
 
 def _usage(report: Mapping[str, Any]) -> dict[str, Any]:
     """``{"kind": "codes", "used": [per slot], "of": [per slot]}`` or ``{"kind": "units", "active", "of"}``."""
-    if report.get("latent") == "discrete" or "code_usage" in report:
-        usage = report["code_usage"]
-        return {
-            "kind": "codes",
-            "used": [int(u["used_codes"]) for u in usage],
-            "of": [int(u.get("codebook_size", len(u.get("histogram", [])))) for u in usage],
-            "perplexity": [float(u["perplexity"]) for u in usage if "perplexity" in u],
-        }
-    of = len(report.get("posterior_mean_variance") or []) or None
-    return {"kind": "units", "active": int(report["active_units"]), "of": of}
+    return latent_space_of_report(report).usage_from_report(report)
 
 
 def latent_gain(report: Mapping[str, Any]) -> float:
