@@ -41,7 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from .cvae_base import CVAEBase
+from .cvae_base import ATTENTION_VIEWS, CVAEBase
 from .data import Example
 from .distributed import gather_objects, is_main, rank_and_size
 from .feature_store_files import SUFFIX, evict, locked, store_dir, store_limit_bytes
@@ -267,7 +267,7 @@ def load_or_build_features(
         root / ref_key,
         [example_key(ref_key, e) for e in examples],
         needs_entropy=model.reconstruction_cfg.token_weight_source == "entropy",
-        needs_hidden=model.latent_cfg.encoder_view == "attention",
+        needs_hidden=model.latent_cfg.encoder_view in ATTENTION_VIEWS,
         stats=StoreStats(),
         rows=[None] * len(examples),
     )
