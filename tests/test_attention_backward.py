@@ -62,11 +62,11 @@ def test_gradients_match_a_float64_reference(kind, dtype):
         torch.testing.assert_close(mine.double(), expected, **tol)
 
 
-def cvae_step_grads(dtype, fast: bool, monkeypatch):
+def cvae_step_grads(dtype, fast: bool, monkeypatch, **settings):
     torch.manual_seed(0)  # the CVAE's heads are initialised alike in both runs
     tokenizer = tiny_tokenizer(chat_template=False)
     pairs = make_hidden_factor_pairs([f"say {'x' * (i % 4)} {i}" for i in range(8)], kind="clean")
-    config = build_config(dict(chat_template=False, token_weighted_weight=1.0, token_weight_alpha=1.0))
+    config = build_config(dict(chat_template=False, token_weighted_weight=1.0, token_weight_alpha=1.0, **settings))
     examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
     model = build_cvae(config, tiny_llama(len(tokenizer)).to(dtype)).train()
     cache = build_feature_cache(model, examples, tokenizer.pad_token_id, 8, progress=False)
@@ -105,3 +105,12 @@ def test_float32_and_no_grad_keep_transformers_sdpa(monkeypatch):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping  # restored after the block
+
+
+def test_a_checkpointed_bf16_step_keeps_transformers_sdpa(monkeypatch):
+    """With activation checkpointing the layers' forward runs again in the backward, after the scope: the
+    fast path is skipped (its saved tensors differ from SDPA's), and the step computes (it raised before)."""
+    loss, grads, calls = cvae_step_grads(torch.bfloat16, True, monkeypatch, gradient_checkpointing=True)
+    assert calls == 0 and grads and torch.isfinite(loss)
+    loss_sdpa, grads_sdpa, _ = cvae_step_grads(torch.bfloat16, False, monkeypatch)
+    assert torch.equal(loss, loss_sdpa)  # checkpointing recomputes; the loss is the plain step's

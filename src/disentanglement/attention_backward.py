@@ -57,7 +57,7 @@ class SdpaInputGradient(torch.autograd.Function):
             scores = scores.masked_fill(~mask, lowest) if mask.dtype == torch.bool else scores + mask.float()
         if ctx.causal:
             t, s = scores.shape[-2:]
-            keep = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril(s - t)
+            keep = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril(0)  # SDPA: top-left aligned
             scores = scores.masked_fill(~keep, lowest)
         p = torch.softmax(scores.clamp_min(lowest), dim=-1)  # float32
         grad_out = grad_out.to(work)
@@ -109,9 +109,12 @@ def _attention(original):
 def fast_attention_backward(model: torch.nn.Module) -> Iterator[None]:
     """Inside the block, ``model``'s SDPA attention (transformers' ``"sdpa"``) runs through
     :class:`SdpaInputGradient` on the CPU with gradients on; outside, and for other models or devices,
-    nothing changes. The backward may run after the block: the choice is made at the forward."""
+    nothing changes, and so with activation checkpointing. The backward may run after the block: the choice
+    is made at the forward."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    if getattr(config, "_attn_implementation", None) != "sdpa" or getattr(model, "is_gradient_checkpointing", False):
+        # Checkpointed layers run their forward again in the backward, outside this block, with transformers'
+        # function, whose saved tensors differ from SdpaInputGradient's: the two must not mix.
         yield
         return
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
