@@ -299,3 +299,16 @@ def test_train_records_its_command_and_the_card_shows_it(discrete_run, monkeypat
     assert json.loads((out / "export.json").read_text())["commands"]["train"] == recorded
     card = (out / "README.md").read_text()
     assert f"```sh\n{recorded[0]}\n{recorded[1]}\ndisentangle export " in card
+
+
+def test_a_run_with_its_command_record_can_be_overwritten(discrete_run, tmp_path):
+    """command.txt is a run's own file: --overwrite removes it with the rest (it refused the run before)."""
+    import shutil
+
+    from disentanglement.run_dir import check_run_directory
+
+    run = tmp_path / "run"
+    shutil.copytree(discrete_run.run_dir, run, ignore=shutil.ignore_patterns("feature_cache"))
+    (run / "command.txt").write_text("disentangle train --output-dir run\n")
+    removed = check_run_directory(run, None, None, overwrite=True)  # no "files that are not a run's"
+    assert run / "command.txt" in removed

@@ -149,9 +149,10 @@ def _record_command(run_dir: Path, argv: Sequence[str] | None) -> None:
     import shlex
 
     from .export import COMMAND_FILE
+    from .safe_io import open_append
 
     try:
-        with open(Path(run_dir) / COMMAND_FILE, "a", encoding="utf-8") as handle:
+        with open_append(Path(run_dir) / COMMAND_FILE, run_dir) as handle:  # never through a link
             handle.write("disentangle " + shlex.join(argv) + "\n")
     except OSError as exc:  # the run itself is complete; the record is a convenience
         logging.getLogger(__name__).warning("could not record the command in %s: %s", run_dir, exc)

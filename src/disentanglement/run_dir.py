@@ -34,7 +34,16 @@ logger = logging.getLogger(__name__)
 
 #: What a run directory may hold besides ``feature_cache/`` (what ``--overwrite`` removes).
 RUN_ARTEFACTS = frozenset(
-    {"config.yaml", "metrics.jsonl", "data_stats.json", "checkpoints", "tensorboard", "eval", "inspect"}
+    {
+        "config.yaml",
+        "metrics.jsonl",
+        "data_stats.json",
+        "command.txt",  # the train command lines (export.COMMAND_FILE)
+        "checkpoints",
+        "tensorboard",
+        "eval",
+        "inspect",
+    }
 )
 #: The advisory lock a training process holds in its run directory.
 LOCK_FILE = ".lock"
