@@ -311,3 +311,22 @@ def test_the_store_folder_and_limit_come_from_the_config_then_the_environment(tm
     monkeypatch.setenv(feature_store_files.ENV_MAX_GB, "lots")
     with pytest.raises(ValueError, match="DISENTANGLEMENT_FEATURE_CACHE_MAX_GB must be a number"):
         feature_store_files.store_limit_bytes()
+
+
+def test_a_store_that_cannot_be_written_is_passed_by(tmp_path, caplog):
+    """A read-only cache folder (another user's, a read-only home) costs the store, not the run."""
+    tokenizer = tiny_tokenizer(chat_template=False)
+    pairs = make_hidden_factor_pairs([f"p {i}" for i in range(6)], kind="clean")
+    config = build_config(dict(chat_template=False))
+    examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
+    torch.manual_seed(0)
+    model = build_cvae(config, tiny_llama(len(tokenizer)))
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")  # the store's root is a file: nothing can be made under it
+    with caplog.at_level(logging.WARNING):
+        cache = feature_store.load_or_build_features(
+            model, examples, tokenizer.pad_token_id, blocked, 4, progress=False
+        )
+    fresh = build_feature_cache(model, examples, tokenizer.pad_token_id, 4, progress=False)
+    assert "computing without the store" in caplog.text and len(cache) == len(examples)
+    torch.testing.assert_close(cache.encoder_features, fresh.encoder_features)

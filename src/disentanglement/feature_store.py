@@ -282,7 +282,10 @@ def load_or_build_features(
     if is_main(state):
         _touch([_entry_path(lookup.folder, key) for key in lookup.keys])
         if stats.computed:
-            stats.evicted = evict(root, max_bytes)
+            try:
+                stats.evicted = evict(root, max_bytes)
+            except OSError as exc:
+                logger.warning("feature cache: could not evict from %s (%s)", root, exc)
     logger.info(
         "frozen pass: %d of %d examples from the feature cache %s, %d computed",
         stats.hits,
@@ -297,12 +300,19 @@ def load_or_build_features(
 def _fill_one_process(lookup: _Lookup, pass_args: tuple) -> None:
     """Read what the store has; under the reference's lock, read again, compute the rest and store it."""
     missing = lookup.read(range(len(lookup.examples)))
-    if missing:
-        with locked(lookup.folder / ".lock"):
-            missing = lookup.read(missing)  # what another process wrote while this one waited
-            if missing:
-                lookup.compute(missing, *pass_args)
-                lookup.store(missing)
+    if not missing:
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(locked(lookup.folder / ".lock"))
+        except OSError as exc:  # the store only saves time: a folder that cannot be written is passed by
+            logger.warning("feature cache: cannot lock %s (%s); computing without the store", lookup.folder, exc)
+            lookup.compute(missing, *pass_args)
+            return
+        missing = lookup.read(missing)  # what another process wrote while this one waited
+        if missing:
+            lookup.compute(missing, *pass_args)
+            lookup.store(missing)
 
 
 def _fill_several_processes(lookup: _Lookup, pass_args: tuple, state) -> None:
