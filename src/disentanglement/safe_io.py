@@ -17,6 +17,7 @@ never its target.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -210,10 +211,12 @@ def remove_all(paths: Sequence[Path] | Iterable[Path]) -> None:
             target = trash / path.name
             os.rename(path, target)  # a link is renamed as a link
             moved.append((path, target))
-    except OSError:
+    except BaseException:  # a failed rename, or an interrupt midway: put back what was moved
         for original, target in reversed(moved):
-            os.rename(target, original)
-        shutil.rmtree(trash, ignore_errors=True)
+            with contextlib.suppress(OSError):  # keep the first error; a name not put back stays in the trash
+                os.rename(target, original)
+        with contextlib.suppress(OSError):
+            trash.rmdir()  # only when everything went back
         raise
     fsync_dir(parent)
     shutil.rmtree(trash)  # never follows the links inside
