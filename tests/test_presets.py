@@ -185,3 +185,18 @@ def test_sweep_takes_a_preset_in_the_base_and_in_a_cell():
     assert raw_cell.reconstruction.token_weighted_weight == 0.0 and raw_cell.reconstruction.token_weight_alpha == 0.5
     with pytest.raises(ConfigError, match="sweep: cell 'x': unknown preset 'nope'"):
         build_spec({}, ["x preset=nope"], seeds=[0])
+
+
+def test_a_preset_given_with_resume_goes_over_the_stored_recipe(tmp_path):
+    """--resume starts from the run's stored config; a --preset given now must not sit silently under it."""
+    from disentanglement.config import write_run_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    write_run_config(build_config({"output_dir": str(run)}), run / "config.yaml")
+    assert recipe(train_config(["--resume", "auto", "--output-dir", str(run)])) == MEASURED  # as stored
+    assert recipe(train_config(["--resume", "auto", "--output-dir", str(run), "--preset", "seed"])) == SEED
+    flagged = train_config(
+        ["--resume", "auto", "--output-dir", str(run), "--preset", "seed", "--encoder-view", "token_weighted"]
+    )
+    assert recipe(flagged) == dict(SEED, encoder_view="token_weighted")  # flags still over the preset

@@ -43,6 +43,7 @@ from .config import (
     build_config,
     config_from_namespace,
     load_run_config,
+    preset_values,
     presets_help,
     read_config_file,
 )
@@ -93,7 +94,8 @@ def _stored_config_path(resume: str, output_dir: Path) -> Path | None:
 
 def _train_config(args: argparse.Namespace):
     """The config of ``train``. Resuming starts from the run's stored config, so that
-    ``--resume auto --output-dir RUN`` continues RUN as it was configured; ``--config`` and flags go on top.
+    ``--resume auto --output-dir RUN`` continues RUN as it was configured; a preset, ``--config`` and flags go on
+    top (in that order).
     Where the run writes (``output_dir``, the cache directories) never comes from a stored config:
     ``--resume RUN/checkpoints/step-N`` without ``--output-dir`` continues in RUN."""
     config = config_from_namespace(args)
@@ -110,6 +112,9 @@ def _train_config(args: argparse.Namespace):
     if resume != "auto" and "output_dir" not in given and "output_dir" not in file_values:
         path = Path(resume)
         values["output_dir"] = str(path if (path / "checkpoints").is_dir() else path.parent.parent)
+    preset = given.get(PRESET_KEY, file_values.get(PRESET_KEY))
+    if preset is not None and stored is not None:  # a preset given now goes over the stored recipe, not under it
+        values.update(preset_values(preset))  # (resume's own checks then accept or refuse the change)
     values.update(file_values)
     values.update(given)
     return build_config(values)
