@@ -31,7 +31,6 @@ import contextlib
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from .data import Example
 from .distributed import gather_objects, is_main, rank_and_size
 from .feature_store_files import SUFFIX, evict, locked, store_dir, store_limit_bytes
 from .features import FEATURE_PASS_VERSION, FeatureCache, build_feature_cache, reference_hasher
+from .safe_io import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -117,24 +117,15 @@ def read_entry(path: Path, key: str, response_length: int) -> Row | None:
 
 
 def write_entry(path: Path, key: str, row: Row) -> None:
-    """Write one entry atomically (a temporary file in the same folder, then a rename)."""
+    """Write one entry atomically (:func:`safe_io.atomic_write`: a temporary file in the same folder, then a
+    rename; not fsynced: an entry lost to a power cut is computed again)."""
     nll, entropy, hidden, prior, encoder = row
     tensors = {"response_nll": nll.contiguous(), "prior": prior.contiguous(), "encoder": encoder.contiguous()}
     if entropy is not None:
         tensors["response_entropy"] = entropy.contiguous()
     if hidden is not None:
         tensors["response_hidden"] = hidden.contiguous()
-    data = save(tensors, metadata={"key": key, "version": FEATURE_PASS_VERSION})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, save(tensors, metadata={"key": key, "version": FEATURE_PASS_VERSION}), durable=False)
 
 
 def _rows_of(cache: FeatureCache) -> list[Row]:
@@ -348,9 +339,5 @@ def _write_about(folder: Path, model: CVAEBase) -> None:
         config = getattr(reference, "config", None)
         name = getattr(config, "_name_or_path", "") or type(reference).__name__
         dtype = str(next(reference.parameters()).dtype).removeprefix("torch.")
-    folder.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"model": name, "dtype": dtype, "encoder_view": model.encoder_view_params or "default"})
-    fd, tmp = tempfile.mkstemp(prefix=".about.", dir=folder)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text + "\n")
-    os.replace(tmp, about)
+    atomic_write(about, text + "\n", durable=False)
