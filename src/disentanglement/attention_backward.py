@@ -112,7 +112,7 @@ def fast_attention_backward(model: torch.nn.Module) -> Iterator[None]:
     nothing changes, and so with activation checkpointing. The backward may run after the block: the choice
     is made at the forward."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa" or getattr(model, "is_gradient_checkpointing", False):
+    if getattr(config, "_attn_implementation", None) != "sdpa" or getattr(model, "is_activation_checkpointing", False):
         # Checkpointed layers run their forward again in the backward, outside this block, with transformers'
         # function, whose saved tensors differ from SdpaInputGradient's: the two must not mix.
         yield
