@@ -299,16 +299,9 @@ class ReconstructionLossConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        for name in (
-            "reconstruction_weight",
-            "sequence_reconstruction_weight",
-            "token_weighted_weight",
-            "normalized_concentration_corrected_token_weighted_weight",
-            "normalized_inverse_surprisal_token_weighted_weight",
-            "zfree_relative_weight",
-            "token_weight_alpha",
-        ):
-            _number(self, name, low=0)
+        for name in RECIPE_FIELDS:  # the six weights and alpha are >= 0 (encoder_view is LatentConfig's)
+            if name != "encoder_view":
+                _number(self, name, low=0)
         _number(self, "token_weight_eps", low=0, low_open=True)
         _choice(self, "token_weight_source")
         _number(self, "token_weight_interpolation", low=0, high=1)
