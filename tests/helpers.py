@@ -241,3 +241,17 @@ def line_series(ax) -> list[tuple[list[float], list[float]]]:
 def tick_labels(ax, axis: str = "x") -> list[str]:
     labels = ax.get_xticklabels() if axis == "x" else ax.get_yticklabels()
     return [label.get_text() for label in labels]
+
+
+class Stop(Exception):
+    """Raised by :func:`stop_at`'s callback: a training run interrupted at a chosen step."""
+
+
+def stop_at(n):
+    """A trainer callback that raises :class:`Stop` at step ``n``."""
+
+    def callback(step, record):
+        if step == n:
+            raise Stop
+
+    return callback

@@ -25,7 +25,7 @@ from disentanglement.config import ConfigError
 from disentanglement.stability import LossMonitor
 from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import TrainingDiverged, load_trained, train
-from helpers import tiny_llama, tiny_tokenizer, trainer_config
+from helpers import Stop, stop_at, tiny_llama, tiny_tokenizer, trainer_config
 
 TESTS = Path(__file__).parent
 PROMPTS = [f"tell me about topic {i}" for i in range(40)]
@@ -41,18 +41,6 @@ config_for = trainer_config
 def run(output_dir, callbacks=(), **overrides):
     tokenizer = tiny_tokenizer()
     return train(config_for(output_dir, **overrides), (tiny_llama(len(tokenizer)), tokenizer), pairs(), callbacks)
-
-
-class Stop(Exception):
-    pass
-
-
-def stop_at(n):
-    def callback(step, record):
-        if step == n:
-            raise Stop
-
-    return callback
 
 
 def metrics(output_dir):

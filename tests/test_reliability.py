@@ -21,25 +21,13 @@ import torch
 from disentanglement import checkpoints, cli, safe_io, stability, trainer
 from disentanglement.checkpoints import complete_checkpoints, latest_checkpoint
 from disentanglement.testing import make_hidden_factor_pairs
-from helpers import tiny_llama, tiny_tokenizer, trainer_config
+from helpers import Stop, stop_at, tiny_llama, tiny_tokenizer, trainer_config
 
 PROMPTS = [f"tell me about topic {i}" for i in range(24)]
 
 
 def pairs():
     return make_hidden_factor_pairs(PROMPTS, kind="clean", seed=0)
-
-
-class Stop(Exception):
-    pass
-
-
-def stop_at(n):
-    def callback(step, record):
-        if step == n:
-            raise Stop
-
-    return callback
 
 
 def train_tiny(output_dir: Path, callbacks=(), **overrides):
