@@ -4,7 +4,11 @@
 
 ``--change attention-backward``: A = transformers' own SDPA backward, B = ``attention_backward``'s (the
 default since this change). ``--change head-in-one-block``: A = the LM head's window in checkpointed chunks
-(recomputed in the backward), B = in one block when it is small (``cvae_base.WHOLE_WINDOW_LOGITS``). Each repetition runs A and B once on the same batch, the first of them
+(recomputed in the backward), B = in one block when it is small (``cvae_base.WHOLE_WINDOW_LOGITS``).
+``--change head-at-supervised``: A = the LM head over the whole window (from the first position predicting a
+response token, prompt and padding included), B = only at the positions that predict a response token.
+``--change length-groups``: A = the decoder over the whole batch at its longest row's width, B = the rows in
+length groups (``data.length_groups``, ``cvae_base.DECODER_CALL_POSITIONS``). Each repetition runs A and B once on the same batch, the first of them
 alternating, so that load from other work falls on both alike; it prints the median time of each, the
 median of the per-repetition ratios A/B, and the useful-FLOP MFU of each (``step_cost.mfu_table``).
 """
@@ -50,7 +54,50 @@ def chunked_head(step):
     return run
 
 
-CHANGES = {"attention-backward": without_attention_backward, "head-in-one-block": chunked_head}
+def one_decoder_pass(step):
+    from disentanglement import cvae_base
+
+    def run(batch):
+        original = cvae_base.DECODER_CALL_POSITIONS
+        cvae_base.DECODER_CALL_POSITIONS = float("inf")  # never split: the whole batch at the longest row's width
+        try:
+            step(batch)
+        finally:
+            cvae_base.DECODER_CALL_POSITIONS = original
+
+    return run
+
+
+def head_over_the_window(step):
+    import torch.nn.functional as F
+
+    from disentanglement import cvae_base
+    from disentanglement.losses import default_chunk_size, masked_token_nll_per_position
+
+    def window_nll(self):  # before: the head at every position of the window, prompt and padding included
+        B, W, _ = self.hidden.shape
+        V = self.head.weight.shape[0]
+        chunk = None if B * W * V <= cvae_base.WHOLE_WINDOW_LOGITS else default_chunk_size(B, V)
+        ids, mask = self.input_ids[:, self.start :], self.target_mask[:, self.start :]
+        return F.pad(masked_token_nll_per_position(self.hidden, ids, mask, chunk, head=self.head), (self.start, 0))
+
+    def run(batch):
+        original = cvae_base.Decoded.token_nll
+        cvae_base.Decoded.token_nll = window_nll
+        try:
+            step(batch)
+        finally:
+            cvae_base.Decoded.token_nll = original
+
+    return run
+
+
+CHANGES = {
+    "head-at-supervised": head_over_the_window,
+    "attention-backward": without_attention_backward,
+    "head-in-one-block": chunked_head,
+    "length-groups": one_decoder_pass,
+}
 
 
 def main(argv=None) -> int:

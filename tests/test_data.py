@@ -11,8 +11,10 @@ import torch
 
 from disentanglement.config import DataConfig
 from disentanglement.data import (
+    MEGABATCH_BATCHES,
     Batch,
     DataError,
+    DataOrder,
     Example,
     PromptResponse,
     collate,
@@ -613,3 +615,77 @@ def test_tokenize_warns_about_added_control_tokens_that_all_special_tokens_omits
     with caplog.at_level(logging.WARNING, logger="disentanglement.data"):
         _, stats = tokenize_pairs(pairs, tok, DataConfig(chat_template=False))
     assert stats["special_token_texts"] == 1 and "<file_sep>" in caplog.text and "x.jsonl:1" in caplog.text
+
+
+# The training data's order: uniform, or grouped by length.
+
+
+def _drawn(order, count, calls):
+    return [order.next_indices(count) for _ in range(calls)]
+
+
+def test_uniform_order_is_each_example_once_per_epoch():
+    order = DataOrder(10, seed=3)
+    epoch = sum(_drawn(order, 5, 2), [])
+    assert sorted(epoch) == list(range(10)) and order.state() == {"epoch": 0, "position": 10, "batch": 0}
+    assert DataOrder(10, seed=3).next_indices(10) == epoch  # seeded
+
+
+@pytest.mark.parametrize("size,batch,epochs", [(103, 8, 4), (96, 8, 2), (5, 8, 3), (400, 4, 2), (37, 3, 5)])
+def test_length_grouped_order_keeps_every_example_once_per_epoch_and_batches_aligned(size, batch, epochs):
+    lengths = [(7 * i) % 41 + 1 for i in range(size)]
+    order = DataOrder(size, seed=1, lengths=lengths, batch=batch)
+    drawn = sum(_drawn(order, batch, -(-size * epochs // batch)), [])
+    for e in range(epochs):  # each epoch's slice of the stream is a permutation
+        assert sorted(drawn[e * size : (e + 1) * size]) == list(range(size))
+    assert order.state()["batch"] == batch
+    # Aligned: every call takes one sorted batch, but the one per epoch that straddles two epochs.
+    calls = [drawn[k : k + batch] for k in range(0, len(drawn), batch)]
+    unsorted = [c for c in calls if c != sorted(c, key=lambda i: (lengths[i], i))]
+    assert len(unsorted) <= epochs
+
+
+def test_length_grouped_batches_are_sorted_megabatches_in_shuffled_order():
+    """By hand: the epoch's permutation cut into megabatches, each sorted by length, cut into batches, the
+    batches shuffled with the same generator; grouped batches carry far less padding than uniform ones."""
+    size, batch = 2 * MEGABATCH_BATCHES * 4 + 6, 4
+    generator = torch.Generator().manual_seed(5 * 1_000_003)
+    lengths = torch.randint(1, 100, (size,), generator=generator).tolist()
+    order = DataOrder(size, seed=5, lengths=lengths, batch=batch)
+    generator = torch.Generator().manual_seed(5 * 1_000_003)
+    perm = torch.randperm(size, generator=generator).tolist()
+    mega = MEGABATCH_BATCHES * batch
+    batches = []
+    for start in range(0, size, mega):
+        chunk = sorted(perm[start : start + mega], key=lambda i: (lengths[i], i))
+        batches += [chunk[b : b + batch] for b in range(0, len(chunk), batch)]
+    full, tail = batches[:-2], batches[-2:]  # 6 left over: one full batch and a partial one of 2
+    full.append(tail[0])
+    shuffled = torch.randperm(len(full), generator=generator).tolist()
+    expected = [full[k] for k in shuffled] + [tail[1]]
+    assert _drawn(order, batch, len(expected) - 1) == expected[:-1]
+    assert order.next_indices(batch)[:2] == expected[-1]  # the partial batch, finished by the next epoch
+
+    def padding(o):
+        drawn = _drawn(o, batch, size // batch)
+        return sum(batch * max(lengths[i] for i in b) - sum(lengths[i] for i in b) for b in drawn)
+
+    grouped, uniform = padding(DataOrder(size, 5, lengths=lengths, batch=batch)), padding(DataOrder(size, 5))
+    assert grouped * 10 < uniform
+
+
+def test_length_grouped_order_resumes_where_it_stopped():
+    lengths = [i % 13 + 1 for i in range(50)]
+    straight = DataOrder(50, seed=2, lengths=lengths, batch=4)
+    stream = sum(_drawn(straight, 4, 40), [])
+    first = DataOrder(50, seed=2, lengths=lengths, batch=4)
+    head = sum(_drawn(first, 4, 17), [])
+    state = first.state()
+    assert state["batch"] == 4
+    resumed = DataOrder(50, seed=2, epoch=state["epoch"], position=state["position"], lengths=lengths, batch=4)
+    assert head + sum(_drawn(resumed, 4, 23), []) == stream
+
+
+def test_data_order_refuses_lengths_of_another_size():
+    with pytest.raises(ValueError, match="3 lengths for 4 examples"):
+        DataOrder(4, seed=0, lengths=[1, 2, 3], batch=2)

@@ -372,8 +372,15 @@ def _check_trainer_state(state: Any, path: Path, checkpoint: Path) -> None:
     if named is not None and named != state["step"]:
         raise bad(f"'step' is {state['step']} but the directory is {checkpoint.name}")
     order = state["data_order"]
-    if not (isinstance(order, dict) and set(order) == {"epoch", "position"} and all(map(_is_int, order.values()))):
-        raise bad(f"'data_order' must be {{'epoch': int >= 0, 'position': int >= 0}}, got {order!r}")
+    if not (
+        isinstance(order, dict)
+        and {"epoch", "position"} <= set(order) <= {"epoch", "position", "batch"}
+        and all(map(_is_int, order.values()))
+    ):
+        raise bad(
+            f"'data_order' must be {{'epoch': int >= 0, 'position': int >= 0, 'batch': int >= 0 (optional)}}, "
+            f"got {order!r}"
+        )
     if not _is_number(state["zfree_reference_scale"]) or state["zfree_reference_scale"] <= 0:
         raise bad(f"'zfree_reference_scale' must be a finite number > 0, got {state['zfree_reference_scale']!r}")
     if "nonfinite_steps" in state and not _is_int(state["nonfinite_steps"]):

@@ -529,6 +529,12 @@ class TrainConfig:
     max_steps: int = option(200, "Optimizer steps.")
     batch_size: int = option(8, "Examples per micro-batch.")
     gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.")
+    group_by_length: bool = option(
+        False,
+        "Batch examples of similar length (megabatches of 50 batches sorted by length, the batches shuffled; every "
+        "example once per epoch): less padding, but where a factor goes with length a batch holds one value of it, "
+        "which can stop the latent from learning it (docs/speed.md). Off: uniform shuffling.",
+    )
     encoder_lr: float = option(1e-3, "Learning rate of the encoder and prior heads.")
     latent_lr: float = option(3e-2, "Learning rate of the codebook and latent projection (prompt-tuning rate).")
     decoder_lr: float = option(1e-4, "Learning rate of LoRA adapters or decoder weights.")

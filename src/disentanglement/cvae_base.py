@@ -34,7 +34,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention_backward import fast_attention_backward
 from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
-from .data import Batch
+from .data import Batch, length_groups
 from .injection import LatentLayout, latent_memory, latent_projection
 from .losses import apply_head, default_chunk_size, masked_token_nll_per_position, reconstruction_loss_stack
 from .reference import ZFreeReference, reference_hidden_states, unused_logits
@@ -156,16 +156,27 @@ class Decoded:
     offsets: torch.Tensor  # [B], alignment_offsets of the z-free positions
 
     def token_nll(self) -> torch.Tensor:
-        """Masked per-token NLL ``[B, Tc-1]``, zero outside the window (where nothing is supervised).
+        """Masked per-token NLL ``[B, Tc-1]``, zero where nothing is supervised.
 
-        The window's logits in one block when they hold at most :data:`WHOLE_WINDOW_LOGITS` elements (no
-        activation checkpointing, so the backward does not run the head again), else chunk by chunk."""
-        B, W, _ = self.hidden.shape
+        The LM head runs only at the ``S`` positions that predict a response token (not at the window's
+        prompt and padding positions), gathered into one sequence: its logits in one block when they hold
+        at most :data:`WHOLE_WINDOW_LOGITS` elements (no activation checkpointing, so the backward does not
+        run the head again), else chunk by chunk."""
+        B, W, H = self.hidden.shape
         V = self.head.weight.shape[0]
-        chunk = None if B * W * V <= WHOLE_WINDOW_LOGITS else default_chunk_size(B, V)
-        window = masked_token_nll_per_position(
-            self.hidden, self.input_ids[:, self.start :], self.target_mask[:, self.start :], chunk, head=self.head
-        )  # [B, W - 1]
+        supervised = self.target_mask[:, self.start + 1 :].bool()  # [B, W - 1]: position t predicts token t + 1
+        if W < 2:
+            return self.hidden.new_zeros(B, self.start + max(W - 1, 0), dtype=torch.float32)
+        # One sequence [1, S + 1, H] whose position s predicts token s + 1: the supervised states, then a
+        # last position that predicts nothing; its ids are the targets shifted by one.
+        states = torch.cat([self.hidden[:, :-1][supervised], self.hidden.new_zeros(1, H)]).unsqueeze(0)
+        targets = self.input_ids[:, self.start + 1 :][supervised]
+        ids = torch.cat([targets.new_zeros(1), targets]).unsqueeze(0)
+        mask = F.pad(torch.ones_like(targets, dtype=self.target_mask.dtype), (1, 0)).unsqueeze(0)
+        S = targets.numel()
+        chunk = None if S * V <= WHOLE_WINDOW_LOGITS else default_chunk_size(1, V)
+        nll = masked_token_nll_per_position(states, ids, mask, chunk, head=self.head)[0]  # [S]
+        window = torch.zeros(B, W - 1, dtype=nll.dtype, device=nll.device).masked_scatter(supervised, nll)
         return F.pad(window, (self.start, 0))
 
     def logits_at(self, positions: torch.Tensor) -> torch.Tensor:
@@ -176,6 +187,10 @@ class Decoded:
         """All logits of the window, ``[B, Tc - start, V]`` (materialises the full block)."""
         return apply_head(self.head, self.hidden)
 
+
+#: What one more decoder call costs, in positions of work (:func:`.data.length_groups`): a batch is split by
+#: length only where that saves more positions than this per extra call (measured: ``benchmarks/README.md``).
+DECODER_CALL_POSITIONS = 64
 
 #: Logits of a training step's window computed in one block up to this many elements (256 MiB in float32; batch 8
 #: of SmolLM2's 49,152-token vocabulary: 170 positions), instead of checkpointed chunks whose backward recomputes
@@ -592,15 +607,45 @@ class CVAEBase(nn.Module):
             start = int(supervised.float().argmax(dim=1).min())  # first position predicting a response token
         # On the CPU in bf16, SDPA's own backward is slow: attention_backward's runs instead (same forward).
         with self._frozen_layers_checkpointed(), fast_attention_backward(self.decoder):
-            out = self.decoder(
-                inputs_embeds=embeds,
-                use_cache=False,
-                output_hidden_states=True,
-                logits_to_keep=unused_logits(embeds),  # the head runs on the hidden states below, chunk by chunk
-                **extra,  # attention_mask (and, for the memory placement, cache and position_ids)
-            )
-        hidden = out.hidden_states[-1][:, start:]  # [B, Tc - start, H], after the final norm
+            hidden = self._decoder_hidden(embeds, extra)[:, start:]  # [B, Tc - start, H], after the final norm
         return Decoded(hidden, self.decoder.get_output_embeddings(), start, ids, target, offsets)
+
+    def _decoder_hidden(self, embeds: torch.Tensor, extra: dict[str, object]) -> torch.Tensor:
+        """The decoder's final hidden states ``[B, Tc, H]`` (after the final norm).
+
+        Right-padded rows of very different lengths run as :func:`.data.length_groups`, each group at its
+        own width, so that the decoder does not compute the padding of the short rows up to the longest one's
+        length: the same computation on every real position (causal attention never reads the padding to its
+        right), fewer positions in all. A row's positions past its length are then zero, where one pass gives
+        the decoder's values at the padding; nothing reads either (every loss masks them). The memory
+        placement (a cache and positions) and left-padded masks run in one pass."""
+        mask = extra.get("attention_mask")
+        groups = None
+        if set(extra) == {"attention_mask"} and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            lengths = mask.sum(dim=1)
+            if bool((mask[:, :-1] >= mask[:, 1:]).all()):  # right-padded: each row is ones, then zeros
+                groups = length_groups(lengths.tolist(), DECODER_CALL_POSITIONS)
+        if groups is None or len(groups) == 1:
+            return self._decoder_final_hidden(embeds, extra)
+        width = embeds.shape[1]
+        parts = []
+        for rows in groups:
+            index = torch.tensor(rows, device=embeds.device)
+            w = int(lengths[index].max())
+            hidden = self._decoder_final_hidden(embeds[index, :w], {"attention_mask": mask[index, :w]})
+            parts.append(F.pad(hidden, (0, 0, 0, width - w)))
+        order = torch.tensor([r for rows in groups for r in rows], device=embeds.device)
+        return torch.cat(parts)[torch.argsort(order)]
+
+    def _decoder_final_hidden(self, embeds: torch.Tensor, extra: dict[str, object]) -> torch.Tensor:
+        out = self.decoder(
+            inputs_embeds=embeds,
+            use_cache=False,
+            output_hidden_states=True,
+            logits_to_keep=unused_logits(embeds),  # the head runs on the hidden states, chunk by chunk
+            **extra,  # attention_mask (and, for the memory placement, cache and position_ids)
+        )
+        return out.hidden_states[-1]
 
     def memory_keys_values(self, latent_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The memory's ``(keys, values)`` ``[Ly, B, Hkv, P, Dh]`` of ``[B, P, H]`` latent embeddings

@@ -692,22 +692,58 @@ def split_train_validation(items: Sequence[T], validation_fraction: float, seed:
     return train, val
 
 
+#: Batches per length-sorted megabatch of a length-grouped order (transformers' ``group_by_length`` uses 50).
+MEGABATCH_BATCHES = 50
+
+
 @dataclass
 class DataOrder:
-    """Deterministic epoch-wise shuffling whose position is saved with each checkpoint."""
+    """Deterministic epoch-wise shuffling whose position is saved with each checkpoint.
+
+    With ``lengths`` and ``batch > 1`` the order is length-grouped (``train.group_by_length``): each
+    epoch's permutation is cut into megabatches of :data:`MEGABATCH_BATCHES` batches, each megabatch is
+    sorted by length and cut into batches of ``batch`` examples, and the batches are shuffled over the
+    epoch. Every example still comes once per epoch; a batch holds examples of similar length, so it
+    carries little padding. ``batch`` is what one call of :meth:`next_indices` takes (the batch size
+    times the number of processes); a batch that straddles two epochs keeps the batches after it aligned.
+    """
 
     size: int
     seed: int
     epoch: int = 0
     position: int = 0
+    lengths: Sequence[int] | None = field(default=None, repr=False)
+    batch: int = 0
     _order: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
+        if self.lengths is not None and len(self.lengths) != self.size:
+            raise ValueError(f"DataOrder got {len(self.lengths)} lengths for {self.size} examples")
         self._order = self._permutation(self.epoch)
+
+    @property
+    def grouped(self) -> bool:
+        return self.lengths is not None and self.batch > 1
 
     def _permutation(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.size, generator=generator).tolist()
+        order = torch.randperm(self.size, generator=generator).tolist()
+        if not self.grouped:
+            return order
+        # The calls before this epoch took epoch * size examples: the first `head` finish a batch begun
+        # in the previous epoch, so the batches after them start on a multiple of `batch`.
+        head = (-(epoch * self.size)) % self.batch
+        head = min(head, self.size)
+        mega = MEGABATCH_BATCHES * self.batch
+        rest = order[head:]
+        batches = []
+        for start in range(0, len(rest), mega):
+            chunk = sorted(rest[start : start + mega], key=lambda i: (self.lengths[i], i))
+            batches += [chunk[b : b + self.batch] for b in range(0, len(chunk), self.batch)]
+        full = [b for b in batches if len(b) == self.batch]
+        partial = [i for b in batches if len(b) < self.batch for i in b]  # at most one, the epoch's last
+        shuffled = torch.randperm(len(full), generator=generator).tolist()
+        return order[:head] + [i for k in shuffled for i in full[k]] + partial
 
     def next_indices(self, count: int) -> list[int]:
         out: list[int] = []
@@ -722,7 +758,36 @@ class DataOrder:
         return out
 
     def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "batch": self.batch if self.grouped else 0}
+
+
+def length_groups(lengths: Sequence[int], call_cost: float, max_groups: int = 4) -> list[list[int]]:
+    """The rows of a right-padded batch in groups that run at their own width: the split, by sorted length,
+    into at most ``max_groups`` groups of consecutive lengths that minimises the positions computed
+    (``sum over groups of rows x longest length``) plus ``call_cost`` per group. Rows keep their order
+    inside a group; one group (all rows) when splitting saves nothing."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    n = len(order)
+    if n < 2:
+        return [order]
+    sizes = [lengths[i] for i in order]
+    # best[g][k]: the cost of the k shortest rows in g groups; the last group is rows j..k-1 at width sizes[k-1].
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(max_groups + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
+    best[0][0] = 0.0
+    for g in range(1, max_groups + 1):
+        for k in range(1, n + 1):
+            for j in range(k):
+                cost = best[g - 1][j] + (k - j) * sizes[k - 1] + call_cost
+                if cost < best[g][k]:
+                    best[g][k], cut[g][k] = cost, j
+    groups_count = min(range(1, max_groups + 1), key=lambda g: (best[g][n], g))
+    bounds, k = [], n
+    for g in range(groups_count, 0, -1):
+        bounds.append((cut[g][k], k))
+        k = cut[g][k]
+    return [sorted(order[j:k]) for j, k in reversed(bounds)]
 
 
 @dataclass

@@ -8,6 +8,7 @@ weight decay and clipping norm, which are applied from the resumed step on.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +147,7 @@ def restore(
     monitor: LossMonitor,
     applied: dict[str, tuple[Any, Any]],
     config: RunConfig,
-    len_train: int,
+    data_order: Callable[..., DataOrder],
 ) -> tuple[int, int, DataOrder]:
     """Put a checkpoint's weights, optimizer, scheduler, RNG and loss history in place; returns
     ``(step, consecutive non-finite steps, data order at the step)``."""
@@ -169,15 +170,25 @@ def restore(
     _apply_optimizer_settings(optimizer, scheduler, config, applied)
     set_rng_state(resumed.rng_state)
     state = resumed.trainer_state
-    position = state["data_order"]
-    if position["position"] > len_train:
+    position = dict(state["data_order"])
+    order = data_order(epoch=position["epoch"], position=0, batch=position.get("batch", 0))
+    if position["position"] > order.size:
         raise CheckpointError(
             f"{resumed.path / 'trainer_state.json'}: data position {position['position']} is past the "
-            f"{len_train} training examples"
+            f"{order.size} training examples"
+        )
+    now = data_order().batch
+    if order.batch and now and order.batch != now:
+        logger.warning(
+            "resuming a run whose batches were grouped by length %d at a time with %d at a time (another number "
+            "of processes): the epoch under way keeps its order, the later ones are grouped by %d",
+            order.batch,
+            now,
+            now,
         )
     monitor.load(state.get("loss_monitor", {}))
     logger.info("resumed from %s at step %d", resumed.path, resumed.step)
-    order = DataOrder(len_train, config.train.seed, **position)
+    order.position = position["position"]
     return resumed.step, int(state.get("nonfinite_steps", 0)), order
 
 

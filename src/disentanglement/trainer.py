@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -335,18 +336,28 @@ def _decoder_and_tokenizer(
     return load_model_and_tokenizer(config.model, device="cpu", dtype=resolve_dtype(config.model, device))
 
 
+def _data_order(run: _Training, epoch: int = 0, position: int = 0, batch: int | None = None) -> DataOrder:
+    """The training data's order: length-grouped in batches of what one step's accumulated batch takes from
+    it (``batch_size`` x processes) when ``train.group_by_length``; ``batch`` (a checkpoint's) overrides that,
+    0 = uniform shuffling (a checkpoint written without grouping continues without it)."""
+    tcfg = run.config.train
+    if batch is None:
+        batch = tcfg.batch_size * distributed.rank_and_size(run.state)[1] if tcfg.group_by_length else 0
+    lengths = [len(e.prompt_ids) + len(e.response_ids) for e in run.data.train]
+    return DataOrder(len(lengths), tcfg.seed, epoch, position, lengths=lengths, batch=batch)
+
+
 def _start_or_restore(
     run: _Training, resumed: CheckpointContents | None, applied: dict[str, tuple[Any, Any]]
 ) -> _Progress:
     """Step 0 of a fresh run, or the checkpoint's step with everything it saved put back in place."""
     tcfg = run.config.train
     monitor = LossMonitor(tcfg.max_loss_ratio, run.c_base)
-    n_train = len(run.data.train)
     if resumed is None:
         norms = parameter_norms(run.model.trainable_state_dict())
-        return _Progress(0, 0, DataOrder(n_train, tcfg.seed), monitor, checkpoint=None, norm_reference=norms)
+        return _Progress(0, 0, _data_order(run), monitor, checkpoint=None, norm_reference=norms)
     step, nonfinite, order = restore(
-        resumed, run.model, run.optimizer, run.scheduler, monitor, applied, run.config, n_train
+        resumed, run.model, run.optimizer, run.scheduler, monitor, applied, run.config, partial(_data_order, run)
     )
     reference = resumed_norm_reference(resumed, run.model)
     return _Progress(step, nonfinite, order, monitor, checkpoint=resumed.path, norm_reference=reference)
