@@ -22,6 +22,7 @@ It times the trainer's own functions, wrapped in place (nothing in the package c
 | steps | ``trainer._optimizer_step``: mean, median, first and total |
 | validation | ``trainer._validate`` (``eval_every``; ``eval_batches`` batches each) |
 | checkpoints | ``trainer._save`` (``save_every`` and the last step) |
+| verdict | ``verdict.train_verdict``: what ``disentangle train`` prints after training, ``eval``'s report on the validation split |
 | other | the rest of ``train``: the CVAE's construction, c_base, the optimizer, accelerate, the run's files |
 
 and prints one table per run (seconds), then a JSON line per run. Also the frozen pass's padding:
@@ -50,6 +51,7 @@ import torch  # noqa: E402
 
 from disentanglement import feature_store, trainer  # noqa: E402
 from disentanglement.config import build_config, read_config_file  # noqa: E402
+from disentanglement.verdict import train_verdict  # noqa: E402
 
 PHASES = (
     ("model load", "_decoder_and_tokenizer"),
@@ -61,7 +63,18 @@ PHASES = (
     ("validation", "_validate"),
     ("checkpoints", "_save"),
 )
-ORDER = ("model load", "data", "weights hash", "frozen pass", "steps", "validation", "checkpoints", "other", "total")
+ORDER = (
+    "model load",
+    "data",
+    "weights hash",
+    "frozen pass",
+    "steps",
+    "validation",
+    "checkpoints",
+    "verdict",
+    "other",
+    "total",
+)
 
 
 class Timers:
@@ -137,6 +150,11 @@ def run_once(args, label: str, model_cache: str | None, feature_cache: str | Non
         with Timers() as timers:
             start = time.perf_counter()
             result = trainer.train(config)
+            verdict_start = (
+                time.perf_counter()
+            )  # what `disentangle train` does next: the verdict on the validation split
+            train_verdict(result, config)
+            timers.calls["verdict"].append(time.perf_counter() - verdict_start)
             total = time.perf_counter() - start
     finally:
         trainer.prepare_data = original_prepare

@@ -714,6 +714,7 @@ def profile_breakdown(setup: Setup, case: str = "c", steps: int = 3) -> dict[str
             step(batches[i % len(batches)])
         wall = time.perf_counter() - start
     groups = dict.fromkeys(PROFILE_GROUPS, 0.0)
+    others: dict[str, list[float]] = {}  # the "other operators" by name: [seconds, calls]
     for event in prof.events():
         if event.self_cpu_time_total <= 0:
             continue
@@ -737,6 +738,9 @@ def profile_breakdown(setup: Setup, case: str = "c", steps: int = 3) -> dict[str
             group = "decoder matmuls"
         else:
             group = "other operators"
+            other = others.setdefault(name, [0.0, 0])
+            other[0] += event.self_cpu_time_total / 1e6
+            other[1] += 1
         groups[group] += event.self_cpu_time_total / 1e6
     operators = sum(groups.values())
     groups["outside operators"] = max(0.0, wall - operators)
@@ -745,6 +749,10 @@ def profile_breakdown(setup: Setup, case: str = "c", steps: int = 3) -> dict[str
     for name in PROFILE_GROUPS:
         ms = 1000 * groups[name] / steps
         print(f"  {name:<20}{ms:>10.1f} ms  {100 * groups[name] / wall:>5.1f}%")
+    top = sorted(others.items(), key=lambda item: -item[1][0])[:8]
+    print("  other operators by self time: " + ", ".join(
+        f"{name.removeprefix('aten::')} {1000 * t / steps:.0f} ms ({n // steps} calls)" for name, (t, n) in top
+    ))  # fmt: skip
     return {name: round(1000 * groups[name] / steps, 2) for name in PROFILE_GROUPS}
 
 

@@ -381,6 +381,13 @@ class LatentConfig:
         "(token_weighted's weights) added to its logits, so it starts exactly at the token_weighted pool and "
         "its query can move it away.",
     )
+    encoder_block: Literal["none", "mlp", "transformer"] = option(
+        "none",
+        "A trainable block over the cached per-token response states before the attention views' pool (only with "
+        "encoder_view 'attention' or 'token_weighted_attention'): 'mlp' = a gated MLP per token, 'transformer' = one "
+        "pre-norm transformer layer (self-attention over the response, then that MLP); both residual, their last "
+        "projection zero at the start, so training starts from the view itself; trains at encoder_lr.",
+    )
     encoder_layer: int = option(
         -1,
         "Which hidden state of the reference the encoder and prior features come from: hidden_states[layer] "
@@ -390,8 +397,23 @@ class LatentConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        for name in ("latent", "latent_placement", "prior", "assignment", "codebook_init", "encoder_view"):
+        for name in (
+            "latent",
+            "latent_placement",
+            "prior",
+            "assignment",
+            "codebook_init",
+            "encoder_view",
+            "encoder_block",
+        ):
             _choice(self, name)
+        if self.encoder_block != "none" and self.encoder_view not in ("attention", "token_weighted_attention"):
+            raise ConfigError(
+                f"LatentConfig.encoder_block {self.encoder_block!r} works on the per-token states that only the "
+                f"attention views keep: set encoder_view to 'attention' or 'token_weighted_attention' (got "
+                f"{self.encoder_view!r})",
+                field="encoder_block",
+            )
         for name in ("latent_tokens", "num_slots", "codebook_size", "code_dim", "latent_dim", "encoder_hidden"):
             _number(self, name, low=1, integer=True)
         if self.latent == "discrete" and self.codebook_size < 2:

@@ -242,6 +242,52 @@ class AttentionPool(nn.Module):
         return (weights.unsqueeze(-1) * hidden).sum(1)
 
 
+class GatedMLP(nn.Module):
+    """``W_out (silu(W_gate LN(h)) * W_up LN(h))`` per token, ``[.., H] -> [.., H]``; ``W_out`` starts at zero."""
+
+    def __init__(self, hidden_size: int, inner: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden_size)
+        self.gate = nn.Linear(hidden_size, inner)
+        self.up = nn.Linear(hidden_size, inner)
+        self.out = nn.Linear(inner, hidden_size)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = self.norm(hidden)
+        return self.out(F.silu(self.gate(x)) * self.up(x))
+
+
+class EncoderBlock(nn.Module):
+    """A trainable block over the response's per-token states before the encoder's pool (``encoder_block``):
+    ``h + MLP(h)`` (``"mlp"``), or one pre-norm transformer layer ``h' = h + Attn(LN(h))`` over the response
+    positions, then ``h' + MLP(h')`` (``"transformer"``). Every residual branch ends in a projection that
+    starts at zero, so the block starts as the identity: training starts from the view, and can move away.
+    Positions off the mask stay zero (the pool never reads them)."""
+
+    def __init__(self, kind: str, hidden_size: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.attention = None
+        if kind == "transformer":
+            heads = next(h for h in (8, 6, 4, 3, 2, 1) if hidden_size % h == 0)
+            self.attention_norm = nn.LayerNorm(hidden_size)
+            self.attention = nn.MultiheadAttention(hidden_size, heads, batch_first=True)
+            nn.init.zeros_(self.attention.out_proj.weight)
+            nn.init.zeros_(self.attention.out_proj.bias)
+        self.mlp = GatedMLP(hidden_size, hidden_size)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, T, H]`` states and their ``[B, T]`` mask -> ``[B, T, H]``, zero off the mask."""
+        keep = mask.bool().unsqueeze(-1)
+        if self.attention is not None:
+            x = self.attention_norm(hidden)
+            attended, _ = self.attention(x, x, x, key_padding_mask=~mask.bool(), need_weights=False)
+            hidden = hidden + torch.where(keep, attended, torch.zeros_like(attended))
+        return torch.where(keep, hidden + self.mlp(hidden), torch.zeros_like(hidden))
+
+
 def weighted_pool(hidden: torch.Tensor, token_weights: torch.Tensor) -> torch.Tensor:
     """``sum_t pi_t h_t``, ``[B, H]``: ``[B, T-1]`` token weights on the z-free positions that predict
     each token (position ``t`` weights token ``t + 1``) applied to the ``[B, T, H]`` states at the
@@ -354,6 +400,9 @@ class CVAEBase(nn.Module):
         # encoder_view "attention": the learned query, trained with the encoder heads ("encoder" group).
         # encoder_view "token_weighted_attention": the same query, its logits starting at log pi_t.
         self.encoder_pool = AttentionPool(H) if latent.encoder_view in ATTENTION_VIEWS else None
+        self._decode_memo: tuple[Batch, list] | None = None  # reusing_decodes: (batch, [(vector, nll, target)])
+        # encoder_block: a trainable block over the per-token states before that pool, the identity at the start.
+        self.encoder_block = EncoderBlock(latent.encoder_block, H) if latent.encoder_block != "none" else None
         # Parameter-free: the first Linear of each head absorbs any affine, and a norm of frozen
         # features without parameters has nothing to differentiate.
         self.encoder_norm = nn.LayerNorm(2 * H, elementwise_affine=False)
@@ -439,7 +488,11 @@ class CVAEBase(nn.Module):
                 f"with encoder_view {view!r}"
             )
         log_prior = self.encoder_log_token_weights(features) if view == "token_weighted_attention" else None
-        pooled = self.encoder_pool(features.response_hidden, features.response_mask, log_prior)  # [B, H]
+        hidden = features.response_hidden
+        if self.encoder_block is not None:
+            dtype = self.encoder_block.mlp.out.weight.dtype
+            hidden = self.encoder_block(hidden.to(dtype), features.response_mask)  # [B, T, H], zero off the response
+        pooled = self.encoder_pool(hidden, features.response_mask, log_prior)  # [B, H]
         return torch.cat([pooled, features.encoder_features[:, self.hidden_size :].to(pooled.dtype)], dim=-1)
 
     def encoder_log_token_weights(self, features: FrozenFeatures) -> torch.Tensor:
@@ -616,8 +669,8 @@ class CVAEBase(nn.Module):
         Right-padded rows of very different lengths run as :func:`.data.length_groups`, each group at its
         own width, so that the decoder does not compute the padding of the short rows up to the longest one's
         length: the same computation on every real position (causal attention never reads the padding to its
-        right), fewer positions in all. A row's positions past its length are then zero, where one pass gives
-        the decoder's values at the padding; nothing reads either (every loss masks them). The memory
+        right), fewer positions in all. A row's positions past its group's width are then zero, where one
+        pass gives the decoder's values at the padding; nothing reads either (every loss masks them). The memory
         placement (a cache and positions) and left-padded masks run in one pass."""
         mask = extra.get("attention_mask")
         groups = None
@@ -692,9 +745,38 @@ class CVAEBase(nn.Module):
         return decoded.logits(), decoded.input_ids, decoded.target_mask, decoded.offsets
 
     def conditioned_token_nll(self, batch: Batch, vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``l_t`` under a latent vector: ``(token_nll [B, N], target_mask [B, N])``."""
+        """``l_t`` under a latent vector: ``(token_nll [B, N], target_mask [B, N])``.
+
+        Inside :meth:`reusing_decodes` of ``batch`` (no gradients), a latent whose every row was decoded
+        before in the block gives those rows back instead of decoding again."""
+        memo = self._decode_memo
+        reuse = memo is not None and memo[0] is batch and not torch.is_grad_enabled()
+        if reuse and memo[1]:
+            token_nll = torch.zeros_like(memo[1][0][1])
+            found = torch.zeros(vector.shape[0], dtype=torch.bool, device=vector.device)
+            for seen, nll, _ in memo[1]:
+                rows = (seen == vector).all(dim=-1) & ~found  # [B]: decoded before under this very latent
+                token_nll[rows] = nll[rows]
+                found |= rows
+            if bool(found.all()):
+                return token_nll, memo[1][0][2]
         decoded = self.decode(batch, vector)
-        return decoded.token_nll(), decoded.target_mask[:, 1:]
+        token_nll, target = decoded.token_nll(), decoded.target_mask[:, 1:]
+        if reuse:
+            memo[1].append((vector.detach().clone(), token_nll, target))
+        return token_nll, target
+
+    @contextlib.contextmanager
+    def reusing_decodes(self, batch: Batch) -> Iterator[None]:
+        """Score ``batch`` under several latents without decoding a (row, latent) pair twice: e.g. the
+        "nearest" posterior's code is one of the codes the exact prior mixture decodes every row under.
+        The decoder computes each row alone (its other rows never enter it), so a reused row is the row a
+        new decode would give."""
+        previous, self._decode_memo = self._decode_memo, (batch, [])
+        try:
+            yield
+        finally:
+            self._decode_memo = previous
 
     def token_weighting(
         self,

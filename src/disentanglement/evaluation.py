@@ -235,16 +235,19 @@ def score_batch(
     """Everything :func:`evaluate` and the token report need of one batch, in one place (``scoring``:
     default :class:`config.Scoring`)."""
     summary = model.posterior_summary(features)
-    posterior, target = model.conditioned_token_nll(batch, summary.vector)  # [B, N] each
+    mixture = model.prior_mixture(features, scoring.prior_samples, scoring.exact_limit, summary)
+    # The prior mixture's latents first: the posterior's (and the exact bound's) rows are then found among
+    # them where the mixture enumerates every code, and not decoded again.
+    with model.reusing_decodes(batch):
+        per_latent = torch.stack([conditioned_nll(model, batch, vector) for vector in mixture.vectors])  # [S, B, N]
+        posterior, target = model.conditioned_token_nll(batch, summary.vector)  # [B, N] each
+        iw_log_w, iw_seq, exact = model.importance_samples(batch, summary, scoring.iw_samples)
     posterior, target = posterior.float(), target.float()
     weighting = batch_weighting(model, batch, features, posterior)
     stack = reconstruction_loss_stack(
         posterior, target, weighting, model.reconstruction_cfg, model.zfree_reference_scale
     )
-    mixture = model.prior_mixture(features, scoring.prior_samples, scoring.exact_limit, summary)
-    per_latent = torch.stack([conditioned_nll(model, batch, vector) for vector in mixture.vectors])  # [S, B, N]
     prior = mixture_token_nll(per_latent, mixture.log_weights, target)
-    iw_log_w, iw_seq, exact = model.importance_samples(batch, summary, scoring.iw_samples)
     return BatchScores(
         target=target,
         zfree_nll=weighting.aligned_base_token_nll.float() * target,
