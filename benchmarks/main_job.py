@@ -150,9 +150,8 @@ def run_once(args, label: str, model_cache: str | None, feature_cache: str | Non
         with Timers() as timers:
             start = time.perf_counter()
             result = trainer.train(config)
-            verdict_start = (
-                time.perf_counter()
-            )  # what `disentangle train` does next: the verdict on the validation split
+            # What `disentangle train` does next: the verdict on the validation split.
+            verdict_start = time.perf_counter()
             train_verdict(result, config)
             timers.calls["verdict"].append(time.perf_counter() - verdict_start)
             total = time.perf_counter() - start

@@ -176,6 +176,7 @@ RESUME_MODES = {
     ),
     "discrete, gumbel, no cache": dict(assignment="gumbel", feature_cache=False),
     "discrete, gumbel, cache, accumulation": dict(assignment="gumbel", gradient_accumulation_steps=2),
+    "discrete, batches grouped by length, past an epoch": dict(group_by_length=True, max_steps=12),
     "continuous, cache": dict(latent="continuous"),
     "continuous, no cache, accumulation": dict(latent="continuous", feature_cache=False, gradient_accumulation_steps=2),
 }
@@ -184,6 +185,9 @@ RESUME_MODES = {
 @pytest.mark.parametrize("mode", RESUME_MODES.values(), ids=RESUME_MODES.keys())
 def test_resume_is_bit_identical(tmp_path, mode):
     straight = run(tmp_path / "straight", **mode)
+    if mode.get("group_by_length"):  # the order the run trained on is the grouped one, and the checkpoint says so
+        state = json.loads((latest_checkpoint(tmp_path / "straight") / "trainer_state.json").read_text())
+        assert state["data_order"]["batch"] == config_for(tmp_path, **mode).train.batch_size
     with pytest.raises(Stop):
         run(tmp_path / "resumed", callbacks=[stop_at(3)], **mode)
     resumed = run(tmp_path / "resumed", resume="auto", **mode)
@@ -431,6 +435,9 @@ for _id, _changes, _fragment in (
     ("epoch-string", {"data_order.epoch": "0"}, "'data_order' must be"),
     ("position-float", {"data_order.position": 1.5}, "'data_order' must be"),
     ("epoch-negative", {"data_order.epoch": -1}, "'data_order' must be"),
+    ("batch-negative", {"data_order.batch": -1}, "'data_order' must be"),
+    ("batch-string", {"data_order.batch": "8"}, "'data_order' must be"),
+    ("order-unknown-key", {"data_order.shuffle": 1}, "'data_order' must be"),
     ("files-list", {"files": []}, "'files' must map file names to SHA-256"),
     ("step-not-the-directory", {"step": 10**12}, "'step' is 1000000000000 but the directory is step-000006"),
     ("format-other", {"format": "zzz"}, "'format' 'zzz' is not this version's"),

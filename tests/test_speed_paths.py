@@ -120,12 +120,19 @@ def test_the_head_at_the_supervised_positions_is_the_head_over_the_window(model_
     )
     expected = F.pad(window, (decoded.start, 0))
     torch.testing.assert_close(decoded.token_nll(), expected, **TOL)
-    original = cvae_base.WHOLE_WINDOW_LOGITS
-    cvae_base.WHOLE_WINDOW_LOGITS = 0  # the chunked, checkpointed path: the same numbers
+    # the chunked, checkpointed path (chunks of 3 of the supervised positions): the same values and gradients
+    hidden = decoded.hidden.detach().requires_grad_(True)
+    decoded.hidden = hidden
+    (one_block,) = torch.autograd.grad((decoded.token_nll() * torch.arange(1.0, 1 + expected.shape[1])).sum(), hidden)
+    originals = cvae_base.WHOLE_WINDOW_LOGITS, cvae_base.default_chunk_size
+    cvae_base.WHOLE_WINDOW_LOGITS, cvae_base.default_chunk_size = 0, lambda batch, vocab: 3
     try:
-        torch.testing.assert_close(decoded.token_nll(), expected, **TOL)
+        chunked = decoded.token_nll()
+        (chunked_grad,) = torch.autograd.grad((chunked * torch.arange(1.0, 1 + expected.shape[1])).sum(), hidden)
     finally:
-        cvae_base.WHOLE_WINDOW_LOGITS = original
+        cvae_base.WHOLE_WINDOW_LOGITS, cvae_base.default_chunk_size = originals
+    torch.testing.assert_close(chunked, expected, **TOL)
+    torch.testing.assert_close(chunked_grad, one_block, **TOL)
     # by hand at one supervised position
     b, t = 0, int(decoded.target_mask[0, 1:].nonzero()[0])
     logits = decoded.head(decoded.hidden[b, t - decoded.start]).float()

@@ -34,6 +34,10 @@ RECIPES = {
                   "--encoder-view", "token_weighted_attention"],
     "block": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
               "--encoder-view", "token_weighted_attention", "--encoder-block", "transformer"],
+    # the default with the encoder held at its start (k-means of the view): clustering, plus a decoder that learns
+    # to generate each cluster
+    "fixed-encoder": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
+                      "--encoder-view", "token_weighted", "--encoder-lr", "1e-9"],
 }  # fmt: skip
 PLAN = [  # (set, recipe, seeds)
     ("two-factor", "default", (0, 1, 2)),
@@ -45,6 +49,8 @@ PLAN = [  # (set, recipe, seeds)
     ("dailydialog", "default", (0,)),
     ("dailydialog", "seed", (0,)),
     ("dailydialog", "block", (0,)),
+    ("two-factor", "fixed-encoder", (0, 1, 2)),
+    ("style-in-echo", "fixed-encoder", (0, 1, 2)),
 ]
 
 

@@ -555,7 +555,8 @@ class TrainConfig:
         False,
         "Batch examples of similar length (megabatches of 50 batches sorted by length, the batches shuffled; every "
         "example once per epoch): less padding, but where a factor goes with length a batch holds one value of it, "
-        "which can stop the latent from learning it (docs/speed.md). Off: uniform shuffling.",
+        "which can stop the latent from learning it (measured: benchmarks/README.md, Speed); with several processes the "
+        "last one gets the longest slice of each batch. Off: uniform shuffling.",
     )
     encoder_lr: float = option(1e-3, "Learning rate of the encoder and prior heads.")
     latent_lr: float = option(3e-2, "Learning rate of the codebook and latent projection (prompt-tuning rate).")

@@ -144,8 +144,9 @@ class CVAEOutput:
 class Decoded:
     """The decoder's final hidden states over the window of conditioned positions ``start .. Tc-1``.
 
-    Logits are produced from them by the LM head only where needed: per chunk of positions for the
-    NLL (never the whole ``[B, T, V]`` block), or at chosen positions (:meth:`logits_at`).
+    Logits are produced from them by the LM head only where needed: at the positions that predict a
+    response token for the NLL (:meth:`token_nll`; never the whole ``[B, T, V]`` block), or at chosen
+    positions (:meth:`logits_at`).
     """
 
     hidden: torch.Tensor  # [B, Tc - start, H]
@@ -184,7 +185,8 @@ class Decoded:
         return self.head(self.hidden[positions])
 
     def logits(self) -> torch.Tensor:
-        """All logits of the window, ``[B, Tc - start, V]`` (materialises the full block)."""
+        """All logits of the window, ``[B, Tc - start, V]`` (materialises the full block); past a row's length
+        they are undefined (the decoder may run rows in length groups: :meth:`CVAEBase._decoder_hidden`)."""
         return apply_head(self.head, self.hidden)
 
 
@@ -192,9 +194,9 @@ class Decoded:
 #: length only where that saves more positions than this per extra call (measured: ``benchmarks/README.md``).
 DECODER_CALL_POSITIONS = 64
 
-#: Logits of a training step's window computed in one block up to this many elements (256 MiB in float32; batch 8
-#: of SmolLM2's 49,152-token vocabulary: 170 positions), instead of checkpointed chunks whose backward recomputes
-#: the head's matmul and log-softmax (measured: ``benchmarks/README.md``, "Speed").
+#: Logits of a step's supervised positions computed in one block up to this many elements (256 MiB in float32; at
+#: SmolLM2's 49,152-token vocabulary: 1,365 response tokens in the batch), instead of checkpointed chunks whose
+#: backward recomputes the head's matmul and log-softmax (measured: ``benchmarks/README.md``, "Speed").
 WHOLE_WINDOW_LOGITS = 1 << 26
 
 
@@ -247,7 +249,7 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, inner: int) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(hidden_size)
+        self.norm = nn.LayerNorm(hidden_size, elementwise_affine=False)  # the Linear layers absorb an affine
         self.gate = nn.Linear(hidden_size, inner)
         self.up = nn.Linear(hidden_size, inner)
         self.out = nn.Linear(inner, hidden_size)
@@ -262,7 +264,8 @@ class GatedMLP(nn.Module):
 class EncoderBlock(nn.Module):
     """A trainable block over the response's per-token states before the encoder's pool (``encoder_block``):
     ``h + MLP(h)`` (``"mlp"``), or one pre-norm transformer layer ``h' = h + Attn(LN(h))`` over the response
-    positions, then ``h' + MLP(h')`` (``"transformer"``). Every residual branch ends in a projection that
+    positions, then ``h' + MLP(h')`` (``"transformer"``; no position embedding: the order it sees is what
+    the states carry). Every residual branch ends in a projection that
     starts at zero, so the block starts as the identity: training starts from the view, and can move away.
     Positions off the mask stay zero (the pool never reads them)."""
 
@@ -272,7 +275,7 @@ class EncoderBlock(nn.Module):
         self.attention = None
         if kind == "transformer":
             heads = next(h for h in (8, 6, 4, 3, 2, 1) if hidden_size % h == 0)
-            self.attention_norm = nn.LayerNorm(hidden_size)
+            self.attention_norm = nn.LayerNorm(hidden_size, elementwise_affine=False)
             self.attention = nn.MultiheadAttention(hidden_size, heads, batch_first=True)
             nn.init.zeros_(self.attention.out_proj.weight)
             nn.init.zeros_(self.attention.out_proj.bias)
@@ -647,9 +650,9 @@ class CVAEBase(nn.Module):
     def decode(self, batch: Batch, vector: torch.Tensor, window: bool = True) -> Decoded:
         """Run the decoder under a latent.
 
-        With ``window`` the LM head runs only from the first position that predicts a response token
-        (``logits_to_keep``): prompt and latent positions never need logits, and the head's
-        ``[B, T, V]`` output is the largest tensor of the step.
+        The decoder's own head never runs (``logits_to_keep``): :class:`Decoded` applies it where logits are
+        needed. With ``window`` the hidden states kept start at the first position that predicts a response
+        token (prompt and latent positions never need logits).
         """
         latent_embeds = self.latent_embeddings(vector)
         embeds, ids, attention, target, offsets = self.conditioned_inputs(batch, latent_embeds)
@@ -671,10 +674,13 @@ class CVAEBase(nn.Module):
         length: the same computation on every real position (causal attention never reads the padding to its
         right), fewer positions in all. A row's positions past its group's width are then zero, where one
         pass gives the decoder's values at the padding; nothing reads either (every loss masks them). The memory
-        placement (a cache and positions) and left-padded masks run in one pass."""
+        placement (a cache and positions), left-padded masks and other devices than the CPU run in one pass.
+        The groups depend on the rows' lengths alone, so a row's states do not depend on the other rows'
+        values (what :meth:`reusing_decodes` relies on)."""
         mask = extra.get("attention_mask")
         groups = None
-        if set(extra) == {"attention_mask"} and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        cpu = embeds.device.type == "cpu"  # on a GPU an extra call costs kernel launches: measured on CPUs only
+        if cpu and set(extra) == {"attention_mask"} and isinstance(mask, torch.Tensor) and mask.dim() == 2:
             lengths = mask.sum(dim=1)
             if bool((mask[:, :-1] >= mask[:, 1:]).all()):  # right-padded: each row is ones, then zeros
                 groups = length_groups(lengths.tolist(), DECODER_CALL_POSITIONS)
@@ -740,7 +746,8 @@ class CVAEBase(nn.Module):
     def decode_logits(
         self, batch: Batch, vector: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Full decoder logits under a latent: ``(logits [B, Tc, V], input_ids, target_mask, offsets)``."""
+        """Full decoder logits under a latent: ``(logits [B, Tc, V], input_ids, target_mask, offsets)``; past a
+        row's length the logits are undefined."""
         decoded = self.decode(batch, vector, window=False)
         return decoded.logits(), decoded.input_ids, decoded.target_mask, decoded.offsets
 
@@ -771,7 +778,8 @@ class CVAEBase(nn.Module):
         """Score ``batch`` under several latents without decoding a (row, latent) pair twice: e.g. the
         "nearest" posterior's code is one of the codes the exact prior mixture decodes every row under.
         The decoder computes each row alone (its other rows never enter it), so a reused row is the row a
-        new decode would give."""
+        new decode would give. The memo knows nothing of the model's state: change no parameter and not the
+        mode inside the block."""
         previous, self._decode_memo = self._decode_memo, (batch, [])
         try:
             yield

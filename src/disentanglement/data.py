@@ -758,7 +758,8 @@ class DataOrder:
         return out
 
     def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "batch": self.batch if self.grouped else 0}
+        """What a checkpoint keeps: the epoch and position, and ``batch`` for a length-grouped order."""
+        return {"epoch": self.epoch, "position": self.position, **({"batch": self.batch} if self.grouped else {})}
 
 
 def length_groups(lengths: Sequence[int], call_cost: float, max_groups: int = 4) -> list[list[int]]:

@@ -177,15 +177,6 @@ def restore(
             f"{resumed.path / 'trainer_state.json'}: data position {position['position']} is past the "
             f"{order.size} training examples"
         )
-    now = data_order().batch
-    if order.batch and now and order.batch != now:
-        logger.warning(
-            "resuming a run whose batches were grouped by length %d at a time with %d at a time (another number "
-            "of processes): the epoch under way keeps its order, the later ones are grouped by %d",
-            order.batch,
-            now,
-            now,
-        )
     monitor.load(state.get("loss_monitor", {}))
     logger.info("resumed from %s at step %d", resumed.path, resumed.step)
     order.position = position["position"]
