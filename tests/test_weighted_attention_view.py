@@ -6,6 +6,8 @@ training moves the query; the prior-k-means start is the per-cluster mean of the
 from __future__ import annotations
 
 import math
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -201,4 +203,29 @@ def test_prior_kmeans_trains(tokenizer, pairs, tmp_path):
     records = train_and_read_metrics(
         tmp_path / "run", tiny_llama(len(tokenizer)), tokenizer, pairs, latent="discrete", codebook_init="prior_kmeans"
     )
+    assert len(records) == 4 and all(math.isfinite(r["loss"]) for r in records)
+
+
+# -- codebook_init view_kmeans -------------------------------------------------------------------------
+@pytest.mark.parametrize("view", ["token_weighted", VIEW])
+def test_view_kmeans_start_is_the_mean_encoder_output_of_each_cluster_of_the_view(tokenizer, pairs, view):
+    model, examples, _ = setup(
+        tokenizer, pairs, latent="discrete", codebook_init="view_kmeans", codebook_size=3, encoder_view=view
+    )
+    batch = collate(examples, 2)
+    features = model.frozen_pass(batch)
+    model.initialize_from_data(features, seed=4)
+    # the partition of eval's encoder_kmeans baseline: k-means of the view's features themselves
+    clusters = KMeans(n_clusters=3, n_init=10, random_state=4).fit_predict(features.encoder_features.float().numpy())
+    with torch.no_grad():
+        e = model.encoder_outputs(features)[:, 0].double().numpy()  # one slot
+    expected = np.stack([e[clusters == k].mean(0) for k in range(3)])
+    np.testing.assert_allclose(model.codebook.detach().double().numpy(), expected, rtol=1e-4, atol=1e-5)
+    before = model.codebook.detach().clone()
+    model.refresh_from_data(features, seed=0)  # never refreshed
+    assert torch.equal(model.codebook, before)
+    records = train_and_read_metrics(
+        Path(tempfile.mkdtemp()), tiny_llama(len(tokenizer)), tokenizer, pairs, latent="discrete",
+        codebook_init="view_kmeans", encoder_view=view,
+    )  # fmt: skip
     assert len(records) == 4 and all(math.isfinite(r["loss"]) for r in records)

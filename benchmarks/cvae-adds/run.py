@@ -38,6 +38,12 @@ RECIPES = {
     # to generate each cluster
     "fixed-encoder": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
                       "--encoder-view", "token_weighted", "--encoder-lr", "1e-9"],
+    # the default with the codebook started at the partition of k-means of the view itself
+    "view-kmeans": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
+                    "--encoder-view", "token_weighted", "--codebook-init", "view_kmeans"],
+    # the attention view trained longer (400 steps instead of 120)
+    "attention-400": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
+                      "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
 }  # fmt: skip
 PLAN = [  # (set, recipe, seeds)
     ("two-factor", "default", (0, 1, 2)),
@@ -49,8 +55,10 @@ PLAN = [  # (set, recipe, seeds)
     ("dailydialog", "default", (0,)),
     ("dailydialog", "seed", (0,)),
     ("dailydialog", "block", (0,)),
-    ("two-factor", "fixed-encoder", (0, 1, 2)),
-    ("style-in-echo", "fixed-encoder", (0, 1, 2)),
+    ("two-factor", "view-kmeans", (0, 1, 2)),
+    ("style-in-echo", "view-kmeans", (0, 1, 2)),
+    ("style-in-content", "attention-400", (0,)),
+    ("two-factor", "fixed-encoder", (0, 1)),
 ]
 
 

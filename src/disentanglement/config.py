@@ -350,12 +350,13 @@ class LatentConfig:
     batch_prior_kl: bool = option(
         False, "Discrete: KL between the batch-averaged posterior and the prior instead of per example."
     )
-    codebook_init: Literal["kmeans", "random", "prior_kmeans"] = option(
+    codebook_init: Literal["kmeans", "random", "prior_kmeans", "view_kmeans"] = option(
         "kmeans",
         "Discrete: start the codebook at k-means centroids of the initial encoder outputs over the training set "
         "(measured: random starts often merge two factors into one code), at random, or 'prior_kmeans': each "
         "code at the mean initial encoder output of one k-means cluster of the prior features (the prompt's "
-        "last hidden state), a start that says nothing of the encoder's view; only 'kmeans' refreshes.",
+        "last hidden state), a start that says nothing of the encoder's view; 'view_kmeans': likewise of k-means of the "
+        "encoder's view itself (the partition of eval's encoder_kmeans baseline); only 'kmeans' refreshes.",
     )
     codebook_refresh_every: int = option(
         25,

@@ -36,8 +36,8 @@ class FrozenPass:
 
 
 def uses_kmeans(config: RunConfig) -> bool:
-    """Whether the codebook starts from k-means (a discrete latent with ``codebook_init: kmeans``, of the view,
-    or ``prior_kmeans``, of the prompt features)."""
+    """Whether the codebook starts from k-means (a discrete latent with ``codebook_init: kmeans``, of the encoder outputs,
+    ``prior_kmeans``, of the prompt features, or ``view_kmeans``, of the view)."""
     return latent_space_of(config.latent.latent).uses_kmeans(config.latent)
 
 

@@ -352,8 +352,9 @@ class DiscreteLatentSpace(LatentSpace):
 
     @staticmethod
     def uses_kmeans(latent: LatentConfig) -> bool:
-        """``codebook_init: kmeans`` (of the view) or ``prior_kmeans`` (of the prompt features)."""
-        return latent.codebook_init in ("kmeans", "prior_kmeans")
+        """``codebook_init: kmeans`` (of the encoder's outputs), ``prior_kmeans`` (of the prompt features) or
+        ``view_kmeans`` (of the view)."""
+        return latent.codebook_init in ("kmeans", "prior_kmeans", "view_kmeans")
 
     @staticmethod
     def usage_from_report(report: Mapping[str, Any]) -> dict[str, Any]:

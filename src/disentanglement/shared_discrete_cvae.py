@@ -236,9 +236,9 @@ class SharedDiscreteCVAE(CVAEBase):
     @torch.no_grad()
     def initialize_from_data(self, features: FrozenFeatures, seed: int) -> None:
         """The codebook's start: k-means of the encoder's outputs (all slots pooled), so that every code
-        lies where some examples are; for ``codebook_init = "prior_kmeans"``, :meth:`_prior_cluster_means`."""
-        if self.latent_cfg.codebook_init == "prior_kmeans":
-            centroids = self._prior_cluster_means(features, seed)
+        lies where some examples are; for ``codebook_init`` "prior_kmeans" and "view_kmeans", :meth:`_cluster_means`."""
+        if self.latent_cfg.codebook_init in ("prior_kmeans", "view_kmeans"):
+            centroids = self._cluster_means(features, seed)
         else:
             centroids = self._kmeans_centroids(features, seed)
         if centroids is not None:
@@ -274,16 +274,24 @@ class SharedDiscreteCVAE(CVAEBase):
         centroids = KMeans(n_clusters=self.codebook_size, n_init=10, random_state=seed).fit(encodings).cluster_centers_
         return torch.as_tensor(centroids, dtype=self.codebook.dtype, device=self.codebook.device)
 
-    def _prior_cluster_means(self, features: FrozenFeatures, seed: int) -> torch.Tensor | None:
+    def _cluster_means(self, features: FrozenFeatures, seed: int) -> torch.Tensor | None:
         """``[K, C]``: code ``k`` = the mean encoder output (all slots pooled) of the examples in cluster ``k``
-        of k-means of the prior features (LayerNorm'ed, as the prior head sees them); None when there are
-        fewer than ``K`` examples. The start partitions the data as the prompt does, not as the view does."""
+        of k-means of some features; None when there are fewer than ``K`` examples.
+
+        ``prior_kmeans``: of the prior features (LayerNorm'ed, as the prior head sees them): the start
+        partitions the data as the prompt does, not as the view does. ``view_kmeans``: of the encoder's view
+        itself (``encoder_input``, what eval's ``encoder_kmeans`` baseline clusters), not of the encoder's
+        outputs: the start partitions the data as k-means of the view does, before the encoder's random
+        projection mixes it."""
         from sklearn.cluster import KMeans
 
-        prior = self.prior_norm(features.prior_features.float()).cpu().numpy()  # [E, H]
-        if prior.shape[0] < self.codebook_size:
+        if self.latent_cfg.codebook_init == "view_kmeans":
+            points = self.encoder_input(features).float().cpu().numpy()  # [E, 2H]
+        else:
+            points = self.prior_norm(features.prior_features.float()).cpu().numpy()  # [E, H]
+        if points.shape[0] < self.codebook_size:
             return None
-        clusters = KMeans(n_clusters=self.codebook_size, n_init=10, random_state=seed).fit_predict(prior)  # [E]
+        clusters = KMeans(n_clusters=self.codebook_size, n_init=10, random_state=seed).fit_predict(points)  # [E]
         e = self.encoder_outputs(features).float()  # [E, M, C]
         assigned = torch.as_tensor(clusters, device=e.device)
         means = torch.stack([e[assigned == k].reshape(-1, e.shape[-1]).mean(0) for k in range(self.codebook_size)])
