@@ -96,7 +96,12 @@ def test_token_weighted_gain_counts():
 def test_beats_matches_and_below_by_the_margin():
     beats = judge(continuous(factors={"a": factor(0.9, 0.9 - NMI_MARGIN), "b": factor(0.1, 0.0)}))
     assert beats["verdict"] == BEATS and beats["factors"]["a"]["beats"] and beats["factors"]["b"]["beats"]
-    assert beats["reason"].startswith("factor b: NMI 0.10")  # the larger lead over its best baseline
+    assert beats["reason"].startswith("factor a: NMI 0.90")  # the factor the latent took
+    # a trace of a second factor above its baselines does not beat clustering when the factor the latent took
+    # is below k-means of its own features (two-factor, seed 1: A 0.57 against 1.00, B 0.09 against 0.00)
+    trace = judge(discrete(factors={"A": factor(0.57, 1.0), "B": factor(0.09, 0.001)}))
+    assert trace["verdict"] == BELOW and trace["factors"]["B"]["beats"]
+    assert trace["reason"].startswith("factor A: NMI 0.57, not above k-means of its own features 1.00")
     # within the margin of k-means of its own features, on the factor with the highest NMI
     matches = judge(discrete(factors={"a": factor(0.97, 1.0), "b": factor(0.2, 0.3)}))
     assert matches["verdict"] == MATCHES and "factor a: NMI 0.97, k-means of its own features 1.00" in matches["reason"]
