@@ -381,3 +381,23 @@ def test_kmeans_codebook_init_and_identity_keeping_refresh(tokenizer):
         model.codebook.copy_(before[[2, 0, 1]])  # same centroids, other identities
     model.refresh_from_data(features, seed=5)
     torch.testing.assert_close(model.codebook.detach(), before[[2, 0, 1]], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("through", [True, False])
+def test_codebook_decoder_gradient_decides_whether_the_decoder_moves_the_chosen_code(through):
+    """Nearest assignment: the latent's value is the chosen code either way; the decoder's gradient reaches that
+    code only with codebook_decoder_gradient (else only the codebook loss moves it), and reaches the encoder
+    output straight through either way."""
+    tokenizer = tiny_tokenizer()
+    config = build_config(dict(chat_template=False, latent="discrete", codebook_decoder_gradient=through))
+    pairs = make_hidden_factor_pairs([f"q {i}" for i in range(6)], kind="clean")
+    examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
+    torch.manual_seed(0)
+    model = build_cvae(config, tiny_llama(len(tokenizer)))
+    features = model.frozen_pass(collate(examples, tokenizer.pad_token_id))
+    sample = model.encode(features, step=0)
+    torch.testing.assert_close(sample.vector.view(len(examples), -1, model.latent_cfg.code_dim)[:, 0],
+                               model.codebook[sample.latent[:, 0]], rtol=0, atol=0)  # fmt: skip
+    (sample.vector * torch.randn_like(sample.vector)).sum().backward()  # a stand-in for the decoder's gradient
+    assert (model.codebook.grad is not None and model.codebook.grad.abs().sum() > 0) == through
+    assert model.encoder[-1].weight.grad.abs().sum() > 0

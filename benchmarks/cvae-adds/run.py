@@ -41,6 +41,12 @@ RECIPES = {
     # the default with the codebook started at the partition of k-means of the view itself
     "view-kmeans": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
                     "--encoder-view", "token_weighted", "--codebook-init", "view_kmeans"],
+    # both: the codebook at the view's partition, the encoder held there (the decoder side learns to use the codes)
+    "view-kmeans-fixed": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
+                          "--encoder-view", "token_weighted", "--codebook-init", "view_kmeans", "--encoder-lr", "1e-9"],
+    # the codes moved by the codebook loss only, not by the decoder's gradient (VQ-VAE's rule)
+    "vq-codes": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
+                 "--encoder-view", "token_weighted", "--no-codebook-decoder-gradient"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
                       "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
@@ -59,6 +65,9 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-echo", "view-kmeans", (0, 1, 2)),
     ("style-in-content", "attention-400", (0,)),
     ("two-factor", "fixed-encoder", (0, 1)),
+    ("two-factor", "view-kmeans-fixed", (0,)),
+    ("two-factor", "vq-codes", (0, 1, 2)),
+    ("style-in-echo", "vq-codes", (0, 1, 2)),
 ]
 
 

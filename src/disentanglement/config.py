@@ -363,6 +363,12 @@ class LatentConfig:
         "Discrete, k-means init: re-fit the codebook to k-means of the encoder outputs every this many steps "
         "during the first half of training, matching each new centroid to the nearest old code (0 = never).",
     )
+    codebook_decoder_gradient: bool = option(
+        True,
+        "Nearest: the decoder's gradient reaches the chosen code (at latent_lr) as well as, straight through, the "
+        "encoder output; off: the codes move by the codebook loss only (VQ-VAE's rule), so the decoder cannot drag "
+        "a code away from the encoder outputs it was chosen for.",
+    )
     codebook_loss_weight: float = option(1.0, "Nearest: weight of ||sg(e) - E_k||^2 (moves codes).")
     commitment_weight: float = option(0.25, "Nearest: weight of ||e - sg(E_k)||^2 (commits the encoder).")
     dead_code_steps: int = option(

@@ -96,7 +96,10 @@ class SharedDiscreteCVAE(CVAEBase):
                 distances = torch.cdist(e, self.codebook.unsqueeze(0), compute_mode="donot_use_mm_for_euclid_dist")
                 codes = distances.argmin(-1)  # [B, M], the nearest code
             chosen = self.codebook[codes]  # [B, M, C]
-            vectors = chosen + (e - e.detach())  # value E_k; gradient to the codebook and, straight through, to e
+            # value E_k; the decoder's gradient to the codebook (unless codebook_decoder_gradient is off: then the
+            # codebook moves by its codebook loss only, as VQ-VAE's) and, straight through, to e
+            decoded = chosen if cfg.codebook_decoder_gradient else chosen.detach()
+            vectors = decoded + (e - e.detach())
             aux["codebook_loss"] = cfg.codebook_loss_weight * F.mse_loss(chosen, e.detach())
             aux["commitment_loss"] = cfg.commitment_weight * F.mse_loss(e, chosen.detach())
             if self.training:
