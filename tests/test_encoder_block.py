@@ -135,7 +135,9 @@ def test_training_moves_the_block_and_it_reads_back(tokenizer, pairs, tmp_path, 
 def test_the_block_needs_an_attention_view():
     assert build_config({"encoder_view": "attention", "encoder_block": "mlp"}).latent.encoder_block == "mlp"
     assert build_config({}).latent.encoder_block == "none"
-    with pytest.raises(ConfigError, match=r"encoder_block 'mlp' works on the per-token states (.|\n)* \(got 'token_weighted'\)"):
+    with pytest.raises(
+        ConfigError, match=r"encoder_block 'mlp' works on the per-token states (.|\n)* \(got 'token_weighted'\)"
+    ):
         build_config({"encoder_block": "mlp"})
     with pytest.raises(ConfigError, match=r"LatentConfig\.encoder_block must be one of"):
         build_config({"encoder_view": "attention", "encoder_block": "lstm"})
