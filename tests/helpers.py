@@ -255,3 +255,24 @@ def stop_at(n):
             raise Stop
 
     return callback
+
+
+def view_pairs():
+    """24 hidden-factor pairs with prompts of 7 lengths: the encoder-view tests' data."""
+    from disentanglement.testing import make_hidden_factor_pairs
+
+    return make_hidden_factor_pairs([f"what about item {'y' * (i % 7)} {i}" for i in range(24)], kind="clean")
+
+
+def tiny_cvae(tokenizer, pairs, seed: int = 0, **overrides):
+    """``(model, examples, config)``: a CVAE on a fresh tiny Llama (seeded), its config fields ``overrides``."""
+    import torch
+
+    from disentanglement.config import build_config
+    from disentanglement.data import tokenize_pairs
+    from disentanglement.models import build_cvae
+
+    config = build_config(dict(chat_template=False, **overrides))
+    examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
+    torch.manual_seed(seed)
+    return build_cvae(config, tiny_llama(len(tokenizer))), examples, config

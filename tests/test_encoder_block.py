@@ -12,11 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from disentanglement.config import ConfigError, build_config
-from disentanglement.data import collate, tokenize_pairs
-from disentanglement.models import build_cvae
-from disentanglement.testing import make_hidden_factor_pairs
+from disentanglement.data import collate
 from disentanglement.trainer import load_trained
-from helpers import tiny_llama, tiny_tokenizer, train_and_read_metrics
+from helpers import tiny_cvae, tiny_llama, tiny_tokenizer, train_and_read_metrics, view_pairs
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 KINDS = ("mlp", "transformer")
@@ -29,14 +27,11 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def pairs():
-    return make_hidden_factor_pairs([f"what about item {'y' * (i % 7)} {i}" for i in range(24)], kind="clean")
+    return view_pairs()
 
 
 def setup(tokenizer, pairs, **overrides):
-    config = build_config(dict(chat_template=False, **overrides))
-    examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
-    torch.manual_seed(0)
-    return build_cvae(config, tiny_llama(len(tokenizer))), examples
+    return tiny_cvae(tokenizer, pairs, **overrides)[:2]
 
 
 def randomise(block: torch.nn.Module, seed: int = 1) -> None:

@@ -15,12 +15,10 @@ import torch
 from sklearn.cluster import KMeans
 
 from disentanglement.config import build_config
-from disentanglement.data import Example, collate, tokenize_pairs
+from disentanglement.data import Example, collate
 from disentanglement.features import build_feature_cache, feature_fingerprint
-from disentanglement.models import build_cvae
-from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import token_weighting_from_base_nll
-from helpers import tiny_llama, tiny_tokenizer, train_and_read_metrics
+from helpers import tiny_cvae, tiny_llama, tiny_tokenizer, train_and_read_metrics, view_pairs
 from references import reference_nll_and_entropy
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -34,14 +32,10 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def pairs():
-    return make_hidden_factor_pairs([f"what about item {'y' * (i % 7)} {i}" for i in range(24)], kind="clean")
+    return view_pairs()
 
 
-def setup(tokenizer, pairs, seed=0, **overrides):
-    config = build_config(dict(chat_template=False, **overrides))
-    examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
-    torch.manual_seed(seed)
-    return build_cvae(config, tiny_llama(len(tokenizer))), examples, config
+setup = tiny_cvae
 
 
 def mixed_batch(examples):
