@@ -401,3 +401,89 @@ def test_codebook_decoder_gradient_decides_whether_the_decoder_moves_the_chosen_
     (sample.vector * torch.randn_like(sample.vector)).sum().backward()  # a stand-in for the decoder's gradient
     assert (model.codebook.grad is not None and model.codebook.grad.abs().sum() > 0) == through
     assert model.encoder[-1].weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("codebook_lr", [None, 1e-3])
+def test_codebook_lr_gives_the_codebook_a_group_of_its_own(codebook_lr):
+    """train.codebook_lr: None keeps the codebook in the latent group at latent_lr (the optimizer as before);
+    a value puts exactly the codebook in a 'codebook' group at that rate, and one AdamW step moves a code by
+    about that rate (Adam's first step is lr * sign(gradient), before warm-up scales it)."""
+    from disentanglement.trainer import make_optimizer
+
+    config = build_config(
+        dict(chat_template=False, latent="discrete", codebook_lr=codebook_lr, latent_lr=3e-2, warmup_steps=0)
+    )
+    torch.manual_seed(0)
+    model = build_cvae(config, tiny_llama(len(tiny_tokenizer())))
+    optimizer = make_optimizer(model, config)
+    groups = {group["name"]: group for group in optimizer.param_groups}
+    if codebook_lr is None:
+        assert set(groups) == {"encoder", "latent"}
+        assert any(param is model.codebook for param in groups["latent"]["params"])
+        return
+    assert set(groups) == {"encoder", "latent", "codebook"}
+    assert groups["codebook"]["params"] == [model.codebook] and groups["codebook"]["lr"] == codebook_lr
+    assert not any(param is model.codebook for param in groups["latent"]["params"])
+    assert groups["latent"]["lr"] == 3e-2
+    before = model.codebook.detach().clone()
+    model.codebook.grad = torch.ones_like(model.codebook)
+    optimizer.step()
+    torch.testing.assert_close(
+        before - model.codebook.detach(), torch.full_like(before, codebook_lr), rtol=1e-3, atol=0
+    )
+
+
+def test_warmup_cosine_is_transformers_schedule_and_shifts_by_the_hold():
+    """make_scheduler's factor: transformers' cosine schedule with warm-up, bit for bit, for a group that is not
+    held; 0 before encoder_hold_steps for a held one, then the same shape started at the hold."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    from disentanglement.trainer import warmup_cosine
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    reference = get_cosine_schedule_with_warmup(torch.optim.SGD([param], lr=1.0), 10, 120)
+    for step in range(125):
+        assert warmup_cosine(step, 10, 120) == reference.lr_lambdas[0](step)
+    assert [warmup_cosine(step, 10, 120, start=30) for step in (0, 29, 30, 35, 40)] == [0.0, 0.0, 0.0, 0.5, 1.0]
+    assert warmup_cosine(80, 10, 120, start=30) == pytest.approx(0.5 * (1 + math.cos(math.pi * 40 / 80)))
+    assert warmup_cosine(120, 10, 120, start=30) == 0.0
+
+
+def test_encoder_hold_steps_holds_the_encoder_and_the_codebook_while_the_projection_trains():
+    """train.encoder_hold_steps = 3: for three optimizer steps the encoder heads and the codebook keep their start
+    bit for bit while the latent projection moves; then they move too. Refused when it reaches max_steps."""
+    from disentanglement.config import ConfigError
+    from disentanglement.trainer import make_optimizer, make_scheduler
+
+    with pytest.raises(ConfigError, match="encoder_hold_steps"):
+        build_config(dict(chat_template=False, encoder_hold_steps=5, max_steps=5))
+    tokenizer = tiny_tokenizer()
+    config = build_config(
+        dict(chat_template=False, latent="discrete", encoder_hold_steps=3, warmup_steps=1, max_steps=20)
+    )
+    pairs = make_hidden_factor_pairs([f"q {i}" for i in range(8)], kind="clean")
+    examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
+    torch.manual_seed(0)
+    model = build_cvae(config, tiny_llama(len(tokenizer)))
+    optimizer = make_optimizer(model, config)
+    scheduler = make_scheduler(optimizer, config)
+    assert {group["name"] for group in optimizer.param_groups} == {"encoder", "latent", "codebook"}
+    batch = collate(examples, tokenizer.pad_token_id)
+    held = {"encoder": model.encoder[-1].weight, "codebook": model.codebook}
+
+    def step() -> dict[str, torch.Tensor]:
+        before = {name: p.detach().clone() for name, p in held.items()}
+        before["projection"] = next(model.latent_projection.parameters()).detach().clone()
+        model.train()
+        model(batch, step=scheduler.last_epoch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        now = {name: p.detach() for name, p in held.items()}
+        now["projection"] = next(model.latent_projection.parameters()).detach()
+        return {name: (now[name] - before[name]).abs().max() for name in before}
+
+    moved = [step() for _ in range(6)]
+    for k in range(1, 3):  # step 0 has learning rate 0 for every group (the warm-up's first factor)
+        assert moved[k]["encoder"] == 0 and moved[k]["codebook"] == 0 and moved[k]["projection"] > 0
+    assert moved[5]["encoder"] > 0 and moved[5]["codebook"] > 0

@@ -47,6 +47,15 @@ RECIPES = {
     # the codes moved by the codebook loss only, not by the decoder's gradient (VQ-VAE's rule)
     "vq-codes": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
                  "--encoder-view", "token_weighted", "--no-codebook-decoder-gradient"],
+    # the codebook at the encoder's rate (1e-3) in a group of its own, the latent projection at latent_lr (3e-2)
+    "codebook-lr": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
+                    "--encoder-view", "token_weighted", "--codebook-lr", "1e-3"],
+    # that, from the partition of k-means of the view itself
+    "codebook-lr-vk": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
+                       "--encoder-view", "token_weighted", "--codebook-lr", "1e-3", "--codebook-init", "view_kmeans"],
+    # the encoder and the codebook nearly held (1e-5, 1e-4): the latent projection learns to decode the start's codes
+    "slow-encoder": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
+                     "--encoder-view", "token_weighted", "--encoder-lr", "1e-5", "--codebook-lr", "1e-4"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
                       "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
@@ -68,6 +77,12 @@ PLAN = [  # (set, recipe, seeds)
     ("two-factor", "view-kmeans-fixed", (0,)),
     ("two-factor", "vq-codes", (0, 1, 2)),
     ("style-in-echo", "vq-codes", (0, 1, 2)),
+    ("two-factor", "slow-encoder", (0, 1, 2)),
+    ("style-in-echo", "slow-encoder", (0, 1, 2)),
+    ("two-factor", "codebook-lr", (0, 1, 2)),
+    ("style-in-echo", "codebook-lr", (0, 1, 2)),
+    ("two-factor", "codebook-lr-vk", (0, 1, 2)),
+    ("style-in-echo", "codebook-lr-vk", (0, 1, 2)),
 ]
 
 
@@ -125,12 +140,15 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--dailydialog", type=Path, default=None)
     parser.add_argument("--only", nargs="*", default=None, help="sets to run (default: all of the plan)")
+    parser.add_argument("--recipes", nargs="*", default=None, help="recipes to run (default: all of the plan's)")
     args = parser.parse_args(argv)
     todo = [
         (name, recipe, seed)
         for name, recipe, seeds in PLAN
         for seed in seeds
-        if (args.only is None or name in args.only) and (name != "dailydialog" or args.dailydialog)
+        if (args.only is None or name in args.only)
+        and (args.recipes is None or recipe in args.recipes)
+        and (name != "dailydialog" or args.dailydialog)
     ]
     for name, _, _ in todo:  # data first, once, before the runs share it
         data_files(args.out, name, args.dailydialog)

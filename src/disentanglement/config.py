@@ -567,7 +567,21 @@ class TrainConfig:
     )
     encoder_lr: float = option(1e-3, "Learning rate of the encoder and prior heads.")
     latent_lr: float = option(3e-2, "Learning rate of the codebook and latent projection (prompt-tuning rate).")
+    codebook_lr: float | None = option(
+        None,
+        "Learning rate of the discrete CVAE's codebook alone, in an optimizer group of its own (None: latent_lr, one "
+        "group with the latent projection). At latent_lr the decoder's gradient drags the chosen codes away from the "
+        "encoder outputs they were chosen for and the start's partition collapses in the first ~20 steps "
+        "(docs/what-the-cvae-adds.md).",
+    )
     decoder_lr: float = option(1e-4, "Learning rate of LoRA adapters or decoder weights.")
+    encoder_hold_steps: int = option(
+        0,
+        "Steps at the start during which the encoder and prior heads and the discrete codebook stay at their start "
+        "(learning rate 0) while the latent projection learns to decode each code; from then they train with their "
+        "own warm-up and the cosine decay to max_steps. Moving from step 0, the decoder's gradient drifts every "
+        "encoder output the same way and the start's partition collapses to one code (docs/what-the-cvae-adds.md).",
+    )
     weight_decay: float = option(0.0, "AdamW weight decay.")
     warmup_steps: int = option(10, "Linear learning-rate warm-up before the cosine decay.")
     max_grad_norm: float = option(1.0, "Gradient clipping norm (the norm before clipping is logged).")
@@ -622,13 +636,20 @@ class TrainConfig:
             "max_nonfinite_steps",
         ):
             _number(self, name, low=1, integer=True)
-        for name in ("warmup_steps", "eval_every", "seed"):
+        for name in ("warmup_steps", "eval_every", "seed", "encoder_hold_steps"):
             _number(self, name, low=0, integer=True)
         _number(self, "feature_cache_max_gb", low=0, low_open=True, optional=True)
+        _number(self, "codebook_lr", low=0, low_open=True, optional=True)
         for name in ("encoder_lr", "latent_lr", "decoder_lr", "max_grad_norm"):
             _number(self, name, low=0, low_open=True)
         _number(self, "weight_decay", low=0)
         _number(self, "max_loss_ratio", low=0)
+        if self.encoder_hold_steps >= self.max_steps:
+            raise ConfigError(
+                f"TrainConfig.encoder_hold_steps must be below max_steps ({self.max_steps}), got "
+                f"{self.encoder_hold_steps}: the encoder would never train",
+                field="encoder_hold_steps",
+            )
 
 
 @dataclass(frozen=True)

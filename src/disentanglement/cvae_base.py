@@ -537,14 +537,19 @@ class CVAEBase(nn.Module):
         return dataclasses.replace(own, source="surprisal") if own.source == "dynamic" else own
 
     # -- parameters ----------------------------------------------------------------------------
-    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
-        """Trainable parameters by learning-rate group: encoder heads, latent embeddings, decoder."""
+    def parameter_groups(self, separate_codebook: bool = False) -> dict[str, list[nn.Parameter]]:
+        """Trainable parameters by learning-rate group: encoder heads, latent embeddings, decoder; with
+        ``separate_codebook`` the discrete codebook in a ``codebook`` group of its own (``train.codebook_lr``)."""
         groups: dict[str, list[nn.Parameter]] = {"encoder": [], "latent": [], "decoder": []}
+        if separate_codebook:
+            groups["codebook"] = []
         for name, param in self.named_parameters():
             if not param.requires_grad:
                 continue
             if name.startswith("decoder."):
                 groups["decoder"].append(param)
+            elif separate_codebook and name.startswith("codebook"):
+                groups["codebook"].append(param)
             elif name.startswith(("latent_projection.", "codebook")):
                 groups["latent"].append(param)
             else:

@@ -188,7 +188,9 @@ def _apply_optimizer_settings(optimizer, scheduler, config: RunConfig, changes: 
     if not changes:
         return
     scheduler = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the LambdaLR
-    lrs = {"encoder": config.train.encoder_lr, "latent": config.train.latent_lr, "decoder": config.train.decoder_lr}
+    from .trainer import group_learning_rates
+
+    lrs = group_learning_rates(config)
     for i, group in enumerate(optimizer.param_groups):
         base = lrs[group["name"]]
         scheduler.base_lrs[i] = base

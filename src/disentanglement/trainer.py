@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import get_cosine_schedule_with_warmup
 
 from . import distributed
 from .checkpoints import (
@@ -163,10 +162,53 @@ def _train(
 # --------------------------------------------------------------------------- set-up
 
 
+def group_learning_rates(config: RunConfig) -> dict[str, float]:
+    """Each optimizer group's base learning rate, by the group's name (:meth:`CVAEBase.parameter_groups`)."""
+    train = config.train
+    codebook = train.latent_lr if train.codebook_lr is None else train.codebook_lr
+    return {"encoder": train.encoder_lr, "latent": train.latent_lr, "decoder": train.decoder_lr, "codebook": codebook}
+
+
+#: The optimizer groups that ``train.encoder_hold_steps`` holds at their start.
+HELD_GROUPS = frozenset({"encoder", "codebook"})
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, start: int = 0) -> float:
+    """The learning-rate factor at ``step``: 0 before ``start``; from there a linear warm-up over ``warmup_steps``
+    and a cosine decay to 0 at ``total_steps`` (transformers' ``get_cosine_schedule_with_warmup`` shifted to
+    ``start``: equal to it for ``start = 0``)."""
+    if step < start:
+        return 0.0
+    step, total_steps = step - start, total_steps - start
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, config: RunConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warm-up and cosine decay per group (:func:`warmup_cosine`); the groups in :data:`HELD_GROUPS` start
+    only after ``train.encoder_hold_steps``."""
+    tcfg = config.train
+    lambdas = [
+        partial(
+            warmup_cosine,
+            warmup_steps=tcfg.warmup_steps,
+            total_steps=tcfg.max_steps,
+            start=tcfg.encoder_hold_steps if group["name"] in HELD_GROUPS else 0,
+        )
+        for group in optimizer.param_groups
+    ]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+
+
 def make_optimizer(model: CVAEBase, config: RunConfig) -> torch.optim.Optimizer:
-    lrs = {"encoder": config.train.encoder_lr, "latent": config.train.latent_lr, "decoder": config.train.decoder_lr}
+    lrs = group_learning_rates(config)
+    separate = config.train.codebook_lr is not None or config.train.encoder_hold_steps > 0
     groups = [
-        {"params": params, "lr": lrs[name], "name": name} for name, params in model.parameter_groups().items() if params
+        {"params": params, "lr": lrs[name], "name": name}
+        for name, params in model.parameter_groups(separate_codebook=separate).items()
+        if params
     ]
     # The fused kernel is one call per step instead of one per tensor (measurably cheaper for small heads).
     return torch.optim.AdamW(groups, weight_decay=config.train.weight_decay, fused=True)
@@ -281,7 +323,7 @@ def _set_up(
             model.initialize_from_data(init_features, tcfg.seed)
         distributed.broadcast_(state, model.data_dependent_state())
     optimizer = make_optimizer(model, config)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, tcfg.warmup_steps, tcfg.max_steps)
+    scheduler = make_scheduler(optimizer, config)
     with warnings.catch_warnings():  # torch's FutureWarning for broadcast_buffers, whose meaning is the one wanted
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
