@@ -487,3 +487,40 @@ def test_encoder_hold_steps_holds_the_encoder_and_the_codebook_while_the_project
     for k in range(1, 3):  # step 0 has learning rate 0 for every group (the warm-up's first factor)
         assert moved[k]["encoder"] == 0 and moved[k]["codebook"] == 0 and moved[k]["projection"] > 0
     assert moved[5]["encoder"] > 0 and moved[5]["codebook"] > 0
+
+
+def test_decoder_code_table_takes_the_decoders_gradient_and_leaves_the_codebook_to_assign():
+    """decoder_code_table: the latent's value is the table's entry of the nearest code (the codebook still
+    chooses it); the decoder's gradient reaches the table and the encoder, never the codebook (which moves by its
+    codebook loss only); the k-means start, forced codes and dead-code restarts go through the table too."""
+    tokenizer = tiny_tokenizer()
+    config = build_config(dict(chat_template=False, latent="discrete", decoder_code_table=True, codebook_size=3))
+    pairs = make_hidden_factor_pairs([f"q {i}" for i in range(6)], kind="clean")
+    examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
+    torch.manual_seed(0)
+    model = build_cvae(config, tiny_llama(len(tokenizer)))
+    features = model.frozen_pass(collate(examples, tokenizer.pad_token_id))
+    model.initialize_from_data(features, seed=0)
+    torch.testing.assert_close(model.code_table.detach(), model.codebook.detach(), rtol=0, atol=0)
+    with torch.no_grad():
+        model.code_table.add_(torch.randn_like(model.code_table))  # the table now differs from the codebook
+    model.train()
+    sample = model.encode(features, step=0)
+    e = model.encoder_outputs(features)[:, 0]
+    nearest = torch.cdist(e.detach(), model.codebook.detach()).argmin(-1)
+    torch.testing.assert_close(sample.latent[:, 0], nearest)
+    torch.testing.assert_close(sample.vector.detach(), model.code_table.detach()[nearest], rtol=0, atol=0)
+    torch.testing.assert_close(model.codes_to_vector(nearest.unsqueeze(1)), model.code_table[nearest])
+    (sample.vector * torch.randn_like(sample.vector)).sum().backward()  # a stand-in for the decoder's gradient
+    assert model.code_table.grad.abs().sum() > 0 and model.encoder[-1].weight.grad.abs().sum() > 0
+    assert model.codebook.grad is None
+    sample.aux_losses["codebook_loss"].backward()
+    assert model.codebook.grad.abs().sum() > 0
+    groups = model.parameter_groups()
+    assert any(p is model.code_table for p in groups["latent"]) and any(p is model.codebook for p in groups["latent"])
+    model.code_last_used.fill_(0)
+    model.code_last_used[int(nearest[0])] = 20
+    model.post_step(20)  # every other code unused for 20 >= dead_code_steps: restarted, table entry with it
+    dead = [k for k in range(3) if k != int(nearest[0])]
+    torch.testing.assert_close(model.code_table.detach()[dead], model.codebook.detach()[dead], rtol=0, atol=0)
+    assert not torch.equal(model.code_table.detach()[int(nearest[0])], model.codebook.detach()[int(nearest[0])])

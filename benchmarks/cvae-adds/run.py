@@ -56,6 +56,16 @@ RECIPES = {
     # the encoder and the codebook nearly held (1e-5, 1e-4): the latent projection learns to decode the start's codes
     "slow-encoder": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
                      "--encoder-view", "token_weighted", "--encoder-lr", "1e-5", "--codebook-lr", "1e-4"],
+    # the decoder reads the codes from a table of its own; the codebook only assigns
+    "code-table": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
+                   "--encoder-view", "token_weighted", "--decoder-code-table"],
+    # that, with the encoder and codebook held for the first 30 steps
+    "code-table-hold": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
+                        "--encoder-view", "token_weighted", "--decoder-code-table", "--encoder-hold-steps", "30"],
+    # that, with the encoder and codebook nearly held throughout: the start's partition, decoded
+    "code-table-slow": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
+                        "--encoder-view", "token_weighted", "--decoder-code-table", "--encoder-lr", "1e-5",
+                        "--codebook-lr", "1e-4"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
                       "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
@@ -77,6 +87,12 @@ PLAN = [  # (set, recipe, seeds)
     ("two-factor", "view-kmeans-fixed", (0,)),
     ("two-factor", "vq-codes", (0, 1, 2)),
     ("style-in-echo", "vq-codes", (0, 1, 2)),
+    ("two-factor", "code-table-hold", (0, 1, 2)),
+    ("two-factor", "code-table-slow", (0, 1, 2)),
+    ("style-in-echo", "code-table-hold", (0, 1, 2)),
+    ("style-in-echo", "code-table-slow", (0, 1, 2)),
+    ("two-factor", "code-table", (0, 1, 2)),
+    ("style-in-echo", "code-table", (0, 1, 2)),
     ("two-factor", "slow-encoder", (0, 1, 2)),
     ("style-in-echo", "slow-encoder", (0, 1, 2)),
     ("two-factor", "codebook-lr", (0, 1, 2)),

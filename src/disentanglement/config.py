@@ -369,6 +369,13 @@ class LatentConfig:
         "encoder output; off: the codes move by the codebook loss only (VQ-VAE's rule), so the decoder cannot drag "
         "a code away from the encoder outputs it was chosen for.",
     )
+    decoder_code_table: bool = option(
+        False,
+        "Discrete: the decoder reads each code from a table of its own (K x code_dim, started equal to the codebook, "
+        "trained at latent_lr by the decoder's gradient, restarted with its code) instead of from the codebook: the "
+        "codebook then only assigns (nearest code, moved by the codebook loss), so the decoder can separate the "
+        "codes' meanings as fast as it likes without moving the partition (codebook_decoder_gradient is then moot).",
+    )
     codebook_loss_weight: float = option(1.0, "Nearest: weight of ||sg(e) - E_k||^2 (moves codes).")
     commitment_weight: float = option(0.25, "Nearest: weight of ||e - sg(E_k)||^2 (commits the encoder).")
     dead_code_steps: int = option(

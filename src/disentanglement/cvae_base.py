@@ -550,7 +550,7 @@ class CVAEBase(nn.Module):
                 groups["decoder"].append(param)
             elif separate_codebook and name.startswith("codebook"):
                 groups["codebook"].append(param)
-            elif name.startswith(("latent_projection.", "codebook")):
+            elif name.startswith(("latent_projection.", "codebook", "code_table")):
                 groups["latent"].append(param)
             else:
                 groups["encoder"].append(param)

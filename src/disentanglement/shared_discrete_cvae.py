@@ -39,6 +39,8 @@ class SharedDiscreteCVAE(CVAEBase):
         super().__init__(decoder, latent, reconstruction, kl, divergence, **kwargs)
         M, K, C, H = latent.num_slots, latent.codebook_size, latent.code_dim, self.hidden_size
         self.codebook = torch.nn.Parameter(torch.randn(K, C))  # [K, C], shared by all slots
+        # decoder_code_table: what the decoder reads for each code, apart from the codebook that assigns
+        self.code_table = torch.nn.Parameter(self.codebook.detach().clone()) if latent.decoder_code_table else None
         self.encoder = mlp(2 * H, latent.encoder_hidden, M * C)
         self.prior_head = mlp(H, latent.encoder_hidden, M * K) if latent.prior == "learned" else None
         # Step at which each code was last chosen, for dead-code restart.
@@ -80,9 +82,14 @@ class SharedDiscreteCVAE(CVAEBase):
         logits = self.prior_head(self.prior_norm(features.prior_features)).view(B, M, K)
         return F.log_softmax(logits, dim=-1)
 
+    @property
+    def decoder_codes(self) -> torch.Tensor:
+        """``[K, C]``: what the decoder reads for each code: the codebook, or the ``code_table`` of its own."""
+        return self.codebook if self.code_table is None else self.code_table
+
     def codes_to_vector(self, codes: torch.Tensor) -> torch.Tensor:
         """``[B, M]`` code ids -> latent vector ``[B, M * C]`` (used to force codes at generation)."""
-        return self.codebook[codes].flatten(1)
+        return self.decoder_codes[codes].flatten(1)
 
     def encode(self, features: FrozenFeatures, step: int) -> LatentSample:
         cfg = self.latent_cfg
@@ -96,9 +103,13 @@ class SharedDiscreteCVAE(CVAEBase):
                 distances = torch.cdist(e, self.codebook.unsqueeze(0), compute_mode="donot_use_mm_for_euclid_dist")
                 codes = distances.argmin(-1)  # [B, M], the nearest code
             chosen = self.codebook[codes]  # [B, M, C]
-            # value E_k; the decoder's gradient to the codebook (unless codebook_decoder_gradient is off: then the
-            # codebook moves by its codebook loss only, as VQ-VAE's) and, straight through, to e
-            decoded = chosen if cfg.codebook_decoder_gradient else chosen.detach()
+            # value E_k (decoder_code_table: the table's entry k); the decoder's gradient to that (unless
+            # codebook_decoder_gradient is off: then the codebook moves by its codebook loss only, as VQ-VAE's)
+            # and, straight through, to e
+            if self.code_table is not None:
+                decoded = self.code_table[codes]
+            else:
+                decoded = chosen if cfg.codebook_decoder_gradient else chosen.detach()
             vectors = decoded + (e - e.detach())
             aux["codebook_loss"] = cfg.codebook_loss_weight * F.mse_loss(chosen, e.detach())
             aux["commitment_loss"] = cfg.commitment_weight * F.mse_loss(e, chosen.detach())
@@ -116,7 +127,7 @@ class SharedDiscreteCVAE(CVAEBase):
                 weights = F.gumbel_softmax(logits, tau=temperature, hard=cfg.straight_through)  # [B, M, K]
             else:
                 weights = F.one_hot(codes, self.codebook_size).to(logits.dtype)
-            vectors = weights @ self.codebook  # [B, M, C]
+            vectors = weights @ self.decoder_codes  # [B, M, C]
             log_q = F.log_softmax(logits, dim=-1)
             q = log_q.exp()
         if cfg.batch_prior_kl:
@@ -246,6 +257,8 @@ class SharedDiscreteCVAE(CVAEBase):
             centroids = self._kmeans_centroids(features, seed)
         if centroids is not None:
             self.codebook.copy_(centroids)
+            if self.code_table is not None:
+                self.code_table.copy_(centroids)
 
     @torch.no_grad()
     def refresh_from_data(self, features: FrozenFeatures, seed: int) -> None:
@@ -316,7 +329,8 @@ class SharedDiscreteCVAE(CVAEBase):
             self._recent_encodings = gather(self._recent_encodings)
 
     def data_dependent_state(self) -> list[torch.Tensor]:
-        return [self.codebook, self.code_last_used]
+        own = [] if self.code_table is None else [self.code_table]
+        return [self.codebook, *own, self.code_last_used]
 
     @torch.no_grad()
     def post_step(self, step: int) -> None:
@@ -333,4 +347,6 @@ class SharedDiscreteCVAE(CVAEBase):
         recent = self._recent_encodings
         picks = torch.randint(0, recent.shape[0], (dead.numel(),), device=recent.device)
         self.codebook[dead] = recent[picks] + 0.01 * torch.randn_like(recent[picks])
+        if self.code_table is not None:
+            self.code_table[dead] = self.codebook[dead]
         self.code_last_used[dead] = step
