@@ -447,6 +447,31 @@ def test_warmup_cosine_is_transformers_schedule_and_shifts_by_the_hold():
     assert [warmup_cosine(step, 10, 120, start=30) for step in (0, 29, 30, 35, 40)] == [0.0, 0.0, 0.0, 0.5, 1.0]
     assert warmup_cosine(80, 10, 120, start=30) == pytest.approx(0.5 * (1 + math.cos(math.pi * 40 / 80)))
     assert warmup_cosine(120, 10, 120, start=30) == 0.0
+    no_warmup = get_cosine_schedule_with_warmup(torch.optim.SGD([param], lr=1.0), 0, 50)
+    assert all(warmup_cosine(step, 0, 50) == no_warmup.lr_lambdas[0](step) for step in range(51))
+
+
+def test_codebook_options_are_refused_where_they_mean_nothing_and_checked_on_resume(tmp_path):
+    """codebook_lr and decoder_code_table need the discrete latent, the table the nearest assignment, the hold
+    another placement than memory; on resume codebook_lr may change between two values (applied) but not from or
+    to None (the optimizer's groups would change)."""
+    from disentanglement.config import ConfigError
+    from disentanglement.resume import check_resume_config
+
+    for given, field in (
+        (dict(latent="continuous", codebook_lr=1e-3), "codebook_lr"),
+        (dict(latent="continuous", decoder_code_table=True), "decoder_code_table"),
+        (dict(latent="discrete", assignment="gumbel", decoder_code_table=True), "decoder_code_table"),
+        (dict(latent_placement="memory", encoder_hold_steps=3), "encoder_hold_steps"),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            build_config(given)
+    stored = build_config(dict(latent="discrete", codebook_lr=1e-3))
+    assert check_resume_config(stored, build_config(dict(latent="discrete", codebook_lr=1e-4)), tmp_path) == {
+        "codebook_lr": (1e-3, 1e-4)
+    }
+    with pytest.raises(ConfigError, match="changes the optimizer's groups"):
+        check_resume_config(stored, build_config(dict(latent="discrete")), tmp_path)
 
 
 def test_encoder_hold_steps_holds_the_encoder_and_the_codebook_while_the_projection_trains():
@@ -483,10 +508,20 @@ def test_encoder_hold_steps_holds_the_encoder_and_the_codebook_while_the_project
         now["projection"] = next(model.latent_projection.parameters()).detach()
         return {name: (now[name] - before[name]).abs().max() for name in before}
 
-    moved = [step() for _ in range(6)]
-    for k in range(1, 3):  # step 0 has learning rate 0 for every group (the warm-up's first factor)
-        assert moved[k]["encoder"] == 0 and moved[k]["codebook"] == 0 and moved[k]["projection"] > 0
-    assert moved[5]["encoder"] > 0 and moved[5]["codebook"] > 0
+    encoder_group = next(group["params"] for group in optimizer.param_groups if group["name"] == "encoder")
+    moved = []
+    for _ in range(6):
+        start = [p.detach().clone() for p in encoder_group]
+        moved.append(step())
+        moved[-1]["encoder group"] = max(
+            (p.detach() - s).abs().max() for p, s in zip(encoder_group, start, strict=True)
+        )
+    # step 0 has learning rate 0 for every group (the warm-up's first factor); the held groups' warm-up starts at
+    # step 3 with that factor 0, so they first move at step 4
+    for k in range(1, 4):
+        assert moved[k]["encoder group"] == 0 and moved[k]["codebook"] == 0, k
+        assert moved[k]["projection"] > 0, k
+    assert moved[4]["encoder group"] > 0 and moved[4]["codebook"] > 0
 
 
 def test_decoder_code_table_takes_the_decoders_gradient_and_leaves_the_codebook_to_assign():
@@ -500,7 +535,9 @@ def test_decoder_code_table_takes_the_decoders_gradient_and_leaves_the_codebook_
     torch.manual_seed(0)
     model = build_cvae(config, tiny_llama(len(tokenizer)))
     features = model.frozen_pass(collate(examples, tokenizer.pad_token_id))
+    start = model.codebook.detach().clone()
     model.initialize_from_data(features, seed=0)
+    assert not torch.equal(model.codebook.detach(), start)  # k-means moved the codebook, and the table with it
     torch.testing.assert_close(model.code_table.detach(), model.codebook.detach(), rtol=0, atol=0)
     with torch.no_grad():
         model.code_table.add_(torch.randn_like(model.code_table))  # the table now differs from the codebook
@@ -518,6 +555,8 @@ def test_decoder_code_table_takes_the_decoders_gradient_and_leaves_the_codebook_
     assert model.codebook.grad.abs().sum() > 0
     groups = model.parameter_groups()
     assert any(p is model.code_table for p in groups["latent"]) and any(p is model.codebook for p in groups["latent"])
+    groups = model.parameter_groups(separate_codebook=True)
+    assert any(p is model.code_table for p in groups["latent"]) and groups["codebook"] == [model.codebook]
     model.code_last_used.fill_(0)
     model.code_last_used[int(nearest[0])] = 20
     model.post_step(20)  # every other code unused for 20 >= dead_code_steps: restarted, table entry with it

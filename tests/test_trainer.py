@@ -107,9 +107,13 @@ def test_frozen_decoder_bit_identical_and_never_gets_gradients(tmp_path, tokeniz
     assert all(p.grad is None for p in result.model.decoder.parameters())
 
 
-@pytest.mark.parametrize("latent", ["discrete", "continuous"])
+@pytest.mark.parametrize("latent", ["discrete", "continuous", "discrete-held"])
 def test_resume_reproduces_an_uninterrupted_run(tmp_path, tokenizer, pairs, latent):
+    """Stopped at step 3 and resumed: the same losses and weights as a run straight through; "discrete-held" with
+    the codebook in a group of its own, the code table, and the stop inside encoder_hold_steps."""
     extra = {"latent": latent, "divergence_weight": 0.1 if latent == "discrete" else 0.0, "dead_code_steps": 2}
+    if latent == "discrete-held":
+        extra.update(latent="discrete", codebook_lr=1e-3, encoder_hold_steps=4, decoder_code_table=True)
     straight = run(tmp_path / "straight", tokenizer, pairs, **extra)
 
     class Stop(Exception):

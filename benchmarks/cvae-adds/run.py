@@ -66,6 +66,18 @@ RECIPES = {
     "code-table-slow": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
                         "--encoder-view", "token_weighted", "--decoder-code-table", "--encoder-lr", "1e-5",
                         "--codebook-lr", "1e-4"],
+    # the code table with the encoder at a tenth of its rate and the codebook at 1e-3: can the encoder move at all?
+    "code-table-mid": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
+                       "--encoder-view", "token_weighted", "--decoder-code-table", "--encoder-lr", "1e-4",
+                       "--codebook-lr", "1e-3"],
+    # code-table-slow from the partition of k-means of the view itself: the view's clusters, decoded
+    "code-table-slow-vk": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
+                           "--encoder-view", "token_weighted", "--decoder-code-table", "--encoder-lr", "1e-5",
+                           "--codebook-lr", "1e-4", "--codebook-init", "view_kmeans"],
+    # code-table-slow trained longer (240 steps instead of 120)
+    "code-table-slow-240": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha",
+                            "2", "--encoder-view", "token_weighted", "--decoder-code-table", "--encoder-lr", "1e-5",
+                            "--codebook-lr", "1e-4", "--max-steps", "240"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
                       "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
@@ -91,6 +103,10 @@ PLAN = [  # (set, recipe, seeds)
     ("two-factor", "code-table-slow", (0, 1, 2)),
     ("style-in-echo", "code-table-hold", (0, 1, 2)),
     ("style-in-echo", "code-table-slow", (0, 1, 2)),
+    ("two-factor", "code-table-mid", (0, 1)),
+    ("two-factor", "code-table-slow-240", (1,)),
+    ("style-in-echo", "code-table-slow-vk", (0, 1, 2)),
+    ("two-factor", "code-table-slow-vk", (0, 1, 2)),
     ("two-factor", "code-table", (0, 1, 2)),
     ("style-in-echo", "code-table", (0, 1, 2)),
     ("two-factor", "slow-encoder", (0, 1, 2)),

@@ -371,10 +371,11 @@ class LatentConfig:
     )
     decoder_code_table: bool = option(
         False,
-        "Discrete: the decoder reads each code from a table of its own (K x code_dim, started equal to the codebook, "
-        "trained at latent_lr by the decoder's gradient, restarted with its code) instead of from the codebook: the "
-        "codebook then only assigns (nearest code, moved by the codebook loss), so the decoder can separate the "
-        "codes' meanings as fast as it likes without moving the partition (codebook_decoder_gradient is then moot).",
+        "Discrete, nearest: the decoder reads each code from a table of its own (K x code_dim, started equal to the "
+        "codebook, trained at latent_lr by the decoder's gradient, reset with its code at a dead-code restart, kept "
+        "by a k-means refresh, which keeps code identities) instead of from the codebook: the codebook then only "
+        "assigns (nearest code, moved by the codebook loss), so the decoder can separate the codes' meanings as fast "
+        "as it likes without moving the partition (codebook_decoder_gradient is then moot).",
     )
     codebook_loss_weight: float = option(1.0, "Nearest: weight of ||sg(e) - E_k||^2 (moves codes).")
     commitment_weight: float = option(0.25, "Nearest: weight of ||e - sg(E_k)||^2 (commits the encoder).")
@@ -576,18 +577,18 @@ class TrainConfig:
     latent_lr: float = option(3e-2, "Learning rate of the codebook and latent projection (prompt-tuning rate).")
     codebook_lr: float | None = option(
         None,
-        "Learning rate of the discrete CVAE's codebook alone, in an optimizer group of its own (None: latent_lr, one "
-        "group with the latent projection). At latent_lr the decoder's gradient drags the chosen codes away from the "
-        "encoder outputs they were chosen for and the start's partition collapses in the first ~20 steps "
-        "(docs/what-the-cvae-adds.md).",
+        "Learning rate of the discrete CVAE's codebook alone, in an optimizer group of its own (None: latent_lr, in "
+        "the latent projection's group, as before; in a group of its own at latent_lr when encoder_hold_steps is "
+        "set). Changeable on resume only between two values (not from or to None: that changes the groups).",
     )
     decoder_lr: float = option(1e-4, "Learning rate of LoRA adapters or decoder weights.")
     encoder_hold_steps: int = option(
         0,
-        "Steps at the start during which the encoder and prior heads and the discrete codebook stay at their start "
-        "(learning rate 0) while the latent projection learns to decode each code; from then they train with their "
-        "own warm-up and the cosine decay to max_steps. Moving from step 0, the decoder's gradient drifts every "
-        "encoder output the same way and the start's partition collapses to one code (docs/what-the-cvae-adds.md).",
+        "Steps at the start during which the encoder's optimizer group (encoder and prior heads, the attention view's "
+        "query and block, the bag-of-words head) and the discrete codebook stay at their start (learning rate 0; no "
+        "dead-code restart or k-means refresh either) while the latent projection learns to decode each code; from "
+        "then they train with their own warm-up (whose first factor is 0, as every group's at step 0) and the cosine "
+        "decay to max_steps. Not with latent_placement 'memory'. Measured: docs/what-the-cvae-adds.md.",
     )
     weight_decay: float = option(0.0, "AdamW weight decay.")
     warmup_steps: int = option(10, "Linear learning-rate warm-up before the cosine decay.")
@@ -702,6 +703,29 @@ class RunConfig:
                 field="divergence_weight",
             )
 
+        discrete_only = {
+            "codebook_lr": self.train.codebook_lr is not None,
+            "decoder_code_table": self.latent.decoder_code_table,
+        }
+        for name, given in discrete_only.items():
+            if given and self.latent.latent != "discrete":
+                raise ConfigError(
+                    f"{name} is set, but there is a codebook only with the discrete latent (LatentConfig.latent is "
+                    f"{self.latent.latent!r})",
+                    field=name,
+                )
+        if self.latent.decoder_code_table and self.latent.assignment != "nearest":
+            raise ConfigError(
+                "LatentConfig.decoder_code_table needs assignment 'nearest' (the codebook assigns, the table is what "
+                f"the decoder reads); with {self.latent.assignment!r} the soft weights mix the codebook itself",
+                field="decoder_code_table",
+            )
+        if self.train.encoder_hold_steps and self.latent.latent_placement == "memory":
+            raise ConfigError(
+                "TrainConfig.encoder_hold_steps cannot be used with LatentConfig.latent_placement 'memory': the "
+                "memory slots' projection trains in the encoder's optimizer group, which the hold holds",
+                field="encoder_hold_steps",
+            )
         if self.model.gradient_checkpointing and self.latent.latent_placement == "memory":
             raise ConfigError(
                 "ModelConfig.gradient_checkpointing cannot be used with LatentConfig.latent_placement 'memory': "

@@ -223,7 +223,8 @@ def run_encode(
 def latent_vector(model: CVAEBase, latent: Any) -> torch.Tensor:
     """The decoder's latent vector ``[L]`` of ``latent``: a row of :func:`encode_examples` (its ``codes``,
     or its ``mu``), codes per slot (discrete: ``M`` integers), or a latent vector of ``L`` numbers
-    (discrete: ``M * code_dim`` numbers, e.g. a mix of codebook entries; continuous: ``z``)."""
+    (discrete: ``M * code_dim`` numbers, e.g. a mix of the entries the decoder reads, the codebook's or the
+    ``code_table``'s; continuous: ``z``)."""
     import torch
 
     space = model.latent_space

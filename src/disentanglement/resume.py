@@ -62,7 +62,9 @@ RESUME_FREE_FIELDS = frozenset(
 #: Free fields that change the order of the arithmetic: a resumed run is then equal to rounding, not bit for bit.
 RESUME_INEXACT_FIELDS = frozenset({"feature_cache", "device"})
 #: Config fields that may differ on resume and are applied from the resumed step on.
-RESUME_APPLIED_FIELDS = frozenset({"encoder_lr", "latent_lr", "decoder_lr", "weight_decay", "max_grad_norm"})
+RESUME_APPLIED_FIELDS = frozenset(
+    {"encoder_lr", "latent_lr", "decoder_lr", "codebook_lr", "weight_decay", "max_grad_norm"}
+)
 
 
 def _flat_fields(config: RunConfig) -> dict[str, Any]:
@@ -74,6 +76,13 @@ def check_resume_config(stored: RunConfig, given: RunConfig, checkpoint: Path) -
     change what is trained, and returns ``{field: (old, new)}`` of those applied from the resumed step."""
     old, new = _flat_fields(stored), _flat_fields(given)
     changed = {name: (old[name], new[name]) for name in old if old[name] != new[name]}
+    if "codebook_lr" in changed and None in changed["codebook_lr"]:
+        a, b = changed["codebook_lr"]
+        raise ConfigError(
+            f"cannot resume {checkpoint} with codebook_lr {b!r} (the checkpoint's run had {a!r}): from or to None "
+            "changes the optimizer's groups (the codebook in a group of its own or in the latent projection's); "
+            "resume with the run's value, or change it between two values"
+        )
     refused = {k: v for k, v in changed.items() if k not in RESUME_FREE_FIELDS | RESUME_APPLIED_FIELDS}
     if refused:
         listed = "; ".join(f"{name}: {a!r} in the checkpoint, {b!r} now" for name, (a, b) in sorted(refused.items()))

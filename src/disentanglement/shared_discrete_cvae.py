@@ -2,7 +2,8 @@
 
 The codebook ``E [K, C]`` scores the posterior (logits = -||e_m - E_k||^2 / temperature for the
 encoder's output ``e_m`` of slot ``m``) and builds the decoder's latent embeddings (the chosen
-codes of all slots, concatenated, through the latent projection).
+codes of all slots, concatenated, through the latent projection). With ``decoder_code_table`` the
+decoder reads the chosen codes from a table of its own, ``code_table [K, C]``, and the codebook only assigns.
 
 Default assignment ("nearest", measured to learn where softmax/Gumbel variants collapsed, see
 LATENT-LEARNING.md): the nearest code, with the decoder seeing ``E_k`` whose gradient reaches the

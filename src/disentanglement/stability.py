@@ -87,7 +87,8 @@ NORM_JUMP = 100.0
 
 def parameter_norms(state: dict[str, torch.Tensor]) -> dict[str, float]:
     """The L2 norm of a trainable state's floating-point tensors per learning-rate group (as
-    :meth:`CVAEBase.parameter_groups`: ``decoder.*``; ``latent_projection.*``/``codebook*``; the rest)."""
+    :meth:`CVAEBase.parameter_groups`: ``decoder.*``; ``latent_projection.*``/``codebook*``/``code_table``; the
+    rest; a separate ``codebook`` group's norm counts in ``latent``)."""
     sums = {"encoder": 0.0, "latent": 0.0, "decoder": 0.0}
     for name, tensor in state.items():
         if not tensor.is_floating_point():
@@ -96,7 +97,7 @@ def parameter_norms(state: dict[str, torch.Tensor]) -> dict[str, float]:
             "decoder"
             if name.startswith("decoder.")
             else "latent"
-            if name.startswith(("latent_projection.", "codebook"))
+            if name.startswith(("latent_projection.", "codebook", "code_table"))
             else "encoder"
         )
         sums[group] += float(tensor.detach().double().pow(2).sum())

@@ -425,9 +425,12 @@ def _optimizer_step(run: _Training, progress: _Progress) -> dict[str, float] | N
     run.optimizer.step()
     run.scheduler.step()
     run.model.merge_step_statistics(run.state)  # several processes: what the step saw on all of them
-    run.model.post_step(progress.step)  # with the index of the step just taken, as its forward saw it
+    held = progress.step < tcfg.encoder_hold_steps  # the codebook stays at its start: no restart, no refresh
+    if not held:
+        run.model.post_step(progress.step)  # with the index of the step just taken, as its forward saw it
     progress.step += 1
-    _refresh_codebook(run, progress.step)
+    if not held:
+        _refresh_codebook(run, progress.step)
     distributed.broadcast_(run.state, run.model.data_dependent_state())  # one codebook on every process
     record = mean_records(distributed.gather_objects(run.state, mean_records(records)))  # averaged over processes
     record.update(step=progress.step, grad_norm=grad_norm)
