@@ -537,6 +537,9 @@ class CVAEBase(nn.Module):
         return dataclasses.replace(own, source="surprisal") if own.source == "dynamic" else own
 
     # -- parameters ----------------------------------------------------------------------------
+    #: Names of the trainable parameters that train in the ``latent`` group (``stability.parameter_norms`` too).
+    LATENT_GROUP_PREFIXES = ("latent_projection.", "codebook", "code_table")
+
     def parameter_groups(self, separate_codebook: bool = False) -> dict[str, list[nn.Parameter]]:
         """Trainable parameters by learning-rate group: encoder heads, latent embeddings, decoder; with
         ``separate_codebook`` the discrete codebook in a ``codebook`` group of its own (``train.codebook_lr``)."""
@@ -550,7 +553,7 @@ class CVAEBase(nn.Module):
                 groups["decoder"].append(param)
             elif separate_codebook and name.startswith("codebook"):
                 groups["codebook"].append(param)
-            elif name.startswith(("latent_projection.", "codebook", "code_table")):
+            elif name.startswith(self.LATENT_GROUP_PREFIXES):
                 groups["latent"].append(param)
             else:
                 groups["encoder"].append(param)

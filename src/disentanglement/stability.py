@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .checkpoints import CheckpointError, checkpoint_step, complete_checkpoints, read_trainer_state
+from .cvae_base import CVAEBase
 
 #: The divergence check's window of recent losses, and the suspect steps in a row that stop training.
 LOSS_WINDOW, LOSS_PATIENCE = 50, 3
@@ -97,7 +98,7 @@ def parameter_norms(state: dict[str, torch.Tensor]) -> dict[str, float]:
             "decoder"
             if name.startswith("decoder.")
             else "latent"
-            if name.startswith(("latent_projection.", "codebook", "code_table"))
+            if name.startswith(CVAEBase.LATENT_GROUP_PREFIXES)
             else "encoder"
         )
         sums[group] += float(tensor.detach().double().pow(2).sum())
