@@ -22,65 +22,49 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DISENTANGLE = [sys.executable, "-m", "disentanglement.cli"]
+#: the default's objective: terms 1 + 3 at alpha 2
+TERMS_1_3 = ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2"]
+#: the default recipe (preset default): that objective with the token_weighted view; most recipes below change it
+DEFAULT = [*TERMS_1_3, "--encoder-view", "token_weighted"]
 RECIPES = {
-    # the default: terms 1 + 3 at alpha 2, the token_weighted view (preset default)
-    "default": ["--reconstruction-weight", "1", "--token-weighted-weight", "1",
-                "--token-weight-alpha", "2", "--encoder-view", "token_weighted"],
+    "default": DEFAULT,
     "term3": ["--reconstruction-weight", "0", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
               "--encoder-view", "token_weighted"],
     "seed": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "1",
              "--encoder-view", "mean_last"],
-    "attention": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-                  "--encoder-view", "token_weighted_attention"],
-    "block": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-              "--encoder-view", "token_weighted_attention", "--encoder-block", "transformer"],
+    "attention": [*TERMS_1_3, "--encoder-view", "token_weighted_attention"],
+    "block": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--encoder-block", "transformer"],
     # the default with the encoder held at its start (k-means of the view): clustering, plus a decoder that learns
     # to generate each cluster
-    "fixed-encoder": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-                      "--encoder-view", "token_weighted", "--encoder-lr", "1e-9"],
+    "fixed-encoder": [*DEFAULT, "--encoder-lr", "1e-9"],
     # the default with the codebook started at the partition of k-means of the view itself
-    "view-kmeans": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-                    "--encoder-view", "token_weighted", "--codebook-init", "view_kmeans"],
+    "view-kmeans": [*DEFAULT, "--codebook-init", "view_kmeans"],
     # both: the codebook at the view's partition, the encoder held there (the decoder side learns to use the codes)
-    "view-kmeans-fixed": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-                          "--encoder-view", "token_weighted", "--codebook-init", "view_kmeans", "--encoder-lr", "1e-9"],
+    "view-kmeans-fixed": [*DEFAULT, "--codebook-init", "view_kmeans", "--encoder-lr", "1e-9"],
     # the codes moved by the codebook loss only, not by the decoder's gradient (VQ-VAE's rule)
-    "vq-codes": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-                 "--encoder-view", "token_weighted", "--no-codebook-decoder-gradient"],
+    "vq-codes": [*DEFAULT, "--no-codebook-decoder-gradient"],
     # the codebook at the encoder's rate (1e-3) in a group of its own, the latent projection at latent_lr (3e-2)
-    "codebook-lr": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-                    "--encoder-view", "token_weighted", "--codebook-lr", "1e-3"],
+    "codebook-lr": [*DEFAULT, "--codebook-lr", "1e-3"],
     # that, from the partition of k-means of the view itself
-    "codebook-lr-vk": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-                       "--encoder-view", "token_weighted", "--codebook-lr", "1e-3", "--codebook-init", "view_kmeans"],
+    "codebook-lr-vk": [*DEFAULT, "--codebook-lr", "1e-3", "--codebook-init", "view_kmeans"],
     # the encoder and the codebook nearly held (1e-5, 1e-4): the latent projection learns to decode the start's codes
-    "slow-encoder": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-                     "--encoder-view", "token_weighted", "--encoder-lr", "1e-5", "--codebook-lr", "1e-4"],
+    "slow-encoder": [*DEFAULT, "--encoder-lr", "1e-5", "--codebook-lr", "1e-4"],
     # the decoder reads the codes from a table of its own; the codebook only assigns
-    "code-table": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-                   "--encoder-view", "token_weighted", "--decoder-code-table"],
+    "code-table": [*DEFAULT, "--decoder-code-table"],
     # that, with the encoder and codebook held for the first 30 steps
-    "code-table-hold": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-                        "--encoder-view", "token_weighted", "--decoder-code-table", "--encoder-hold-steps", "30"],
+    "code-table-hold": [*DEFAULT, "--decoder-code-table", "--encoder-hold-steps", "30"],
     # that, with the encoder and codebook nearly held throughout: the start's partition, decoded
-    "code-table-slow": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-                        "--encoder-view", "token_weighted", "--decoder-code-table", "--encoder-lr", "1e-5",
-                        "--codebook-lr", "1e-4"],
+    "code-table-slow": [*DEFAULT, "--decoder-code-table", "--encoder-lr", "1e-5", "--codebook-lr", "1e-4"],
     # the code table with the encoder at a tenth of its rate and the codebook at 1e-3: can the encoder move at all?
-    "code-table-mid": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-                       "--encoder-view", "token_weighted", "--decoder-code-table", "--encoder-lr", "1e-4",
-                       "--codebook-lr", "1e-3"],
+    "code-table-mid": [*DEFAULT, "--decoder-code-table", "--encoder-lr", "1e-4", "--codebook-lr", "1e-3"],
     # code-table-slow from the partition of k-means of the view itself: the view's clusters, decoded
-    "code-table-slow-vk": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-                           "--encoder-view", "token_weighted", "--decoder-code-table", "--encoder-lr", "1e-5",
+    "code-table-slow-vk": [*DEFAULT, "--decoder-code-table", "--encoder-lr", "1e-5",
                            "--codebook-lr", "1e-4", "--codebook-init", "view_kmeans"],
     # code-table-slow trained longer (240 steps instead of 120)
-    "code-table-slow-240": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha",
-                            "2", "--encoder-view", "token_weighted", "--decoder-code-table", "--encoder-lr", "1e-5",
+    "code-table-slow-240": [*DEFAULT, "--decoder-code-table", "--encoder-lr", "1e-5",
                             "--codebook-lr", "1e-4", "--max-steps", "240"],
     # the attention view trained longer (400 steps instead of 120)
-    "attention-400": ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
-                      "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
+    "attention-400": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
 }  # fmt: skip
 PLAN = [  # (set, recipe, seeds)
     ("two-factor", "default", (0, 1, 2)),
