@@ -8,8 +8,16 @@
 ``empty`` uses fresh temporary model and feature cache folders (the embedded GGUF is dequantised again
 and the frozen pass runs over every example); ``warm`` runs the job again on the folders the ``empty``
 run filled (``both``, the default, does the two in a row: the second run of the same job on the same
-data); ``user`` leaves the folders to the config and the environment (``~/.cache/disentanglement``).
-Each run goes to its own temporary output folder, deleted afterwards (``--keep`` keeps them).
+data, in a new process as a user's second run is; ``--same-process`` runs it in this one, which measured
+7 % slower steps and 33 % slower validation than a new process: an artefact of the first run's memory, not
+of the caches); ``user`` leaves the folders to the config and the environment (``~/.cache/disentanglement``).
+``--cache-dir DIR`` keeps the cache folders in ``DIR`` (``--caches empty`` fills it, ``--caches warm`` reads
+it). Each run goes to its own temporary output folder, deleted afterwards (``--keep`` keeps them).
+
+After the table of seconds, the **floor**: each phase's useful FLOPs (``flops.job_flops``: the frozen pass over
+every example, the steps' forward and input-gradient backward, validation, and the verdict's decodes under
+every code) and the seconds they would take at 100 % of ``torch.matmul``'s rate on this CPU at the step's
+shapes, beside the seconds measured: the shortest the job could be on this machine without less work.
 
 It times the trainer's own functions, wrapped in place (nothing in the package changes):
 
@@ -33,11 +41,13 @@ response tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,9 +58,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
+from step_cost import matmul_rate_at  # noqa: E402
 
 from disentanglement import feature_store, trainer  # noqa: E402
 from disentanglement.config import build_config, read_config_file  # noqa: E402
+from disentanglement.flops import DecoderShape, job_flops  # noqa: E402
+from disentanglement.options import EvalOptions  # noqa: E402
 from disentanglement.verdict import train_verdict  # noqa: E402
 
 PHASES = (
@@ -143,6 +156,7 @@ def run_once(args, label: str, model_cache: str | None, feature_cache: str | Non
     def prepare(*a, **k):
         data = original_prepare(*a, **k)
         examples_seen["all"] = data.train + data.validation
+        examples_seen["train"], examples_seen["validation"] = data.train, data.validation
         return data
 
     trainer.prepare_data = prepare
@@ -177,8 +191,105 @@ def run_once(args, label: str, model_cache: str | None, feature_cache: str | Non
         "examples": len(examples_seen.get("all", [])),
         "padding": padding(examples_seen.get("all", []), max(config.train.batch_size, 16)),
         "final_step": result.final_step,
+        "useful_flops": useful_flops(result, config, examples_seen, len(timers.calls.get("validation", []))),
         "output": str(out) if args.keep else None,
     }
+
+
+def warm_run_in_new_process(args, caches: Path) -> dict:
+    """The second run as a user makes it: a new process on the caches the first filled (the run's JSON line
+    read back from its output)."""
+    command = [sys.executable, __file__, "--config", args.config, "--caches", "warm", "--cache-dir", str(caches)]
+    for flag, value in (("--threads", args.threads), ("--max-steps", args.max_steps)):
+        if value is not None:
+            command += [flag, str(value)]
+    if args.max_examples is not None:
+        command += ["--max-examples", str(args.max_examples)]
+    command += ["--device", args.device] + (["--keep"] if args.keep else [])
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    run = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    run["run"] = "warm caches (2nd run, new process)"
+    return run
+
+
+def verdict_decodes(model, config) -> int:
+    """Decoder passes per validation example of the verdict (``eval``'s scoring): every code combination of the
+    exact prior mixture (the posterior's and the bound's are among them), else the mixture's samples and the
+    posterior's decode."""
+    scoring = EvalOptions().scoring()
+    if config.latent.latent == "discrete":
+        combinations = config.latent.codebook_size**config.latent.num_slots
+        if combinations <= scoring.exact_limit:
+            return combinations
+    return scoring.prior_samples + scoring.iw_samples
+
+
+def useful_flops(result, config, examples: dict, validations: int) -> dict[str, float] | None:
+    """The run's useful FLOPs by phase (``flops.job_flops``), with the shapes it needs for the matmul rate."""
+    if config.latent.latent_placement == "memory" or "train" not in examples:
+        return None  # flops.py counts the prefix placement's [z][x][y] sequences
+    shape = DecoderShape.from_config(result.model.decoder.config)
+    train = [(len(e.prompt_ids), len(e.response_ids)) for e in examples["train"]]
+    validation = [(len(e.prompt_ids), len(e.response_ids)) for e in examples["validation"]]
+    batch = config.train.batch_size * config.train.gradient_accumulation_steps
+    per_validation = min(len(validation), config.train.eval_batches * config.train.batch_size)
+    out = job_flops(
+        shape,
+        train,
+        validation,
+        config.latent.latent_tokens,
+        steps=result.final_step,
+        batch_size=batch,
+        validation_examples=validations * per_validation,
+        verdict_decodes=verdict_decodes(result.model, config) if validation else 0,
+    )
+    mean_length = statistics.fmean(p + r for p, r in train) + config.latent.latent_tokens
+    out["matmul_rows"] = round(config.train.batch_size * mean_length)
+    out["head_rows"] = round(config.train.batch_size * statistics.fmean(r for _, r in train))
+    out["dtype"] = str(next(result.model.decoder.parameters()).dtype).removeprefix("torch.")
+    out["shape"] = dataclasses.asdict(shape)
+    return out
+
+
+FLOOR_PHASES = (
+    ("frozen pass", "frozen_pass"),
+    ("steps", "steps"),
+    ("validation", "validation"),
+    ("verdict", "verdict"),
+)
+
+
+def print_floor(runs: list[dict], args) -> None:
+    """Each run's useful FLOPs by phase, the seconds they take at this CPU's torch.matmul rate (the floor: 100 %
+    of the rate) and the share of that rate each phase reached."""
+    first = next((r["useful_flops"] for r in runs if r.get("useful_flops")), None)
+    if first is None:
+        return
+    dtype = getattr(torch, first["dtype"])
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    rate = matmul_rate_at(DecoderShape(**first["shape"]), first["matmul_rows"], first["head_rows"], dtype, device)
+    print(
+        f"\nuseful FLOPs (flops.job_flops) at torch.matmul's {first['dtype']} rate at the step's shapes, "
+        f"{torch.get_num_threads()} threads: {rate / 1e9:.0f} GFLOP/s"
+    )
+    print("| phase | " + " | ".join(f"{r['run']}: TFLOP, floor s, measured s, of the rate" for r in runs) + " |")
+    print("| --- |" + " ---: |" * len(runs))
+    totals = [[0.0, 0.0] for _ in runs]
+    for name, key in FLOOR_PHASES:
+        cells = []
+        for i, r in enumerate(runs):
+            flops = r["useful_flops"][key] if name != "frozen pass" or r["feature_cache"]["computed"] else 0.0
+            measured = r["seconds"][name]
+            totals[i][0] += flops
+            totals[i][1] += measured
+            share = f"{100 * flops / rate / measured:.0f} %" if flops and measured else "-"
+            cells.append(f"{flops / 1e12:.1f}, {flops / rate:.0f}, {measured:.0f}, {share}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    cells = [f"{f / 1e12:.1f}, **{f / rate:.0f}**, {m:.0f}, {100 * f / rate / m:.0f} %" for f, m in totals]
+    print("| **these phases** | " + " | ".join(cells) + " |")
+    for r, (flops, _) in zip(runs, totals, strict=True):
+        r["floor_seconds"] = round(flops / rate, 1)
+        r["matmul_gflops"] = round(rate / 1e9, 1)
 
 
 def _nested(values: dict) -> bool:
@@ -220,14 +331,24 @@ def print_table(runs: list[dict], args) -> None:
         f"({100 * pad['padded_tokens'] / max(1, pad['tokens'] + pad['padded_tokens']):.2f}%); LM head at "
         f"{pad['head_positions']} positions for {pad['response_tokens']} response tokens"
     )
-    for r in runs:
-        print(json.dumps(r))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
-    parser.add_argument("--caches", choices=("both", "empty", "user"), default="both")
+    parser.add_argument("--caches", choices=("both", "empty", "warm", "user"), default="both")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="the model and feature cache folders' parent (kept): empty for --caches empty, filled for warm",
+    )
+    parser.add_argument(
+        "--same-process",
+        action="store_true",
+        help="with --caches both, run the warm run in this process after the empty one (default: each run in a "
+        "process of its own, as a user's second run is)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--max-steps", type=int, default=None, help="instead of the config's (a quick check)")
     parser.add_argument("--max-examples", type=int, default=None, help="use only this many pairs (a quick check)")
@@ -244,17 +365,31 @@ def main(argv=None) -> int:
     runs = []
     if args.caches == "user":
         runs.append(run_once(args, "user caches", None, None))
+    elif args.caches in ("empty", "warm") and args.cache_dir is not None:
+        folders = str(args.cache_dir / "models"), str(args.cache_dir / "features")
+        if args.caches == "empty" and any(Path(f).exists() and any(Path(f).iterdir()) for f in folders):
+            parser.error(f"--caches empty needs an empty --cache-dir, and {args.cache_dir} holds caches")
+        if args.caches == "warm" and not all(Path(f).is_dir() for f in folders):
+            parser.error(f"--caches warm needs a --cache-dir filled by --caches empty; {args.cache_dir} is not")
+        runs.append(run_once(args, f"{args.caches} caches", *folders))
+    elif args.caches == "warm":
+        parser.error("--caches warm needs --cache-dir (the folder an earlier --caches empty run filled)")
     else:
-        caches = Path(tempfile.mkdtemp(prefix="main_job-caches-"))
+        caches = args.cache_dir or Path(tempfile.mkdtemp(prefix="main_job-caches-"))
         try:
             model_cache, feature_cache = str(caches / "models"), str(caches / "features")
             runs.append(run_once(args, "empty caches", model_cache, feature_cache))
-            if args.caches == "both":
-                runs.append(run_once(args, "warm caches (2nd run)", model_cache, feature_cache))
+            if args.caches == "both" and args.same_process:
+                runs.append(run_once(args, "warm caches (2nd run, same process)", model_cache, feature_cache))
+            elif args.caches == "both":
+                runs.append(warm_run_in_new_process(args, caches))
         finally:
-            if not args.keep:
+            if not args.keep and args.cache_dir is None:
                 shutil.rmtree(caches, ignore_errors=True)
     print_table(runs, args)
+    print_floor(runs, args)
+    for r in runs:
+        print(json.dumps(r))
     return 0
 
 

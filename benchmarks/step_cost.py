@@ -627,30 +627,37 @@ def useful_flops(setup: Setup, case: str) -> dict[str, float] | None:
 
 
 def matmul_rate(setup: Setup, dtype: torch.dtype, repeats: int = 5) -> float:
-    """FLOP/s of ``torch.matmul`` in ``dtype`` at the step's own shapes: every linear layer's forward
-    ``[M, in] x [in, out]`` and input-gradient ``[M, out] x [out, in]`` (``M`` = batch x mean padded
-    positions, latent included), and the LM head over the batch's response positions, each timed (the
-    fastest of ``repeats``) and weighted by how often a step runs it."""
-    shape = DecoderShape.from_config(setup.decoder.config)
+    """FLOP/s of ``torch.matmul`` in ``dtype`` at the step's own shapes (:func:`matmul_rate_at` with ``M`` =
+    batch x mean padded positions, latent included, and the head over the batch's response positions)."""
     latent = setup.config_c.latent.latent_tokens
     rows = round(len(setup.batches[0]) * (setup.mean_width + latent))
     head_rows = round(len(setup.batches[0]) * setup.mean_response)
+    shape = DecoderShape.from_config(setup.decoder.config)
+    return matmul_rate_at(shape, rows, head_rows, dtype, setup.device, repeats)
+
+
+def matmul_rate_at(
+    shape: DecoderShape, rows: int, head_rows: int, dtype: torch.dtype, device: torch.device, repeats: int = 5
+) -> float:
+    """FLOP/s of ``torch.matmul`` in ``dtype``: every linear layer's forward ``[rows, in] x [in, out]`` and
+    input-gradient ``[rows, out] x [out, in]``, and the LM head ``[head_rows, H] x [H, V]``, each timed (the
+    fastest of ``repeats``) and weighted by how often a step runs it."""
     # (m, k, n, times per step)
     shapes = [(rows, i, o, shape.layers) for i, o in shape.linear_shapes()]
     shapes += [(rows, o, i, shape.layers) for i, o in shape.linear_shapes()]
     shapes += [(head_rows, shape.hidden, shape.vocab, 2)]
     total_flops = total_seconds = 0.0
-    generator = torch.Generator(device=setup.device).manual_seed(0)
+    generator = torch.Generator(device=device).manual_seed(0)
     for m, k, n, count in shapes:
-        a = torch.randn(m, k, generator=generator, device=setup.device).to(dtype)
-        b = torch.randn(k, n, generator=generator, device=setup.device).to(dtype)
+        a = torch.randn(m, k, generator=generator, device=device).to(dtype)
+        b = torch.randn(k, n, generator=generator, device=device).to(dtype)
         torch.matmul(a, b)  # warm-up
         best = float("inf")
         for _ in range(repeats):
-            synchronize(setup.device)
+            synchronize(device)
             start = time.perf_counter()
             torch.matmul(a, b)
-            synchronize(setup.device)
+            synchronize(device)
             best = min(best, time.perf_counter() - start)
         total_flops += 2 * m * k * n * count
         total_seconds += best * count

@@ -3,11 +3,12 @@ tiny Llama (forward, and the backward with frozen weights: input gradients only)
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from disentanglement.flops import DecoderShape, forward_flops, input_backward_flops, step_flops
+from disentanglement.flops import DecoderShape, forward_flops, input_backward_flops, job_flops, step_flops
 
 
 def test_hand_count_of_a_tiny_decoder():
@@ -31,6 +32,28 @@ def test_hand_count_of_a_tiny_decoder():
     frozen = sum(forward_flops(shape, 2, 1).values()) + sum(forward_flops(shape, 4, 2).values())
     assert step["frozen_pass"] == frozen
     assert step["total"] == step["forward"] + step["backward"] + frozen
+
+
+def test_a_jobs_flops_by_phase_counted_by_hand():
+    """job_flops: the frozen pass over every example, the steps as the mean training example's forward and
+    backward times the examples drawn, validation and verdict as forwards under the latent."""
+    shape = DecoderShape(hidden=4, intermediate=6, layers=1, heads=2, kv_heads=1, head_dim=2, vocab=10)
+    train, validation = [(1, 1), (2, 2)], [(3, 1)]
+
+    def fwd(length, scored):
+        return sum(forward_flops(shape, length, scored).values())
+
+    def fwd_bwd(length, scored):
+        return fwd(length, scored) + sum(input_backward_flops(shape, length, scored).values())
+
+    job = job_flops(shape, train, validation, 1, steps=3, batch_size=2, validation_examples=5, verdict_decodes=4)
+    assert job["frozen_pass"] == fwd(2, 1) + fwd(4, 2) + fwd(4, 1)
+    assert job["steps"] == (fwd_bwd(3, 1) + fwd_bwd(5, 2)) / 2 * 3 * 2
+    assert job["validation"] == fwd(5, 1) * 5
+    assert job["verdict"] == fwd(5, 1) * 4
+    assert job["total"] == pytest.approx(sum(job[k] for k in ("frozen_pass", "steps", "validation", "verdict")))
+    empty = job_flops(shape, train, [], 1, steps=3, batch_size=2, validation_examples=0, verdict_decodes=4)
+    assert empty["validation"] == empty["verdict"] == 0
 
 
 def test_the_formula_matches_torchs_flop_counter_on_a_tiny_llama():

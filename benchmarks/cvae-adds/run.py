@@ -74,7 +74,7 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "attention", (0,)),
     ("style-in-content", "block", (0,)),
     ("dailydialog", "code-table-slow-vk", (0,)),
-    ("dailydialog", "default", (0, 1)),
+    ("dailydialog", "default", (0, 1, 2)),
     ("dailydialog", "seed", (0,)),
     ("dailydialog", "block", (0,)),
     ("two-factor", "view-kmeans", (0, 1, 2)),
@@ -158,6 +158,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dailydialog", type=Path, default=None)
     parser.add_argument("--only", nargs="*", default=None, help="sets to run (default: all of the plan)")
     parser.add_argument("--recipes", nargs="*", default=None, help="recipes to run (default: all of the plan's)")
+    parser.add_argument("--seeds", nargs="*", type=int, default=None, help="seeds to run (default: the plan's)")
     args = parser.parse_args(argv)
     todo = [
         (name, recipe, seed)
@@ -165,6 +166,7 @@ def main(argv=None) -> int:
         for seed in seeds
         if (args.only is None or name in args.only)
         and (args.recipes is None or recipe in args.recipes)
+        and (args.seeds is None or seed in args.seeds)
         and (name != "dailydialog" or args.dailydialog)
     ]
     for name, _, _ in todo:  # data first, once, before the runs share it

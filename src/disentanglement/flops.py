@@ -116,3 +116,43 @@ def step_flops(
             out[part] = sum(out[k] for k in keys)
     out["total"] = sum(out.get(part, 0) for part in ("forward", "backward", "frozen_pass"))
     return out
+
+
+def job_flops(
+    shape: DecoderShape,
+    train: Sequence[tuple[int, int]],
+    validation: Sequence[tuple[int, int]],
+    latent_tokens: int,
+    *,
+    steps: int,
+    batch_size: int,
+    validation_examples: int,
+    verdict_decodes: int,
+) -> dict[str, float]:
+    """Useful FLOPs of a training run by phase, from its examples' ``(prompt, response)`` lengths:
+
+    - ``frozen_pass``: one forward over ``[x][y]`` of every example, train and validation;
+    - ``steps``: ``steps x batch_size`` examples, each the mean training example's forward over ``[z][x][y]``
+      and input-gradient backward (the batches are drawn at random: the mean is the expectation);
+    - ``validation``: ``validation_examples`` forwards under the posterior latent (``eval_every``'s
+      validations times their ``eval_batches x batch_size`` examples), the mean validation example's each;
+    - ``verdict``: ``verdict_decodes`` forwards of every validation example (the discrete latent's exact prior
+      mixture decodes each example under each code; the posterior's and the bound's are among them).
+
+    Also ``total``. The mean over examples is exact for the linear layers and the head (linear in length),
+    the expectation of the attention's pairs over uniformly drawn examples."""
+
+    def total(pairs: Sequence[tuple[int, int]], latent: int, backward: bool) -> int:
+        if not pairs:
+            return 0
+        prompts, responses = zip(*pairs, strict=True)
+        return step_flops(shape, prompts, responses, latent, backward=backward)["total"]
+
+    out = {
+        "frozen_pass": float(total([*train, *validation], 0, False)),
+        "steps": total(train, latent_tokens, True) / max(1, len(train)) * steps * batch_size,
+        "validation": total(validation, latent_tokens, False) / max(1, len(validation)) * validation_examples,
+        "verdict": float(total(validation, latent_tokens, False) * verdict_decodes),
+    }
+    out["total"] = sum(out.values())
+    return out
