@@ -63,6 +63,10 @@ RECIPES = {
     # code-table-slow trained longer (240 steps instead of 120)
     "code-table-slow-240": [*DEFAULT, "--decoder-code-table", "--encoder-lr", "1e-5",
                             "--codebook-lr", "1e-4", "--max-steps", "240"],
+    # the straight-through gradient centred over the batch: the encoder may move examples apart, not all together
+    "centered": [*DEFAULT, "--centered-straight-through"],
+    # that, with the decoder reading its codes from a table of its own
+    "centered-table": [*DEFAULT, "--centered-straight-through", "--decoder-code-table"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
 }  # fmt: skip
@@ -100,6 +104,12 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-echo", "codebook-lr", (0, 1, 2)),
     ("two-factor", "codebook-lr-vk", (0, 1, 2)),
     ("style-in-echo", "codebook-lr-vk", (0, 1, 2)),
+    ("two-factor", "centered", (0, 1, 2)),
+    ("style-in-echo", "centered", (0, 1, 2)),
+    ("style-in-content", "centered", (0, 1, 2)),
+    ("two-factor", "centered-table", (0, 1, 2)),
+    ("style-in-echo", "centered-table", (0, 1, 2)),
+    ("style-in-content", "centered-table", (0, 1, 2)),
 ]
 
 

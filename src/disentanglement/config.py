@@ -377,6 +377,13 @@ class LatentConfig:
         "assigns (nearest code, moved by the codebook loss), so the decoder can separate the codes' meanings as fast "
         "as it likes without moving the partition (codebook_decoder_gradient is then moot).",
     )
+    centered_straight_through: bool = option(
+        False,
+        "Nearest: the decoder's gradient reaches the encoder outputs straight through minus its mean over the batch "
+        "(each slot's), so it can move examples apart but not shift every output the same way, the drift that "
+        "carries all of them onto one code (docs/what-the-cvae-adds.md, section 5). A batch of one example then "
+        "gets no decoder gradient in its encoder.",
+    )
     codebook_loss_weight: float = option(1.0, "Nearest: weight of ||sg(e) - E_k||^2 (moves codes).")
     commitment_weight: float = option(0.25, "Nearest: weight of ||e - sg(E_k)||^2 (commits the encoder).")
     dead_code_steps: int = option(
@@ -714,6 +721,15 @@ class RunConfig:
                     f"{self.latent.latent!r})",
                     field=name,
                 )
+        if self.latent.centered_straight_through and (
+            self.latent.latent != "discrete" or self.latent.assignment != "nearest"
+        ):
+            raise ConfigError(
+                "LatentConfig.centered_straight_through needs the discrete latent with assignment 'nearest' (it centres "
+                f"the straight-through gradient of the nearest code; latent {self.latent.latent!r}, assignment "
+                f"{self.latent.assignment!r} have none)",
+                field="centered_straight_through",
+            )
         if self.latent.decoder_code_table and self.latent.assignment != "nearest":
             raise ConfigError(
                 "LatentConfig.decoder_code_table needs assignment 'nearest' (the codebook assigns, the table is what "

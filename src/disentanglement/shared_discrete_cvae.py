@@ -111,7 +111,10 @@ class SharedDiscreteCVAE(CVAEBase):
                 decoded = self.code_table[codes]
             else:
                 decoded = chosen if cfg.codebook_decoder_gradient else chosen.detach()
-            vectors = decoded + (e - e.detach())
+            # centered_straight_through: through e minus its batch mean, whose gradient is the decoder's minus its
+            # mean over the batch (the common shift of every output removed)
+            through = e - e.mean(0, keepdim=True) if cfg.centered_straight_through else e
+            vectors = decoded + (through - through.detach())
             aux["codebook_loss"] = cfg.codebook_loss_weight * F.mse_loss(chosen, e.detach())
             aux["commitment_loss"] = cfg.commitment_weight * F.mse_loss(e, chosen.detach())
             if self.training:
