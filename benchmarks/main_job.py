@@ -191,62 +191,83 @@ def run_once(args, label: str, model_cache: str | None, feature_cache: str | Non
         "examples": len(examples_seen.get("all", [])),
         "padding": padding(examples_seen.get("all", []), max(config.train.batch_size, 16)),
         "final_step": result.final_step,
-        "useful_flops": useful_flops(result, config, examples_seen, len(timers.calls.get("validation", []))),
+        "useful_flops": useful_flops(
+            result, config, examples_seen, len(timers.calls.get("validation", [])), str(result.model.decoder.device)
+        ),
         "output": str(out) if args.keep else None,
     }
 
 
 def warm_run_in_new_process(args, caches: Path) -> dict:
-    """The second run as a user makes it: a new process on the caches the first filled (the run's JSON line
-    read back from its output)."""
+    """The second run as a user makes it: a new process on the caches the first filled. Its log passes through;
+    its run comes back as JSON in a file."""
     command = [sys.executable, __file__, "--config", args.config, "--caches", "warm", "--cache-dir", str(caches)]
-    for flag, value in (("--threads", args.threads), ("--max-steps", args.max_steps)):
+    for flag, value in (
+        ("--threads", args.threads),
+        ("--max-steps", args.max_steps),
+        ("--max-examples", args.max_examples),
+    ):
         if value is not None:
             command += [flag, str(value)]
-    if args.max_examples is not None:
-        command += ["--max-examples", str(args.max_examples)]
     command += ["--device", args.device] + (["--keep"] if args.keep else [])
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-    run = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    with tempfile.TemporaryDirectory(prefix="main_job-warm-") as folder:
+        handoff = Path(folder) / "run.json"
+        result = subprocess.run([*command, "--json", str(handoff)], check=False)
+        if result.returncode != 0 or not handoff.is_file():
+            raise SystemExit(
+                f"the warm run (a new process) failed with exit status {result.returncode}: {' '.join(command)}"
+            )
+        run = json.loads(handoff.read_text())[0]
     run["run"] = "warm caches (2nd run, new process)"
     return run
 
 
-def verdict_decodes(model, config) -> int:
-    """Decoder passes per validation example of the verdict (``eval``'s scoring): every code combination of the
-    exact prior mixture (the posterior's and the bound's are among them), else the mixture's samples and the
-    posterior's decode."""
+def verdict_decodes(config) -> int:
+    """Decoder passes per validation example of the verdict (``eval``'s scoring, ``CVAEBase.reusing_decodes``):
+    every code combination of an exact prior mixture (the posterior's and the bound's codes are among them);
+    else the mixture's samples, the posterior's decode and, except for the nearest code (whose bound is exact: its
+    posterior decode), the bound's samples."""
     scoring = EvalOptions().scoring()
     if config.latent.latent == "discrete":
         combinations = config.latent.codebook_size**config.latent.num_slots
         if combinations <= scoring.exact_limit:
             return combinations
-    return scoring.prior_samples + scoring.iw_samples
+        if config.latent.assignment == "nearest":
+            return scoring.prior_samples + 1
+    return scoring.prior_samples + 1 + scoring.iw_samples
 
 
-def useful_flops(result, config, examples: dict, validations: int) -> dict[str, float] | None:
-    """The run's useful FLOPs by phase (``flops.job_flops``), with the shapes it needs for the matmul rate."""
-    if config.latent.latent_placement == "memory" or "train" not in examples:
-        return None  # flops.py counts the prefix placement's [z][x][y] sequences
+def useful_flops(result, config, examples: dict, validations: int, device: str) -> dict[str, float] | None:
+    """The run's useful FLOPs by phase (``flops.job_flops``), with the shapes it needs for the matmul rate; None
+    where ``flops.py`` does not count the run's work (the memory placement, the frozen pass inside each step,
+    trained decoder weights, the divergence's extra decodes)."""
+    uncounted = (
+        config.latent.latent_placement == "memory"
+        or not config.train.feature_cache
+        or config.model.decoder_training != "frozen"
+        or config.divergence.divergence_weight
+    )
+    if uncounted or "train" not in examples:
+        return None
     shape = DecoderShape.from_config(result.model.decoder.config)
     train = [(len(e.prompt_ids), len(e.response_ids)) for e in examples["train"]]
     validation = [(len(e.prompt_ids), len(e.response_ids)) for e in examples["validation"]]
-    batch = config.train.batch_size * config.train.gradient_accumulation_steps
-    per_validation = min(len(validation), config.train.eval_batches * config.train.batch_size)
     out = job_flops(
         shape,
         train,
         validation,
         config.latent.latent_tokens,
         steps=result.final_step,
-        batch_size=batch,
-        validation_examples=validations * per_validation,
-        verdict_decodes=verdict_decodes(result.model, config) if validation else 0,
+        batch_size=config.train.batch_size * config.train.gradient_accumulation_steps,
+        validated=validation[: config.train.eval_batches * config.train.batch_size],  # validation.validate's
+        validations=validations,
+        verdict_decodes=verdict_decodes(config) if validation else 0,
     )
     mean_length = statistics.fmean(p + r for p, r in train) + config.latent.latent_tokens
     out["matmul_rows"] = round(config.train.batch_size * mean_length)
     out["head_rows"] = round(config.train.batch_size * statistics.fmean(r for _, r in train))
     out["dtype"] = str(next(result.model.decoder.parameters()).dtype).removeprefix("torch.")
+    out["device"] = device
     out["shape"] = dataclasses.asdict(shape)
     return out
 
@@ -265,8 +286,7 @@ def print_floor(runs: list[dict], args) -> None:
     first = next((r["useful_flops"] for r in runs if r.get("useful_flops")), None)
     if first is None:
         return
-    dtype = getattr(torch, first["dtype"])
-    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    dtype, device = getattr(torch, first["dtype"]), torch.device(first["device"])
     rate = matmul_rate_at(DecoderShape(**first["shape"]), first["matmul_rows"], first["head_rows"], dtype, device)
     print(
         f"\nuseful FLOPs (flops.job_flops) at torch.matmul's {first['dtype']} rate at the step's shapes, "
@@ -278,7 +298,10 @@ def print_floor(runs: list[dict], args) -> None:
     for name, key in FLOOR_PHASES:
         cells = []
         for i, r in enumerate(runs):
-            flops = r["useful_flops"][key] if name != "frozen pass" or r["feature_cache"]["computed"] else 0.0
+            flops = r["useful_flops"][key]
+            if name == "frozen pass":  # only the examples the feature cache lacked were computed
+                cache = r["feature_cache"]
+                flops *= cache["computed"] / max(1, cache["computed"] + cache["hits"])
             measured = r["seconds"][name]
             totals[i][0] += flops
             totals[i][1] += measured
@@ -343,6 +366,7 @@ def main(argv=None) -> int:
         default=None,
         help="the model and feature cache folders' parent (kept): empty for --caches empty, filled for warm",
     )
+    parser.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)  # the warm child's handoff
     parser.add_argument(
         "--same-process",
         action="store_true",
@@ -362,18 +386,20 @@ def main(argv=None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cache_dir is not None and args.caches == "user":
+        parser.error("--cache-dir cannot be used with --caches user (the config's and the environment's caches)")
+    if args.same_process and args.caches != "both":
+        parser.error("--same-process needs --caches both (it runs the warm run after the empty one in this process)")
+    folders = None if args.cache_dir is None else (args.cache_dir / "models", args.cache_dir / "features")
+    if folders and args.caches in ("empty", "both") and any(f.is_dir() and any(f.iterdir()) for f in folders):
+        parser.error(f"--caches {args.caches} needs an empty --cache-dir, and {args.cache_dir} holds caches")
+    if args.caches == "warm" and not (folders and all(f.is_dir() and any(f.iterdir()) for f in folders)):
+        parser.error("--caches warm needs a --cache-dir that an earlier --caches empty run filled")
     runs = []
     if args.caches == "user":
         runs.append(run_once(args, "user caches", None, None))
-    elif args.caches in ("empty", "warm") and args.cache_dir is not None:
-        folders = str(args.cache_dir / "models"), str(args.cache_dir / "features")
-        if args.caches == "empty" and any(Path(f).exists() and any(Path(f).iterdir()) for f in folders):
-            parser.error(f"--caches empty needs an empty --cache-dir, and {args.cache_dir} holds caches")
-        if args.caches == "warm" and not all(Path(f).is_dir() for f in folders):
-            parser.error(f"--caches warm needs a --cache-dir filled by --caches empty; {args.cache_dir} is not")
-        runs.append(run_once(args, f"{args.caches} caches", *folders))
-    elif args.caches == "warm":
-        parser.error("--caches warm needs --cache-dir (the folder an earlier --caches empty run filled)")
+    elif args.caches in ("empty", "warm") and folders:
+        runs.append(run_once(args, f"{args.caches} caches", *map(str, folders)))
     else:
         caches = args.cache_dir or Path(tempfile.mkdtemp(prefix="main_job-caches-"))
         try:
@@ -386,6 +412,9 @@ def main(argv=None) -> int:
         finally:
             if not args.keep and args.cache_dir is None:
                 shutil.rmtree(caches, ignore_errors=True)
+    if args.json is not None:  # the warm child: hand the run back, leave the tables to the parent
+        args.json.write_text(json.dumps(runs))
+        return 0
     print_table(runs, args)
     print_floor(runs, args)
     for r in runs:

@@ -46,13 +46,15 @@ def test_a_jobs_flops_by_phase_counted_by_hand():
     def fwd_bwd(length, scored):
         return fwd(length, scored) + sum(input_backward_flops(shape, length, scored).values())
 
-    job = job_flops(shape, train, validation, 1, steps=3, batch_size=2, validation_examples=5, verdict_decodes=4)
+    job = job_flops(
+        shape, train, validation, 1, steps=3, batch_size=2, validated=validation, validations=5, verdict_decodes=4
+    )
     assert job["frozen_pass"] == fwd(2, 1) + fwd(4, 2) + fwd(4, 1)
     assert job["steps"] == (fwd_bwd(3, 1) + fwd_bwd(5, 2)) / 2 * 3 * 2
     assert job["validation"] == fwd(5, 1) * 5
     assert job["verdict"] == fwd(5, 1) * 4
     assert job["total"] == pytest.approx(sum(job[k] for k in ("frozen_pass", "steps", "validation", "verdict")))
-    empty = job_flops(shape, train, [], 1, steps=3, batch_size=2, validation_examples=0, verdict_decodes=4)
+    empty = job_flops(shape, train, [], 1, steps=3, batch_size=2, validated=[], validations=0, verdict_decodes=4)
     assert empty["validation"] == empty["verdict"] == 0
 
 

@@ -403,52 +403,67 @@ def test_codebook_decoder_gradient_decides_whether_the_decoder_moves_the_chosen_
     assert model.encoder[-1].weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("table", [False, True])
-def test_centered_straight_through_removes_the_common_shift_of_the_encoder_gradient(table):
+def _encoder_output_gradient(model, features, decoder_grad):
+    """``(gradient at the encoder's outputs [B, M * C], latent value)`` of ``sum(vector * decoder_grad)``."""
+    outputs = {}
+    handle = model.encoder.register_forward_hook(lambda module, args, out: outputs.setdefault("e", out))
+    try:
+        sample = model.encode(features, step=0)
+    finally:
+        handle.remove()
+    outputs["e"].retain_grad()
+    model.zero_grad()
+    (sample.vector * decoder_grad).sum().backward()  # a stand-in for the decoder's gradient
+    return outputs["e"].grad.clone(), sample.vector.detach()
+
+
+@pytest.mark.parametrize(("table", "slots"), [(False, 1), (True, 1), (False, 2)])
+def test_centered_straight_through_removes_the_common_shift_of_the_encoder_gradient(table, slots):
     """centered_straight_through: the latent's value is unchanged (the chosen code, or its table entry); the
     gradient that reaches the encoder outputs straight through is the decoder's minus its mean over the batch,
-    computed by hand against the uncentred run of the same weights; a gradient that is the same for every
-    example reaches the encoder not at all."""
+    per slot, computed by hand against the uncentred run of the same weights; a gradient that is the same for
+    every example reaches the encoder not at all."""
     tokenizer = tiny_tokenizer()
     pairs = make_hidden_factor_pairs([f"q {i}" for i in range(6)], kind="clean")
     grads, values = {}, {}
     for centered in (False, True):
         config = build_config(
-            dict(chat_template=False, latent="discrete", centered_straight_through=centered, decoder_code_table=table)
+            dict(
+                chat_template=False,
+                latent="discrete",
+                num_slots=slots,
+                centered_straight_through=centered,
+                decoder_code_table=table,
+            )
         )
         examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
         torch.manual_seed(0)
         model = build_cvae(config, tiny_llama(len(tokenizer)))
         features = model.frozen_pass(collate(examples, tokenizer.pad_token_id))
         model.train()
-        outputs = {}
-        handle = model.encoder.register_forward_hook(lambda module, args, out: outputs.setdefault("e", out))
-        sample = model.encode(features, step=0)
-        handle.remove()
-        outputs["e"].retain_grad()
-        decoder_grad = torch.randn(sample.vector.shape, generator=torch.Generator().manual_seed(1))
-        (sample.vector * decoder_grad).sum().backward()  # a stand-in for the decoder's gradient
-        grads[centered], values[centered] = outputs["e"].grad.clone(), sample.vector.detach()
+        shape = model.encode(features, step=0).vector.shape
+        decoder_grad = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        grads[centered], values[centered] = _encoder_output_gradient(model, features, decoder_grad)
         if centered:  # the same gradient for every example: nothing reaches the encoder
-            model.zero_grad()
-            outputs.clear()
-            handle = model.encoder.register_forward_hook(lambda module, args, out: outputs.setdefault("e", out))
-            sample = model.encode(features, step=0)
-            handle.remove()
-            outputs["e"].retain_grad()
-            (sample.vector * decoder_grad[:1]).sum().backward()
-            torch.testing.assert_close(outputs["e"].grad, torch.zeros_like(outputs["e"].grad), rtol=0, atol=1e-6)
+            same, _ = _encoder_output_gradient(model, features, decoder_grad[:1])
+            torch.testing.assert_close(same, torch.zeros_like(same), rtol=0, atol=1e-6)
     torch.testing.assert_close(values[True], values[False], rtol=0, atol=0)
-    by_hand = grads[False] - grads[False].mean(0, keepdim=True)
+    B, C = len(examples), model.latent_cfg.code_dim
+    uncentred = grads[False].view(B, slots, C)
+    by_hand = torch.stack([uncentred[:, m] - uncentred[:, m].mean(0) for m in range(slots)], 1).view(B, -1)
     assert not torch.allclose(grads[False], by_hand)  # the uncentred gradient has a common part to remove
     torch.testing.assert_close(grads[True], by_hand, rtol=1e-5, atol=1e-7)
 
 
-def test_centered_straight_through_needs_the_nearest_assignment():
+def test_centered_straight_through_needs_the_nearest_code_and_a_batch():
     from disentanglement.config import ConfigError
 
-    for bad in (dict(latent="continuous"), dict(latent="discrete", assignment="gumbel")):
-        with pytest.raises(ConfigError, match="centered_straight_through"):
+    for bad, why in (
+        (dict(latent="continuous"), "latent 'continuous' has no nearest code"),
+        (dict(latent="discrete", assignment="gumbel"), "assignment 'gumbel' has no straight-through path"),
+        (dict(latent="discrete", batch_size=1), "batch_size >= 2"),
+    ):
+        with pytest.raises(ConfigError, match=why):
             build_config(dict(bad, centered_straight_through=True))
 
 

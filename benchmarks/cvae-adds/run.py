@@ -2,6 +2,7 @@
 once (one thread each), each skipped when its report exists; then the tables (``table.py``).
 
     python benchmarks/cvae-adds/run.py [--out runs/cvae-adds] [--jobs 2] [--dailydialog FILE.jsonl] [--only NAME ...]
+        [--recipes NAME ...] [--seeds N ...]
 
 Synthetic sets (``disentangle data synth``): 800 training rows of seed 0 and 200 held-out rows of seed 1, the
 thesis base (``benchmarks/thesis/base.yaml``: frozen SmolLM2-135M, K = 4 codes in one slot, 120 steps of 8) in
@@ -67,6 +68,12 @@ RECIPES = {
     "centered": [*DEFAULT, "--centered-straight-through"],
     # that, with the decoder reading its codes from a table of its own
     "centered-table": [*DEFAULT, "--centered-straight-through", "--decoder-code-table"],
+    # centered trained longer (400 steps instead of 120)
+    "centered-400": [*DEFAULT, "--centered-straight-through", "--max-steps", "400"],
+    # code-table-slow with LoRA adapters on the decoder (reference: the adapters off): the decoder can learn what
+    # the prompt predicts (the phrasing), so that the codes need carry only what it does not
+    "code-table-slow-lora": [*DEFAULT, "--decoder-code-table", "--encoder-lr", "1e-5", "--codebook-lr", "1e-4",
+                             "--decoder-training", "lora", "--decoder-lr", "1e-3"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
 }  # fmt: skip
@@ -107,9 +114,13 @@ PLAN = [  # (set, recipe, seeds)
     ("two-factor", "centered", (0, 1, 2)),
     ("style-in-echo", "centered", (0, 1, 2)),
     ("style-in-content", "centered", (0, 1, 2)),
+    ("two-factor", "code-table-slow-lora", (0, 1, 2)),
+    ("style-in-echo", "code-table-slow-lora", (0, 1, 2)),
     ("two-factor", "centered-table", (0, 1, 2)),
     ("style-in-echo", "centered-table", (0, 1, 2)),
     ("style-in-content", "centered-table", (0, 1, 2)),
+    ("style-in-content", "centered-400", (0,)),
+    ("dailydialog", "centered", (0,)),
 ]
 
 

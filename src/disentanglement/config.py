@@ -379,10 +379,11 @@ class LatentConfig:
     )
     centered_straight_through: bool = option(
         False,
-        "Nearest: the decoder's gradient reaches the encoder outputs straight through minus its mean over the batch "
-        "(each slot's), so it can move examples apart but not shift every output the same way, the drift that "
-        "carries all of them onto one code (docs/what-the-cvae-adds.md, section 5). A batch of one example then "
-        "gets no decoder gradient in its encoder.",
+        "Nearest: every gradient that reaches the encoder outputs straight through the chosen code (the decoder's, "
+        "the bag-of-words loss's) arrives minus its mean over the batch, per slot: no common part that moves every "
+        "output the same way, the drift that carried them all onto one code (docs/what-the-cvae-adds.md, section 6). "
+        "The mean is over each process's batch of batch_size examples (each micro-batch when accumulating); the "
+        "commitment loss is not centred. Needs batch_size >= 2.",
     )
     codebook_loss_weight: float = option(1.0, "Nearest: weight of ||sg(e) - E_k||^2 (moves codes).")
     commitment_weight: float = option(0.25, "Nearest: weight of ||e - sg(E_k)||^2 (commits the encoder).")
@@ -721,15 +722,24 @@ class RunConfig:
                     f"{self.latent.latent!r})",
                     field=name,
                 )
-        if self.latent.centered_straight_through and (
-            self.latent.latent != "discrete" or self.latent.assignment != "nearest"
-        ):
-            raise ConfigError(
-                "LatentConfig.centered_straight_through needs the discrete latent with assignment 'nearest' (it centres "
-                f"the straight-through gradient of the nearest code; latent {self.latent.latent!r}, assignment "
-                f"{self.latent.assignment!r} have none)",
-                field="centered_straight_through",
-            )
+        if self.latent.centered_straight_through:
+            if self.latent.latent != "discrete" or self.latent.assignment != "nearest":
+                what = (
+                    f"latent {self.latent.latent!r} has no nearest code"
+                    if self.latent.latent != "discrete"
+                    else f"assignment {self.latent.assignment!r} has no straight-through path"
+                )
+                raise ConfigError(
+                    "LatentConfig.centered_straight_through centres the straight-through gradient of the nearest "
+                    f"code: it needs the discrete latent with assignment 'nearest' ({what})",
+                    field="centered_straight_through",
+                )
+            if self.train.batch_size < 2:
+                raise ConfigError(
+                    "LatentConfig.centered_straight_through needs TrainConfig.batch_size >= 2: the gradient minus its "
+                    f"mean over a batch of {self.train.batch_size} is zero, and the encoder would never learn",
+                    field="centered_straight_through",
+                )
         if self.latent.decoder_code_table and self.latent.assignment != "nearest":
             raise ConfigError(
                 "LatentConfig.decoder_code_table needs assignment 'nearest' (the codebook assigns, the table is what "

@@ -126,7 +126,8 @@ def job_flops(
     *,
     steps: int,
     batch_size: int,
-    validation_examples: int,
+    validated: Sequence[tuple[int, int]],
+    validations: int,
     verdict_decodes: int,
 ) -> dict[str, float]:
     """Useful FLOPs of a training run by phase, from its examples' ``(prompt, response)`` lengths:
@@ -134,8 +135,8 @@ def job_flops(
     - ``frozen_pass``: one forward over ``[x][y]`` of every example, train and validation;
     - ``steps``: ``steps x batch_size`` examples, each the mean training example's forward over ``[z][x][y]``
       and input-gradient backward (the batches are drawn at random: the mean is the expectation);
-    - ``validation``: ``validation_examples`` forwards under the posterior latent (``eval_every``'s
-      validations times their ``eval_batches x batch_size`` examples), the mean validation example's each;
+    - ``validation``: ``validations`` times a forward under the posterior latent of each example of
+      ``validated`` (the examples one validation scores: the first ``eval_batches x batch_size``);
     - ``verdict``: ``verdict_decodes`` forwards of every validation example (the discrete latent's exact prior
       mixture decodes each example under each code; the posterior's and the bound's are among them).
 
@@ -151,7 +152,7 @@ def job_flops(
     out = {
         "frozen_pass": float(total([*train, *validation], 0, False)),
         "steps": total(train, latent_tokens, True) / max(1, len(train)) * steps * batch_size,
-        "validation": total(validation, latent_tokens, False) / max(1, len(validation)) * validation_examples,
+        "validation": float(total(validated, latent_tokens, False) * validations),
         "verdict": float(total(validation, latent_tokens, False) * verdict_decodes),
     }
     out["total"] = sum(out.values())
