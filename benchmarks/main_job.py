@@ -136,11 +136,11 @@ def padding(examples, batch_size: int) -> dict[str, int]:
     }
 
 
-def run_once(args, label: str, model_cache: str | None, feature_cache: str | None) -> dict:
+def job_config(args, output_dir: Path, model_cache: str | None = None, feature_cache: str | None = None):
+    """The job's config (``args.config``) with this benchmark's output folder, caches and limits."""
     values = read_config_file(args.config)
-    out = Path(tempfile.mkdtemp(prefix=f"main_job-{label}-"))
     flat = {k: v for section in values.values() for k, v in section.items()} if _nested(values) else dict(values)
-    flat.update(output_dir=str(out / "run"), progress=False, device=args.device)
+    flat.update(output_dir=str(output_dir), progress=False, device=args.device)
     if model_cache is not None:
         flat["model_cache_dir"] = model_cache
     if feature_cache is not None:
@@ -149,7 +149,51 @@ def run_once(args, label: str, model_cache: str | None, feature_cache: str | Non
         flat["max_steps"] = args.max_steps
     if args.max_examples is not None:
         flat["max_examples"] = args.max_examples
-    config = build_config(flat)
+    return build_config(flat)
+
+
+def floor_only(args) -> None:
+    """The job's floor without running it: its data read and tokenised, the useful FLOPs of each phase it would
+    run (the steps it is configured for, its validations, its verdict) at this CPU's matmul rate."""
+    config = job_config(args, Path(tempfile.gettempdir()) / "main_job-floor-unused")
+    device = trainer.choose_device(config.train.device, "TrainConfig.device")
+    decoder, tokenizer = trainer._decoder_and_tokenizer(config, None, device)
+    data = trainer.prepare_data(config, tokenizer, None)
+    tcfg = config.train
+    validations = tcfg.max_steps // tcfg.eval_every if tcfg.eval_every else 1
+    flops = useful_flops(
+        decoder, tcfg.max_steps, config, {"train": data.train, "validation": data.validation}, validations, str(device)
+    )
+    if flops is None:
+        raise SystemExit(
+            "flops.py does not count this job's work (memory placement, no feature cache, trained decoder)"
+        )
+    rate = matmul_rate_at(
+        DecoderShape(**flops["shape"]), flops["matmul_rows"], flops["head_rows"], getattr(torch, flops["dtype"]), device
+    )
+    print(
+        f"floor of {args.config}: {len(data.train)} training and {len(data.validation)} validation pairs, "
+        f"{tcfg.max_steps} steps of {tcfg.batch_size}, {validations} validations; torch.matmul's {flops['dtype']} "
+        f"rate at the step's shapes, {torch.get_num_threads()} threads: {rate / 1e9:.0f} GFLOP/s"
+    )
+    print("| phase | useful TFLOP | seconds at 100 % of that rate |")
+    print("| --- | ---: | ---: |")
+    for name, key in (*FLOOR_PHASES, ("**all four**", "total")):
+        print(f"| {name} | {flops[key] / 1e12:.1f} | {flops[key] / rate:.0f} |")
+    print(
+        json.dumps(
+            {
+                "floor_seconds": round(flops["total"] / rate, 1),
+                "matmul_gflops": round(rate / 1e9, 1),
+                **{k: v for k, v in flops.items() if k in ("frozen_pass", "steps", "validation", "verdict", "total")},
+            }
+        )
+    )
+
+
+def run_once(args, label: str, model_cache: str | None, feature_cache: str | None) -> dict:
+    out = Path(tempfile.mkdtemp(prefix=f"main_job-{label}-"))
+    config = job_config(args, out / "run", model_cache, feature_cache)
     examples_seen = {}
     original_prepare = trainer.prepare_data
 
@@ -192,7 +236,12 @@ def run_once(args, label: str, model_cache: str | None, feature_cache: str | Non
         "padding": padding(examples_seen.get("all", []), max(config.train.batch_size, 16)),
         "final_step": result.final_step,
         "useful_flops": useful_flops(
-            result, config, examples_seen, len(timers.calls.get("validation", [])), str(result.model.decoder.device)
+            result.model.decoder,
+            result.final_step,
+            config,
+            examples_seen,
+            len(timers.calls.get("validation", [])),
+            str(result.model.decoder.device),
         ),
         "output": str(out) if args.keep else None,
     }
@@ -237,7 +286,7 @@ def verdict_decodes(config) -> int:
     return scoring.prior_samples + 1 + scoring.iw_samples
 
 
-def useful_flops(result, config, examples: dict, validations: int, device: str) -> dict[str, float] | None:
+def useful_flops(decoder, steps: int, config, examples: dict, validations: int, device: str) -> dict[str, float] | None:
     """The run's useful FLOPs by phase (``flops.job_flops``), with the shapes it needs for the matmul rate; None
     where ``flops.py`` does not count the run's work (the memory placement, the frozen pass inside each step,
     trained decoder weights, the divergence's extra decodes)."""
@@ -249,7 +298,7 @@ def useful_flops(result, config, examples: dict, validations: int, device: str) 
     )
     if uncounted or "train" not in examples:
         return None
-    shape = DecoderShape.from_config(result.model.decoder.config)
+    shape = DecoderShape.from_config(decoder.config)
     train = [(len(e.prompt_ids), len(e.response_ids)) for e in examples["train"]]
     validation = [(len(e.prompt_ids), len(e.response_ids)) for e in examples["validation"]]
     out = job_flops(
@@ -257,7 +306,7 @@ def useful_flops(result, config, examples: dict, validations: int, device: str) 
         train,
         validation,
         config.latent.latent_tokens,
-        steps=result.final_step,
+        steps=steps,
         batch_size=config.train.batch_size * config.train.gradient_accumulation_steps,
         validated=validation[: config.train.eval_batches * config.train.batch_size],  # validation.validate's
         validations=validations,
@@ -266,7 +315,7 @@ def useful_flops(result, config, examples: dict, validations: int, device: str) 
     mean_length = statistics.fmean(p + r for p, r in train) + config.latent.latent_tokens
     out["matmul_rows"] = round(config.train.batch_size * mean_length)
     out["head_rows"] = round(config.train.batch_size * statistics.fmean(r for _, r in train))
-    out["dtype"] = str(next(result.model.decoder.parameters()).dtype).removeprefix("torch.")
+    out["dtype"] = str(next(decoder.parameters()).dtype).removeprefix("torch.")
     out["device"] = device
     out["shape"] = dataclasses.asdict(shape)
     return out
@@ -366,6 +415,11 @@ def main(argv=None) -> int:
         default=None,
         help="the model and feature cache folders' parent (kept): empty for --caches empty, filled for warm",
     )
+    parser.add_argument(
+        "--floor-only",
+        action="store_true",
+        help="do not run the job: print its useful FLOPs by phase and the seconds they take at this CPU's matmul rate",
+    )
     parser.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)  # the warm child's handoff
     parser.add_argument(
         "--same-process",
@@ -386,6 +440,9 @@ def main(argv=None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.floor_only:
+        floor_only(args)
+        return 0
     if args.cache_dir is not None and args.caches == "user":
         parser.error("--cache-dir cannot be used with --caches user (the config's and the environment's caches)")
     if args.same_process and args.caches != "both":

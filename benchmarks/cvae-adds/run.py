@@ -74,6 +74,12 @@ RECIPES = {
     # the prompt predicts (the phrasing), so that the codes need carry only what it does not
     "code-table-slow-lora": [*DEFAULT, "--decoder-code-table", "--encoder-lr", "1e-5", "--codebook-lr", "1e-4",
                              "--decoder-training", "lora", "--decoder-lr", "1e-3"],
+    # the default with the centred straight-through and LoRA adapters on the decoder
+    "centered-lora": [*DEFAULT, "--centered-straight-through", "--decoder-training", "lora", "--decoder-lr", "1e-3"],
+    # raw reconstruction (term 1 alone, the mean_last view: preset raw), with LoRA adapters on the decoder: the
+    # likelihood to compare the LoRA recipes with
+    "raw-lora": ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
+                 "--encoder-view", "mean_last", "--decoder-training", "lora", "--decoder-lr", "1e-3"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
 }  # fmt: skip
@@ -121,6 +127,12 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-table", (0, 1, 2)),
     ("style-in-content", "centered-400", (0,)),
     ("dailydialog", "centered", (0,)),
+    ("two-factor", "centered-lora", (0, 1, 2)),
+    ("style-in-echo", "centered-lora", (0, 1, 2)),
+    ("style-in-content", "centered-lora", (0, 1, 2)),
+    ("two-factor", "raw-lora", (0,)),
+    ("style-in-echo", "raw-lora", (0,)),
+    ("dailydialog", "centered-lora", (0,)),
 ]
 
 
