@@ -130,6 +130,7 @@ PLAN = [  # (set, recipe, seeds)
     ("two-factor", "centered-lora", (0, 1, 2)),
     ("style-in-echo", "centered-lora", (0, 1, 2)),
     ("style-in-content", "centered-lora", (0, 1, 2)),
+    ("chatterbot-style", "code-table-slow-lora", (0, 1, 2)),
     ("two-factor", "raw-lora", (0,)),
     ("style-in-echo", "raw-lora", (0,)),
     ("dailydialog", "centered-lora", (0,)),
