@@ -160,7 +160,7 @@ def floor_only(args) -> None:
     decoder, tokenizer = trainer._decoder_and_tokenizer(config, None, device)
     data = trainer.prepare_data(config, tokenizer, None)
     tcfg = config.train
-    validations = tcfg.max_steps // tcfg.eval_every if tcfg.eval_every else 1
+    validations = sum(trainer._due(tcfg.eval_every, step, tcfg.max_steps) for step in range(1, tcfg.max_steps + 1))
     flops = useful_flops(
         decoder, tcfg.max_steps, config, {"train": data.train, "validation": data.validation}, validations, str(device)
     )
@@ -168,9 +168,7 @@ def floor_only(args) -> None:
         raise SystemExit(
             "flops.py does not count this job's work (memory placement, no feature cache, trained decoder)"
         )
-    rate = matmul_rate_at(
-        DecoderShape(**flops["shape"]), flops["matmul_rows"], flops["head_rows"], getattr(torch, flops["dtype"]), device
-    )
+    rate = floor_rate(flops)
     print(
         f"floor of {args.config}: {len(data.train)} training and {len(data.validation)} validation pairs, "
         f"{tcfg.max_steps} steps of {tcfg.batch_size}, {validations} validations; torch.matmul's {flops['dtype']} "
@@ -199,7 +197,6 @@ def run_once(args, label: str, model_cache: str | None, feature_cache: str | Non
 
     def prepare(*a, **k):
         data = original_prepare(*a, **k)
-        examples_seen["all"] = data.train + data.validation
         examples_seen["train"], examples_seen["validation"] = data.train, data.validation
         return data
 
@@ -217,6 +214,7 @@ def run_once(args, label: str, model_cache: str | None, feature_cache: str | Non
         trainer.prepare_data = original_prepare
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)
+    every = examples_seen.get("train", []) + examples_seen.get("validation", [])
     seconds = {phase: sum(timers.calls.get(phase, [])) for phase in ORDER[:-2]}
     seconds["other"] = total - sum(seconds.values())
     seconds["total"] = total
@@ -232,8 +230,8 @@ def run_once(args, label: str, model_cache: str | None, feature_cache: str | Non
         "validations": len(timers.calls.get("validation", [])),
         "checkpoints": len(timers.calls.get("checkpoints", [])),
         "feature_cache": {"hits": store.hits, "computed": store.computed} if config.train.feature_cache else None,
-        "examples": len(examples_seen.get("all", [])),
-        "padding": padding(examples_seen.get("all", []), max(config.train.batch_size, 16)),
+        "examples": len(every),
+        "padding": padding(every, max(config.train.batch_size, 16)),
         "final_step": result.final_step,
         "useful_flops": useful_flops(
             result.model.decoder,
@@ -321,6 +319,12 @@ def useful_flops(decoder, steps: int, config, examples: dict, validations: int, 
     return out
 
 
+def floor_rate(flops: dict) -> float:
+    """torch.matmul's FLOP/s at the shapes, dtype and device :func:`useful_flops` recorded for the run."""
+    shape, dtype = DecoderShape(**flops["shape"]), getattr(torch, flops["dtype"])
+    return matmul_rate_at(shape, flops["matmul_rows"], flops["head_rows"], dtype, torch.device(flops["device"]))
+
+
 FLOOR_PHASES = (
     ("frozen pass", "frozen_pass"),
     ("steps", "steps"),
@@ -335,8 +339,7 @@ def print_floor(runs: list[dict], args) -> None:
     first = next((r["useful_flops"] for r in runs if r.get("useful_flops")), None)
     if first is None:
         return
-    dtype, device = getattr(torch, first["dtype"]), torch.device(first["device"])
-    rate = matmul_rate_at(DecoderShape(**first["shape"]), first["matmul_rows"], first["head_rows"], dtype, device)
+    rate = floor_rate(first)
     print(
         f"\nuseful FLOPs (flops.job_flops) at torch.matmul's {first['dtype']} rate at the step's shapes, "
         f"{torch.get_num_threads()} threads: {rate / 1e9:.0f} GFLOP/s"
