@@ -8,8 +8,9 @@ Synthetic sets (``disentangle data synth``): 800 training rows of seed 0 and 200
 thesis base (``benchmarks/thesis/base.yaml``: frozen SmolLM2-135M, K = 4 codes in one slot, 120 steps of 8) in
 bf16; ``chatterbot-style`` (the corpus with a hidden style marker) is evaluated on its run's validation split.
 DailyDialog (``--dailydialog``, a JSONL of ``disentangle data dailydialog``): trained on the pairs of dialogues
-0-699, evaluated on 700-999, ``dailydialog.yaml`` (K = 8, 200 steps), without generation (no detector reads a
-dialogue act from text), on the first 600 evaluation pairs after eval's seeded choice.
+0-699, evaluated on 700-999, ``dailydialog.yaml`` (K = 8, 200 steps), on the first 600 evaluation pairs after
+eval's seeded choice; its generations are read by the act classifier on the frozen features (no detector reads a
+dialogue act from text).
 """
 
 from __future__ import annotations
@@ -80,6 +81,15 @@ RECIPES = {
     # likelihood to compare the LoRA recipes with
     "raw-lora": ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
                  "--encoder-view", "mean_last", "--decoder-training", "lora", "--decoder-lr", "1e-3"],
+    # the centred straight-through with the attention view: a pool that can learn to look at the style's tokens
+    "centered-attention": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--centered-straight-through"],
+    # centered without the k-means refresh of the codebook (every 25 steps of the first half by default), which
+    # re-clusters the encoder outputs where the view still clusters them (by topic on style-in-content)
+    "centered-norefresh": [*DEFAULT, "--centered-straight-through", "--codebook-refresh-every", "0"],
+    # centered-lora with term 3's weights from the training model's own current NLL (token_weight_source dynamic):
+    # once the adapters have learnt the content, what is left surprising is what the latent has not explained
+    "centered-lora-dynamic": [*DEFAULT, "--centered-straight-through", "--decoder-training", "lora", "--decoder-lr",
+                              "1e-3", "--token-weight-source", "dynamic", "--max-steps", "240"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
 }  # fmt: skip
@@ -134,6 +144,10 @@ PLAN = [  # (set, recipe, seeds)
     ("two-factor", "raw-lora", (0,)),
     ("style-in-echo", "raw-lora", (0,)),
     ("dailydialog", "centered-lora", (0,)),
+    ("style-in-content", "centered-attention", (0, 1, 2)),
+    ("style-in-content", "centered-norefresh", (0, 1, 2)),
+    ("style-in-content", "centered-lora-dynamic", (0, 1, 2)),
+    ("chatterbot-style", "centered-lora", (0,)),
 ]
 
 
@@ -179,7 +193,7 @@ def one_run(out: Path, name: str, recipe: str, seed: int, dailydialog: Path | No
     log = run.parent / f"seed-{seed}.log"
     sh([*DISENTANGLE, "train", "--config", str(config), *RECIPES[recipe], "--data", str(train), "--dtype",
         "bfloat16", "--seed", str(seed), "--output-dir", str(run), "--resume", "auto", "--no-progress"], log)  # fmt: skip
-    generation = ["--max-examples", "600"] if name == "dailydialog" else ["--generation"]
+    generation = ["--max-examples", "600", "--generation"] if name == "dailydialog" else ["--generation"]
     report.parent.mkdir(parents=True, exist_ok=True)
     sh([*DISENTANGLE, "eval", str(run), "--data", evaluate, *generation, "--output", str(report), "--no-progress"], log)
     return report

@@ -5,7 +5,9 @@
 One row per report: its run and step, per factor the latent's NMI beside k-means of the encoder's view and of
 the prior features, the posterior and z-free NLL (nats/token), the latent gain, and (with --generation) per
 factor the share of generations whose factor, read back from the text, is the one their code stands for, with
-chance and the share where no value was found, and the generations' z-free NLL over the real responses'.
+chance and the share where no value was found (where no detector reads the factor, as for DailyDialog's act: the
+share that the classifier on the frozen features gives the code's value, beside its accuracy on real responses),
+and the generations' z-free NLL over the real responses'.
 """
 
 from __future__ import annotations
@@ -32,15 +34,20 @@ def row(path: Path) -> str:
     ]
     control = report.get("controllability")
     if control:
-        accuracy = control.get("factor_accuracy", {}).get("factors", {})
-        cells.append(
-            "; ".join(
-                f"{n} {e['accuracy']:.3f} (chance {e['chance']:.2f}, none {e['none_share']:.2f}, n {e['generations_scored']})"
-                for n, e in accuracy.items()
-                if e["accuracy"] is not None
-            )
-            or "-"
+        accuracy = (control.get("factor_accuracy") or {}).get("factors", {})
+        text = "; ".join(
+            f"{n} {e['accuracy']:.3f} (chance {e['chance']:.2f}, none {e['none_share']:.2f}, n {e['generations_scored']})"
+            for n, e in accuracy.items()
+            if e["accuracy"] is not None
         )
+        if not text:  # no detector reads the factor from text (DailyDialog): the classifier on the frozen features
+            text = "; ".join(
+                f"{n} {e['accuracy']:.3f} by the classifier (chance {e['chance']:.2f}, on real responses "
+                f"{e['real_accuracy']:.2f}, n {e['generations_scored']})"
+                for n, e in (control.get("labels") or {}).items()
+                if e.get("accuracy") is not None
+            )
+        cells.append(text or "-")
         cells.append(f"{control['zfree_nll_per_token'] / control['real_zfree_nll_per_token']:.2f}")
     else:
         cells += ["-", "-"]

@@ -1,0 +1,88 @@
+"""Where a run's latent helps, token by token: on the style marker or on the rest of the response.
+
+    python benchmarks/cvae-adds/marker_share.py RUN --data HELDOUT.jsonl [--examples 64]
+
+For a run on a set with hidden style markers (``style-in-content``, ``style-in-echo``, ``chatterbot-style``), each of
+the first ``--examples`` examples of ``--data`` is scored as ``disentangle inspect`` scores one
+(:func:`disentanglement.inspection.token_values`), and its response tokens are split in three: the marker's tokens
+(those whose characters fall in the marker's span), the end (the end-of-sequence token, where a suffix marker or its
+absence is decided, and what the chat template writes after it) and the content. Per part, summed over the part's tokens and averaged over the examples: the z-free
+surprisal ``b_t``, term 3's weight ``pi_t``, and the latent gain ``prior_nll - conditioned_nll`` (what the posterior
+code saves over the prior mixture, the quantity ``eval`` averages per token). A latent that carries the style
+gains on the marker and the end; one that carries something else gains on the content.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+from disentanglement.inspection import token_values  # noqa: E402
+from disentanglement.runs import load_checkpoint, load_examples  # noqa: E402
+from disentanglement.synthetic import STYLE_MARKERS  # noqa: E402
+
+PARTS = ("marker", "end", "content")
+QUANTITIES = {"zfree_surprisal": "z-free b_t", "token_weight": "term 3's pi_t", "latent_gain": "latent gain"}
+
+
+def token_parts(tokens: list[str], specials: set[str], style: str) -> list[str]:
+    """Each response token's part: "end" from the first special token on (the end-of-sequence token and what the
+    chat template writes after it), "marker" where its characters start inside the style marker's span of the
+    text before it, "content" otherwise."""
+    end = next((i for i, token in enumerate(tokens) if token in specials), len(tokens))
+    text = "".join(tokens[:end])
+    where, marker = STYLE_MARKERS[style]
+    if where == "prefix":
+        span = (0, len(marker.strip()))
+    elif where == "suffix":
+        span = (len(text.rstrip()) - len(marker.strip()), len(text.rstrip()))
+    else:
+        span = (0, 0)
+    parts, position = [], 0
+    for token in tokens[:end]:
+        start = position + (len(token) - len(token.lstrip()))  # a token's leading space belongs to the gap
+        parts.append("marker" if span[0] <= start < span[1] else "content")
+        position += len(token)
+    return parts + ["end"] * (len(tokens) - end)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run")
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--examples", type=int, default=64)
+    args = parser.parse_args(argv)
+    model, tokenizer, config, _, _, _ = load_checkpoint(args.run, device="cpu")
+    examples, _ = load_examples(args.data, config, tokenizer)
+    specials = set(tokenizer.all_special_tokens)
+    sums = defaultdict(float)
+    styles = defaultdict(int)
+    for example in examples[: args.examples]:
+        style = example.label["style"]
+        tokens, values, _ = token_values(model, tokenizer, example)
+        parts = token_parts(tokens, specials, style)
+        styles[style] += 1
+        for quantity in QUANTITIES:
+            for part, value in zip(parts, values[quantity], strict=True):
+                sums[quantity, part] += value
+                sums[quantity, style, part] += value
+    n = sum(styles.values())
+    print(f"{args.run}: {n} examples of {args.data}; per example, summed over each part's tokens")
+    print(
+        "| quantity | " + " | ".join(PARTS) + " | " + " | ".join(f"{s}: marker / end / content" for s in styles) + " |"
+    )
+    print("| --- " * (1 + len(PARTS) + len(styles)) + "|")
+    for quantity, name in QUANTITIES.items():
+        cells = [f"{sums[quantity, p] / n:.3f}" for p in PARTS]
+        cells += [" / ".join(f"{sums[quantity, s, p] / styles[s]:.2f}" for p in PARTS) for s in styles]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
