@@ -1,0 +1,102 @@
+"""``benchmarks/cvae-adds/`` (docs/what-the-cvae-adds.md's runs): every recipe is a valid training config, the
+table reads eval reports with and without a text detector, and marker_share.py splits a response's tokens."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from disentanglement.cli import _train_config, build_parser
+
+BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "cvae-adds"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"cvae_adds_{name}", BENCHMARK / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def run():
+    return load("run")
+
+
+@pytest.fixture(scope="module")
+def table():
+    return load("table")
+
+
+@pytest.fixture(scope="module")
+def marker_share():
+    return load("marker_share")
+
+
+def test_every_planned_recipe_is_a_valid_training_config(run):
+    assert {recipe for _, recipe, _ in run.PLAN} <= set(run.RECIPES)
+    base = BENCHMARK.parent / "thesis" / "base.yaml"
+    for recipe, flags in run.RECIPES.items():
+        args = build_parser().parse_args(["train", "--config", str(base), *flags])
+        config = _train_config(args)  # builds and checks every field
+        assert config.latent.latent == "discrete", recipe
+    centered = _train_config(build_parser().parse_args(["train", *run.RECIPES["centered-lora-dynamic"]]))
+    assert centered.latent.centered_straight_through and centered.model.decoder_training == "lora"
+    assert centered.reconstruction.token_weight_source == "dynamic" and centered.train.max_steps == 240
+
+
+def report(tmp_path: Path, controllability: dict | None) -> Path:
+    checkpoint = tmp_path / "runs" / "set-recipe" / "seed-0" / "checkpoints" / "step-000120"
+    body = {
+        "checkpoint": str(checkpoint),
+        "step": 120,
+        "factors": {
+            "act": {n: {"nmi": v} for n, v in (("latent", 0.1), ("encoder_kmeans", 0.04), ("prior_kmeans", 0.02))}
+        },
+        "posterior_nll_nats_per_token": 2.5,
+        "zfree_nll_nats_per_token": 3.0,
+        "latent_gain_nats_per_token": 0.012,
+        "controllability": controllability,
+    }
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(body))
+    return path
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
+    fluency = {"zfree_nll_per_token": 1.8, "real_zfree_nll_per_token": 2.0}
+    detected = {
+        "factors": {"style": {"accuracy": 0.96875, "chance": 0.25, "none_share": 0.0, "generations_scored": 32}}
+    }
+    row = cells(table.row(report(tmp_path, {"factor_accuracy": detected, "labels": {}, **fluency})))
+    assert row[0] == "set-recipe/seed-0 @120"
+    assert row[1] == "act 0.100 (view 0.040, prior 0.020)"
+    assert row[2:4] == ["2.500 / 3.000", "+0.0120"]
+    assert row[4] == "style 0.969 (chance 0.25, none 0.00, n 32)"
+    assert row[5] == "0.90"
+    labels = {"act": {"accuracy": 0.5, "chance": 0.25, "real_accuracy": 0.6, "generations_scored": 64}}
+    row = cells(table.row(report(tmp_path, {"factor_accuracy": None, "labels": labels, **fluency})))
+    assert row[4] == "act 0.500 by the classifier (chance 0.25, on real responses 0.60, n 64)"
+    assert cells(table.row(report(tmp_path, None)))[4:] == ["-", "-"]
+
+
+@pytest.mark.parametrize(
+    ("style", "tokens", "parts"),
+    [
+        ("listen", ["Listen", " up", ".", " Mul", "ch", ".", "<|im_end|>", "\n"], "MMMCCCEE"),
+        ("signoff", ["Salt", ".", " Over", " and", " out", ".", "<|im_end|>", "\n"], "CCMMMMEE"),
+        ("ahoy", ["Ah", "oy", " there", "!", " Lift", ".", "<|im_end|>"], "MMMMCCE"),
+        ("plain", ["Salt", " the", ".", "<|im_end|>", "\n"], "CCCEE"),
+        ("plain", ["Salt", "."], "CC"),  # no end-of-sequence token: nothing is the end
+    ],
+)
+def test_marker_share_splits_marker_end_and_content(marker_share, style, tokens, parts):
+    names = {"M": "marker", "E": "end", "C": "content"}
+    assert marker_share.token_parts(tokens, {"<|im_end|>", "<|im_start|>"}, style) == [names[p] for p in parts]
