@@ -7,7 +7,7 @@ the first ``--examples`` examples of ``--data`` is scored as ``disentangle inspe
 (:func:`disentanglement.inspection.token_values`), and its response tokens are split in three: the marker's tokens
 (those whose characters fall in the marker's span), the end (the end-of-sequence token, where a suffix marker or its
 absence is decided, and what the chat template writes after it) and the content. Per part, summed over the part's tokens and averaged over the examples: the z-free
-surprisal ``b_t``, term 3's weight ``pi_t``, and the latent gain ``prior_nll - conditioned_nll`` (what the posterior
+surprisal ``b_t``, term 3's weight ``pi_t``, the decoder's NLL under the posterior code ``l_t``, and the latent gain ``prior_nll - conditioned_nll`` (what the posterior
 code saves over the prior mixture, the quantity ``eval`` averages per token). A latent that carries the style
 gains on the marker and the end; one that carries something else gains on the content.
 """
@@ -27,7 +27,12 @@ from disentanglement.runs import load_checkpoint, load_examples  # noqa: E402
 from disentanglement.synthetic import STYLE_MARKERS  # noqa: E402
 
 PARTS = ("marker", "end", "content")
-QUANTITIES = {"zfree_surprisal": "z-free b_t", "token_weight": "term 3's pi_t", "latent_gain": "latent gain"}
+QUANTITIES = {
+    "zfree_surprisal": "z-free b_t",
+    "token_weight": "term 3's pi_t",
+    "conditioned_nll": "posterior NLL l_t",
+    "latent_gain": "latent gain",
+}
 
 
 def token_parts(tokens: list[str], specials: set[str], style: str) -> list[str]:
