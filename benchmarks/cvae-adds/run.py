@@ -90,6 +90,9 @@ RECIPES = {
     # once the adapters have learnt the content, what is left surprising is what the latent has not explained
     "centered-lora-dynamic": [*DEFAULT, "--centered-straight-through", "--decoder-training", "lora", "--decoder-lr",
                               "1e-3", "--token-weight-source", "dynamic", "--max-steps", "240"],
+    # centered-lora from the partition of k-means of the view itself (two-factor's rare word at NMI 1.000)
+    "centered-lora-vk": [*DEFAULT, "--centered-straight-through", "--decoder-training", "lora", "--decoder-lr", "1e-3",
+                         "--codebook-init", "view_kmeans"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
 }  # fmt: skip
@@ -148,6 +151,8 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-norefresh", (0, 1, 2)),
     ("style-in-content", "centered-lora-dynamic", (0, 1, 2)),
     ("chatterbot-style", "centered-lora", (0,)),
+    ("two-factor", "centered-lora-vk", (0, 1, 2)),
+    ("style-in-echo", "centered-lora-vk", (0, 1, 2)),
 ]
 
 
