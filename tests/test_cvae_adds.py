@@ -38,14 +38,21 @@ def marker_share():
 
 def test_every_planned_recipe_is_a_valid_training_config(run):
     assert {recipe for _, recipe, _ in run.PLAN} <= set(run.RECIPES)
-    base = BENCHMARK.parent / "thesis" / "base.yaml"
-    for recipe, flags in run.RECIPES.items():
-        args = build_parser().parse_args(["train", "--config", str(base), *flags])
-        config = _train_config(args)  # builds and checks every field
-        assert config.latent.latent == "discrete", recipe
-    centered = _train_config(build_parser().parse_args(["train", *run.RECIPES["centered-lora-dynamic"]]))
-    assert centered.latent.centered_straight_through and centered.model.decoder_training == "lora"
-    assert centered.reconstruction.token_weight_source == "dynamic" and centered.train.max_steps == 240
+    configs = {"dailydialog": BENCHMARK / "dailydialog.yaml"}
+    built = {}
+    for name, recipe, _ in run.PLAN:  # each with the config its set trains with; building checks every field
+        base = configs.get(name, BENCHMARK.parent / "thesis" / "base.yaml")
+        built[recipe] = _train_config(build_parser().parse_args(["train", "--config", str(base), *run.RECIPES[recipe]]))
+    for recipe in ("centered", "centered-attention", "centered-norefresh", "centered-lora", "centered-lora-vk"):
+        assert built[recipe].latent.centered_straight_through, recipe
+    assert built["centered-attention"].latent.encoder_view == "token_weighted_attention"
+    assert built["centered-norefresh"].latent.codebook_refresh_every == 0
+    assert built["centered-lora-vk"].latent.codebook_init == "view_kmeans"
+    assert built["centered-lora-vk"].model.decoder_training == "lora"
+    dynamic = built["centered-lora-dynamic"]
+    assert dynamic.model.decoder_training == "lora" and dynamic.train.max_steps == 240
+    assert dynamic.reconstruction.token_weight_source == "dynamic"
+    assert built["default"].reconstruction.token_weight_source == "surprisal"
 
 
 def report(tmp_path: Path, controllability: dict | None) -> Path:
@@ -81,9 +88,15 @@ def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
     assert row[2:4] == ["2.500 / 3.000", "+0.0120"]
     assert row[4] == "style 0.969 (chance 0.25, none 0.00, n 32)"
     assert row[5] == "0.90"
-    labels = {"act": {"accuracy": 0.5, "chance": 0.25, "real_accuracy": 0.6, "generations_scored": 64}}
-    row = cells(table.row(report(tmp_path, {"factor_accuracy": None, "labels": labels, **fluency})))
-    assert row[4] == "act 0.500 by the classifier (chance 0.25, on real responses 0.60, n 64)"
+    labels = {
+        "act": {"accuracy": 0.5, "chance": 0.25, "real_accuracy": 0.6, "generations_scored": 64},
+        "emotion": {"accuracy": 0.25, "chance": 0.14, "real_accuracy": None, "generations_scored": 64},
+    }
+    row = cells(table.row(report(tmp_path, {"labels": labels, **fluency})))  # no detector: no factor_accuracy
+    assert row[4] == (
+        "act 0.500 by the classifier (chance 0.25, on real responses 0.60, n 64); "
+        "emotion 0.250 by the classifier (chance 0.14, on real responses n/a, n 64)"
+    )
     assert cells(table.row(report(tmp_path, None)))[4:] == ["-", "-"]
 
 
@@ -94,9 +107,14 @@ def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
         ("signoff", ["Salt", ".", " Over", " and", " out", ".", "<|im_end|>", "\n"], "CCMMMMEE"),
         ("ahoy", ["Ah", "oy", " there", "!", " Lift", ".", "<|im_end|>"], "MMMMCCE"),
         ("plain", ["Salt", " the", ".", "<|im_end|>", "\n"], "CCCEE"),
-        ("plain", ["Salt", "."], "CC"),  # no end-of-sequence token: nothing is the end
+        ("listen", ["Salt", ".", "<|im_end|>"], "CCE"),  # a marker the text does not show marks nothing
     ],
 )
 def test_marker_share_splits_marker_end_and_content(marker_share, style, tokens, parts):
     names = {"M": "marker", "E": "end", "C": "content"}
     assert marker_share.token_parts(tokens, {"<|im_end|>", "<|im_start|>"}, style) == [names[p] for p in parts]
+
+
+def test_marker_share_leaves_out_a_response_cut_off_before_its_end(marker_share):
+    # a signoff response cut at max_response_tokens: no end-of-sequence token, and no marker either
+    assert marker_share.token_parts(["Salt", " the", " pasta", " water"], {"<|im_end|>"}, "signoff") is None

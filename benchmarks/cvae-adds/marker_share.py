@@ -2,14 +2,17 @@
 
     python benchmarks/cvae-adds/marker_share.py RUN --data HELDOUT.jsonl [--examples 64]
 
-For a run on a set with hidden style markers (``style-in-content``, ``style-in-echo``, ``chatterbot-style``), each of
-the first ``--examples`` examples of ``--data`` is scored as ``disentangle inspect`` scores one
-(:func:`disentanglement.inspection.token_values`), and its response tokens are split in three: the marker's tokens
-(those whose characters fall in the marker's span), the end (the end-of-sequence token, where a suffix marker or its
-absence is decided, and what the chat template writes after it) and the content. Per part, summed over the part's tokens and averaged over the examples: the z-free
-surprisal ``b_t``, term 3's weight ``pi_t``, the decoder's NLL under the posterior code ``l_t``, and the latent gain ``prior_nll - conditioned_nll`` (what the posterior
-code saves over the prior mixture, the quantity ``eval`` averages per token). A latent that carries the style
-gains on the marker and the end; one that carries something else gains on the content.
+For a run on a set with hidden style markers (``style-in-content``, ``style-in-echo``, ``chatterbot-style``), each
+of the first ``--examples`` examples of ``--data`` is scored as ``disentangle inspect`` scores one
+(:func:`disentanglement.inspection.token_values`), and its response tokens are split in three (:func:`token_parts`):
+the marker's tokens, the end (the end-of-sequence token, where a suffix marker or its absence is decided, and what
+the chat template writes after it) and the content. Per part, summed over the part's tokens and averaged over the
+examples (the marker column over every example, plain ones included): the z-free surprisal ``b_t``, term 3's
+weight ``pi_t``, the decoder's NLL under the posterior code ``l_t``, and the latent gain ``prior_nll -
+conditioned_nll`` (what the posterior code saves over the prior mixture, the quantity ``eval`` averages per token).
+A latent that carries the style gains on the marker and the end; one that carries something else gains on the
+content. Responses cut off before their end (no end-of-sequence token: a long ``chatterbot-style`` response under
+``max_response_tokens``) are left out and counted.
 """
 
 from __future__ import annotations
@@ -35,22 +38,27 @@ QUANTITIES = {
 }
 
 
-def token_parts(tokens: list[str], specials: set[str], style: str) -> list[str]:
-    """Each response token's part: "end" from the first special token on (the end-of-sequence token and what the
-    chat template writes after it), "marker" where its characters start inside the style marker's span of the
-    text before it, "content" otherwise."""
-    end = next((i for i, token in enumerate(tokens) if token in specials), len(tokens))
-    text = "".join(tokens[:end])
+def token_parts(tokens: list[str], specials: set[str], style: str) -> list[str] | None:
+    """Each response token's part, or None for a response cut off before its end (no special token in ``tokens``).
+
+    "end" from the first special token on; before it, "marker" for a token whose first character that is not
+    whitespace (a token's leading space belongs to the gap before it) lies in the span of the style's marker in the
+    text the tokens spell, "content" otherwise. A style whose marker the text does not show has no marker tokens.
+    """
+    end = next((i for i, token in enumerate(tokens) if token in specials), None)
+    if end is None:
+        return None
+    text = "".join(tokens[:end]).rstrip()
     where, marker = STYLE_MARKERS[style]
-    if where == "prefix":
-        span = (0, len(marker.strip()))
-    elif where == "suffix":
-        span = (len(text.rstrip()) - len(marker.strip()), len(text.rstrip()))
-    else:
-        span = (0, 0)
+    marker = marker.strip()
+    span = (0, 0)
+    if where == "prefix" and text.startswith(marker):
+        span = (0, len(marker))
+    elif where == "suffix" and text.endswith(marker):
+        span = (len(text) - len(marker), len(text))
     parts, position = [], 0
     for token in tokens[:end]:
-        start = position + (len(token) - len(token.lstrip()))  # a token's leading space belongs to the gap
+        start = position + (len(token) - len(token.lstrip()))
         parts.append("marker" if span[0] <= start < span[1] else "content")
         position += len(token)
     return parts + ["end"] * (len(tokens) - end)
@@ -67,17 +75,24 @@ def main(argv=None) -> int:
     specials = set(tokenizer.all_special_tokens)
     sums = defaultdict(float)
     styles = defaultdict(int)
+    cut_off = 0
     for example in examples[: args.examples]:
         style = example.label["style"]
         tokens, values, _ = token_values(model, tokenizer, example)
         parts = token_parts(tokens, specials, style)
+        if parts is None:
+            cut_off += 1
+            continue
         styles[style] += 1
         for quantity in QUANTITIES:
             for part, value in zip(parts, values[quantity], strict=True):
                 sums[quantity, part] += value
                 sums[quantity, style, part] += value
     n = sum(styles.values())
-    print(f"{args.run}: {n} examples of {args.data}; per example, summed over each part's tokens")
+    print(
+        f"{args.run}: {n} examples of {args.data} ({cut_off} cut off before their end left out); per example, "
+        "summed over each part's tokens"
+    )
     print(
         "| quantity | " + " | ".join(PARTS) + " | " + " | ".join(f"{s}: marker / end / content" for s in styles) + " |"
     )

@@ -10,7 +10,8 @@ bf16; ``chatterbot-style`` (the corpus with a hidden style marker) is evaluated 
 DailyDialog (``--dailydialog``, a JSONL of ``disentangle data dailydialog``): trained on the pairs of dialogues
 0-699, evaluated on 700-999, ``dailydialog.yaml`` (K = 8, 200 steps), on the first 600 evaluation pairs after
 eval's seeded choice; its generations are read by the act classifier on the frozen features (no detector reads a
-dialogue act from text).
+dialogue act from text). A run whose report exists is skipped: delete the report to score it again (DailyDialog
+reports written before its evals passed ``--generation`` have no controllability).
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ RECIPES = {
     # re-clusters the encoder outputs where the view still clusters them (by topic on style-in-content)
     "centered-norefresh": [*DEFAULT, "--centered-straight-through", "--codebook-refresh-every", "0"],
     # centered-lora with term 3's weights from the training model's own current NLL (token_weight_source dynamic):
-    # once the adapters have learnt the content, what is left surprising is what the latent has not explained
+    # once the adapters have learnt the content, what is left surprising is what the latent has not explained;
+    # trained 240 steps, twice centered-lora's 120, so that the adapters have time to learn the content (two changes
+    # at once: a probe, not a controlled comparison)
     "centered-lora-dynamic": [*DEFAULT, "--centered-straight-through", "--decoder-training", "lora", "--decoder-lr",
                               "1e-3", "--token-weight-source", "dynamic", "--max-steps", "240"],
     # centered-lora from the partition of k-means of the view itself (two-factor's rare word at NMI 1.000)

@@ -5,8 +5,9 @@
 One row per report: its run and step, per factor the latent's NMI beside k-means of the encoder's view and of
 the prior features, the posterior and z-free NLL (nats/token), the latent gain, and (with --generation) per
 factor the share of generations whose factor, read back from the text, is the one their code stands for, with
-chance and the share where no value was found (where no detector reads the factor, as for DailyDialog's act: the
-share that the classifier on the frozen features gives the code's value, beside its accuracy on real responses),
+chance and the share where no value was found (where no detector reads the text, as for DailyDialog's act and
+emotion: per factor, the share that the classifier on the frozen features gives the code's value, beside chance and
+the classifier's accuracy on held-out real responses),
 and the generations' z-free NLL over the real responses'.
 """
 
@@ -43,7 +44,8 @@ def row(path: Path) -> str:
         if not text:  # no detector reads the factor from text (DailyDialog): the classifier on the frozen features
             text = "; ".join(
                 f"{n} {e['accuracy']:.3f} by the classifier (chance {e['chance']:.2f}, on real responses "
-                f"{e['real_accuracy']:.2f}, n {e['generations_scored']})"
+                f"{'n/a' if e.get('real_accuracy') is None else format(e['real_accuracy'], '.2f')}, "
+                f"n {e['generations_scored']})"
                 for n, e in (control.get("labels") or {}).items()
                 if e.get("accuracy") is not None
             )
@@ -60,7 +62,8 @@ def main(argv: list[str]) -> int:
         return 2
     print(
         "| run @step | NMI per factor (k-means of the view, of the prior) | posterior / z-free NLL | latent gain "
-        "| factor read from the generations (chance, no value, generations) | generations' / real z-free NLL |"
+        "| factor read from the generations (chance, no value, generations; or by the classifier) "
+        "| generations' / real z-free NLL |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
     for name in argv:
