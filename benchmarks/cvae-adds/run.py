@@ -149,7 +149,7 @@ PLAN = [  # (set, recipe, seeds)
     ("chatterbot-style", "code-table-slow-lora", (0, 1, 2)),
     ("two-factor", "raw-lora", (0,)),
     ("style-in-echo", "raw-lora", (0,)),
-    ("dailydialog", "centered-lora", (0,)),
+    ("dailydialog", "centered-lora", (0, 1, 2)),
     ("style-in-content", "centered-attention", (0, 1, 2)),
     ("style-in-content", "centered-norefresh", (0, 1, 2)),
     ("style-in-content", "centered-lora-dynamic", (0, 1, 2)),
