@@ -52,7 +52,9 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
     dynamic = built["centered-lora-dynamic"]
     assert dynamic.model.decoder_training == "lora" and dynamic.train.max_steps == 240
     assert dynamic.reconstruction.token_weight_source == "dynamic"
-    assert built["default"].reconstruction.token_weight_source == "surprisal"
+    control = built["centered-lora-240"]  # the dynamic probe's control: the same but the weights' source
+    assert control.train.max_steps == 240 and control.reconstruction.token_weight_source == "surprisal"
+    assert control.model.decoder_training == "lora" and control.latent.centered_straight_through
 
 
 def report(tmp_path: Path, controllability: dict | None) -> Path:

@@ -93,6 +93,9 @@ RECIPES = {
     # at once: a probe, not a controlled comparison)
     "centered-lora-dynamic": [*DEFAULT, "--centered-straight-through", "--decoder-training", "lora", "--decoder-lr",
                               "1e-3", "--token-weight-source", "dynamic", "--max-steps", "240"],
+    # centered-lora trained 240 steps: centered-lora-dynamic's control (the steps without the dynamic weights)
+    "centered-lora-240": [*DEFAULT, "--centered-straight-through", "--decoder-training", "lora", "--decoder-lr", "1e-3",
+                          "--max-steps", "240"],
     # centered-lora from the partition of k-means of the view itself (two-factor's rare word at NMI 1.000)
     "centered-lora-vk": [*DEFAULT, "--centered-straight-through", "--decoder-training", "lora", "--decoder-lr", "1e-3",
                          "--codebook-init", "view_kmeans"],
@@ -154,6 +157,7 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-norefresh", (0, 1, 2)),
     ("style-in-content", "centered-lora-dynamic", (0, 1, 2)),
     ("chatterbot-style", "centered-lora", (0,)),
+    ("style-in-content", "centered-lora-240", (0,)),
     ("two-factor", "centered-lora-vk", (0, 1, 2)),
     ("style-in-echo", "centered-lora-vk", (0, 1, 2)),
 ]
