@@ -29,6 +29,10 @@ DISENTANGLE = [sys.executable, "-m", "disentanglement.cli"]
 TERMS_1_3 = ["--reconstruction-weight", "1", "--token-weighted-weight", "1", "--token-weight-alpha", "2"]
 #: the default recipe (preset default): that objective with the token_weighted view; most recipes below change it
 DEFAULT = [*TERMS_1_3, "--encoder-view", "token_weighted"]
+#: LoRA adapters on the decoder (the z-free reference: the same model with the adapters off)
+LORA = ["--decoder-training", "lora", "--decoder-lr", "1e-3"]
+#: the default with the centred straight-through and LORA (section 6's centered-lora); its variants add to it
+CENTERED_LORA = [*DEFAULT, "--centered-straight-through", *LORA]
 RECIPES = {
     "default": DEFAULT,
     "term3": ["--reconstruction-weight", "0", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
@@ -74,14 +78,13 @@ RECIPES = {
     "centered-400": [*DEFAULT, "--centered-straight-through", "--max-steps", "400"],
     # code-table-slow with LoRA adapters on the decoder (reference: the adapters off): the decoder can learn what
     # the prompt predicts (the phrasing), so that the codes need carry only what it does not
-    "code-table-slow-lora": [*DEFAULT, "--decoder-code-table", "--encoder-lr", "1e-5", "--codebook-lr", "1e-4",
-                             "--decoder-training", "lora", "--decoder-lr", "1e-3"],
+    "code-table-slow-lora": [*DEFAULT, "--decoder-code-table", "--encoder-lr", "1e-5", "--codebook-lr", "1e-4", *LORA],
     # the default with the centred straight-through and LoRA adapters on the decoder
-    "centered-lora": [*DEFAULT, "--centered-straight-through", "--decoder-training", "lora", "--decoder-lr", "1e-3"],
+    "centered-lora": CENTERED_LORA,
     # raw reconstruction (term 1 alone, the mean_last view: preset raw), with LoRA adapters on the decoder: the
     # likelihood to compare the LoRA recipes with
     "raw-lora": ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
-                 "--encoder-view", "mean_last", "--decoder-training", "lora", "--decoder-lr", "1e-3"],
+                 "--encoder-view", "mean_last", *LORA],
     # the centred straight-through with the attention view: a pool that can learn to look at the style's tokens
     "centered-attention": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--centered-straight-through"],
     # centered without the k-means refresh of the codebook (every 25 steps of the first half by default), which
@@ -89,16 +92,13 @@ RECIPES = {
     "centered-norefresh": [*DEFAULT, "--centered-straight-through", "--codebook-refresh-every", "0"],
     # centered-lora with term 3's weights from the training model's own current NLL (token_weight_source dynamic):
     # once the adapters have learnt the content, what is left surprising is what the latent has not explained;
-    # trained 240 steps, twice centered-lora's 120, so that the adapters have time to learn the content (two changes
-    # at once: a probe, not a controlled comparison)
-    "centered-lora-dynamic": [*DEFAULT, "--centered-straight-through", "--decoder-training", "lora", "--decoder-lr",
-                              "1e-3", "--token-weight-source", "dynamic", "--max-steps", "240"],
+    # trained 240 steps, twice centered-lora's 120, so that the adapters have time to learn the content
+    # (centered-lora-240 is the same without the dynamic weights: its control)
+    "centered-lora-dynamic": [*CENTERED_LORA, "--token-weight-source", "dynamic", "--max-steps", "240"],
     # centered-lora trained 240 steps: centered-lora-dynamic's control (the steps without the dynamic weights)
-    "centered-lora-240": [*DEFAULT, "--centered-straight-through", "--decoder-training", "lora", "--decoder-lr", "1e-3",
-                          "--max-steps", "240"],
+    "centered-lora-240": [*CENTERED_LORA, "--max-steps", "240"],
     # centered-lora from the partition of k-means of the view itself (two-factor's rare word at NMI 1.000)
-    "centered-lora-vk": [*DEFAULT, "--centered-straight-through", "--decoder-training", "lora", "--decoder-lr", "1e-3",
-                         "--codebook-init", "view_kmeans"],
+    "centered-lora-vk": [*CENTERED_LORA, "--codebook-init", "view_kmeans"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
 }  # fmt: skip
