@@ -160,6 +160,9 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-lora-240", (0,)),
     ("two-factor", "centered-lora-vk", (0, 1, 2)),
     ("style-in-echo", "centered-lora-vk", (0, 1, 2)),
+    ("two-factor", "centered-lora-dynamic", (0, 1, 2)),
+    ("style-in-echo", "centered-lora-dynamic", (0, 1, 2)),
+    ("dailydialog", "centered-lora-dynamic", (0, 1, 2)),
 ]
 
 
