@@ -85,6 +85,9 @@ RECIPES = {
     # likelihood to compare the LoRA recipes with
     "raw-lora": ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
                  "--encoder-view", "mean_last", *LORA],
+    # raw-lora trained 240 steps: the likelihood to compare centered-lora-240 with
+    "raw-lora-240": ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
+                     "--encoder-view", "mean_last", *LORA, "--max-steps", "240"],
     # the centred straight-through with the attention view: a pool that can learn to look at the style's tokens
     "centered-attention": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--centered-straight-through"],
     # centered without the k-means refresh of the codebook (every 25 steps of the first half by default), which
@@ -158,11 +161,15 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-lora-dynamic", (0, 1, 2)),
     ("chatterbot-style", "centered-lora", (0,)),
     ("style-in-content", "centered-lora-240", (0,)),
-    ("two-factor", "centered-lora-vk", (0, 1, 2)),
-    ("style-in-echo", "centered-lora-vk", (0, 1, 2)),
-    ("two-factor", "centered-lora-dynamic", (0, 1, 2)),
-    ("style-in-echo", "centered-lora-dynamic", (0, 1, 2)),
-    ("dailydialog", "centered-lora-dynamic", (0, 1, 2)),
+    ("two-factor", "centered-lora-vk", (1,)),
+    ("style-in-echo", "centered-lora-vk", (1,)),
+    ("two-factor", "centered-lora-dynamic", (0,)),
+    ("style-in-echo", "centered-lora-dynamic", (0,)),
+    ("dailydialog", "centered-lora-dynamic", (0, 1)),
+    ("two-factor", "centered-lora-240", (0, 1, 2)),
+    ("style-in-echo", "centered-lora-240", (0, 1, 2)),
+    ("two-factor", "raw-lora-240", (0, 1, 2)),
+    ("style-in-echo", "raw-lora-240", (0, 1, 2)),
 ]
 
 
