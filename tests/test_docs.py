@@ -75,5 +75,5 @@ def test_nothing_links_outside_the_repository():
 
 def test_the_presets_are_documented():
     commands = (ROOT / "docs" / "commands.md").read_text()
-    rows = {m.group(1) for m in re.finditer(r"^\| `([a-z0-9]+)` \|", commands, re.M)}
+    rows = {m.group(1) for m in re.finditer(r"^\| `([a-z0-9-]+)` \|", commands, re.M)}
     assert set(PRESETS) <= rows

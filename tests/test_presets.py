@@ -34,6 +34,9 @@ MEASURED = {
     "zfree_relative_weight": 0.0,
     "token_weight_alpha": 2.0,
     "encoder_view": "token_weighted",
+    "centered_straight_through": False,
+    "decoder_training": "frozen",
+    "decoder_lr": 1e-4,
 }
 #: The seed notes' recipe: the token-weighted term beside the raw one, alpha 1, the mean view.
 SEED = dict(MEASURED, reconstruction_weight=1.0, token_weighted_weight=1.0, token_weight_alpha=1.0)
@@ -121,6 +124,18 @@ def test_every_preset_sets_the_whole_recipe_and_validates():
     for name, values in PRESETS.items():
         assert set(values) == set(RECIPE_FIELDS), name
         assert recipe(build_config({"preset": name})) == values
+
+
+def test_preset_centered_lora_is_the_default_with_the_centred_gradient_and_adapters():
+    """The recipe of docs/what-the-cvae-adds.md's section 8 (run.py's centered-lora), by flag and by file."""
+    want = dict(MEASURED, centered_straight_through=True, decoder_training="lora", decoder_lr=1e-3)
+    assert recipe(train_config(["--preset", "centered-lora"])) == want
+    assert recipe(build_config({"preset": "centered-lora"})) == want
+    # the flags run.py passes for it give the same config
+    by_flags = train_config(
+        ["--centered-straight-through", "--decoder-training", "lora", "--decoder-lr", "1e-3"]
+    )
+    assert flat(by_flags) == flat(build_config({"preset": "centered-lora"}))
 
 
 def test_precedence_defaults_then_preset_then_file_then_flags(tmp_path):
