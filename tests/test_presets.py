@@ -132,9 +132,7 @@ def test_preset_centered_lora_is_the_default_with_the_centred_gradient_and_adapt
     assert recipe(train_config(["--preset", "centered-lora"])) == want
     assert recipe(build_config({"preset": "centered-lora"})) == want
     # the flags run.py passes for it give the same config
-    by_flags = train_config(
-        ["--centered-straight-through", "--decoder-training", "lora", "--decoder-lr", "1e-3"]
-    )
+    by_flags = train_config(["--centered-straight-through", "--decoder-training", "lora", "--decoder-lr", "1e-3"])
     assert flat(by_flags) == flat(build_config({"preset": "centered-lora"}))
 
 
@@ -215,3 +213,19 @@ def test_a_preset_given_with_resume_goes_over_the_stored_recipe(tmp_path):
         ["--resume", "auto", "--output-dir", str(run), "--preset", "seed", "--encoder-view", "token_weighted"]
     )
     assert recipe(flagged) == dict(SEED, encoder_view="token_weighted")  # flags still over the preset
+
+
+def test_a_preset_given_with_resume_keeps_the_runs_decoder_training(tmp_path):
+    """A preset on --resume changes the objective only: a LoRA run resumed with --preset seed stays a LoRA run
+    (the preset's frozen decoder would be refused by resume), and its decoder_lr and centring stay the run's."""
+    from disentanglement.config import write_run_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    stored = {"output_dir": str(run), "preset": "seed", "decoder_training": "lora", "decoder_lr": 5e-4}
+    write_run_config(build_config({**stored, "centered_straight_through": True}), run / "config.yaml")
+    for preset in ("seed", "centered-lora", "default"):
+        resumed = flat(train_config(["--resume", "auto", "--output-dir", str(run), "--preset", preset]))
+        kept = {k: resumed[k] for k in ("decoder_training", "decoder_lr", "centered_straight_through")}
+        assert kept == {"decoder_training": "lora", "decoder_lr": 5e-4, "centered_straight_through": True}, preset
+        assert resumed["encoder_view"] == PRESETS[preset]["encoder_view"]  # the objective is the preset's

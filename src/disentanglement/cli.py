@@ -35,6 +35,7 @@ from . import commands, export, feature_store_files, sweep, synthetic
 from .config import (
     DEFAULT_PRESET,
     FIELDS,
+    OBJECTIVE_FIELDS,
     PRESET_KEY,
     PRESETS,
     ConfigError,
@@ -113,8 +114,9 @@ def _train_config(args: argparse.Namespace):
         path = Path(resume)
         values["output_dir"] = str(path if (path / "checkpoints").is_dir() else path.parent.parent)
     preset = given.get(PRESET_KEY, file_values.get(PRESET_KEY))
-    if preset is not None and stored is not None:  # a preset given now goes over the stored recipe, not under it
-        values.update(preset_values(preset))  # (resume's own checks then accept or refuse the change)
+    if preset is not None and stored is not None:  # a preset given now goes over the stored objective, not under it
+        # (resume's own checks then accept or refuse the change); the decoder's training stays the run's
+        values.update({k: v for k, v in preset_values(preset).items() if k in OBJECTIVE_FIELDS})
     values.update(file_values)
     values.update(given)
     return build_config(values)

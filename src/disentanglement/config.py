@@ -192,6 +192,9 @@ RECIPE_FIELDS = (
 )
 #: The recipe fields that are numbers >= 0: the six weights and alpha.
 _WEIGHT_FIELDS = RECIPE_FIELDS[:7]
+#: The objective and the view: what a preset given with ``--resume`` changes over the stored config (the
+#: straight-through's centring and the decoder's training stay the run's, unless a flag or the file sets them).
+OBJECTIVE_FIELDS = RECIPE_FIELDS[:8]
 
 
 def _recipe(**values: Any) -> dict[str, Any]:
