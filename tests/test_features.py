@@ -122,6 +122,27 @@ def test_lora_adapters_do_not_change_the_fingerprint(tokenizer, pairs):
     assert feature_fingerprint(model, examples) == before
 
 
+def test_a_lora_run_shares_the_frozen_runs_cache(tokenizer, pairs, tmp_path):
+    """The LoRA reference (adapters off) is the frozen model: same fingerprint under peft's renamed weights,
+    and the frozen pass it would run equals the frozen model's, so the store's entries serve both."""
+    frozen, examples = setup(tokenizer, pairs)
+    lora, _ = setup(tokenizer, pairs, decoder_training="lora")
+    assert feature_fingerprint(lora, examples) == feature_fingerprint(frozen, examples)
+    for name, param in lora.decoder.named_parameters():  # trained adapters change nothing either
+        if "lora_" in name:
+            torch.nn.init.normal_(param)
+    assert feature_fingerprint(lora, examples) == feature_fingerprint(frozen, examples)
+    batch = collate(examples[:6], tokenizer.pad_token_id, indices=list(range(6)))
+    a, b = frozen.frozen_pass(batch), lora.frozen_pass(batch)
+    assert torch.equal(a.zfree_token_nll, b.zfree_token_nll) and torch.equal(a.encoder_features, b.encoder_features)
+    # other weights under the same peft wrapping still differ
+    other = build_cvae(
+        build_config({"preset": "raw", "chat_template": False, "decoder_training": "lora"}),
+        tiny_llama(len(tokenizer), seed=1),
+    )
+    assert feature_fingerprint(other, examples) != feature_fingerprint(frozen, examples)
+
+
 def test_training_with_and_without_the_cache_gives_the_same_losses(tokenizer, pairs, tmp_path):
     store = tmp_path / "store"
 

@@ -301,6 +301,14 @@ def feature_fingerprint(model: CVAEBase, examples: Sequence[Example]) -> str:
 _REFERENCE_HASHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _base_name(name: str) -> str:
+    """A weight's name in the model peft wrapped: ``base_model.model.X.q_proj.base_layer.weight`` ->
+    ``X.q_proj.weight``, so that a LoRA run's reference (the adapters off: the same weights, the same pass)
+    hashes as the frozen model does and the two share the frozen-pass store."""
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
 def _weights_guard(state: dict[str, torch.Tensor]) -> tuple:
     """What identifies the reference's tensors without reading them: name, storage, shape, dtype and the
     in-place version counter of each (an optimizer step or ``load_state_dict`` bumps it)."""
@@ -313,7 +321,8 @@ def _weights_guard(state: dict[str, torch.Tensor]) -> tuple:
 
 def reference_hasher(model: CVAEBase) -> hashlib.blake2b:
     """A blake2b hasher fed with the pass version, the encoder view and the reference's weights (names,
-    shapes, dtypes, bytes; LoRA adapters left out), as a copy to update further.
+    shapes, dtypes, bytes; LoRA adapters left out, peft's names read as the base model's), as a copy to
+    update further.
 
     The weights are read once per reference module: later calls reuse the hash while every tensor keeps
     its storage, shape, dtype and in-place version (:func:`_weights_guard`); a change through ``.data``,
@@ -330,10 +339,10 @@ def reference_hasher(model: CVAEBase) -> hashlib.blake2b:
         digest.update(FEATURE_PASS_VERSION.encode())
         if view_text:
             digest.update(view_text.encode())
-        for name in sorted(state):
-            if "lora_" in name:  # the reference is the adapter-free model
-                continue
-            tensor = state[name].detach().cpu().contiguous()
+        # the reference is the adapter-free model, under its own names (a LoRA run's is the frozen run's)
+        named = {_base_name(name): tensor for name, tensor in state.items() if "lora_" not in name}
+        for name in sorted(named):
+            tensor = named[name].detach().cpu().contiguous()
             digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
             if tensor.numel():  # the bytes in place (a buffer), not a copy
                 digest.update(memoryview(tensor.view(torch.uint8).numpy()))
