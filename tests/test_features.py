@@ -122,7 +122,7 @@ def test_lora_adapters_do_not_change_the_fingerprint(tokenizer, pairs):
     assert feature_fingerprint(model, examples) == before
 
 
-def test_a_lora_run_shares_the_frozen_runs_cache(tokenizer, pairs, tmp_path):
+def test_a_lora_run_shares_the_frozen_runs_cache(tokenizer, pairs):
     """The LoRA reference (adapters off) is the frozen model: same fingerprint under peft's renamed weights,
     and the frozen pass it would run equals the frozen model's, so the store's entries serve both."""
     frozen, examples = setup(tokenizer, pairs)

@@ -33,6 +33,9 @@ DEFAULT = [*TERMS_1_3, "--encoder-view", "token_weighted"]
 LORA = ["--decoder-training", "lora", "--decoder-lr", "1e-3"]
 #: the default with the centred straight-through and LORA (section 6's centered-lora); its variants add to it
 CENTERED_LORA = [*DEFAULT, "--centered-straight-through", *LORA]
+#: raw reconstruction (term 1 alone, the mean_last view: preset raw) with LORA: the likelihood to compare with
+RAW_LORA = ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
+            "--encoder-view", "mean_last", *LORA]  # fmt: skip
 RECIPES = {
     "default": DEFAULT,
     "term3": ["--reconstruction-weight", "0", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
@@ -83,11 +86,9 @@ RECIPES = {
     "centered-lora": CENTERED_LORA,
     # raw reconstruction (term 1 alone, the mean_last view: preset raw), with LoRA adapters on the decoder: the
     # likelihood to compare the LoRA recipes with
-    "raw-lora": ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
-                 "--encoder-view", "mean_last", *LORA],
+    "raw-lora": RAW_LORA,
     # raw-lora trained 240 steps: the likelihood to compare centered-lora-240 with
-    "raw-lora-240": ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
-                     "--encoder-view", "mean_last", *LORA, "--max-steps", "240"],
+    "raw-lora-240": [*RAW_LORA, "--max-steps", "240"],
     # the centred straight-through with the attention view: a pool that can learn to look at the style's tokens
     "centered-attention": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--centered-straight-through"],
     # centered without the k-means refresh of the codebook (every 25 steps of the first half by default), which
