@@ -62,6 +62,7 @@ from step_cost import matmul_rate_at  # noqa: E402
 
 from disentanglement import feature_store, trainer  # noqa: E402
 from disentanglement.config import build_config, read_config_file  # noqa: E402
+from disentanglement.features import shared_prefix_positions  # noqa: E402
 from disentanglement.flops import DecoderShape, job_flops  # noqa: E402
 from disentanglement.options import EvalOptions  # noqa: E402
 from disentanglement.verdict import train_verdict  # noqa: E402
@@ -162,7 +163,13 @@ def floor_only(args) -> None:
     tcfg = config.train
     validations = sum(trainer._due(tcfg.eval_every, step, tcfg.max_steps) for step in range(1, tcfg.max_steps + 1))
     flops = useful_flops(
-        decoder, tcfg.max_steps, config, {"train": data.train, "validation": data.validation}, validations, str(device)
+        decoder,
+        tcfg.max_steps,
+        config,
+        {"train": data.train, "validation": data.validation},
+        validations,
+        str(device),
+        tokenizer.pad_token_id,
     )
     if flops is None:
         raise SystemExit(
@@ -240,6 +247,7 @@ def run_once(args, label: str, model_cache: str | None, feature_cache: str | Non
             examples_seen,
             len(timers.calls.get("validation", [])),
             str(result.model.decoder.device),
+            result.pad_token_id,
         ),
         "output": str(out) if args.keep else None,
     }
@@ -284,7 +292,9 @@ def verdict_decodes(config) -> int:
     return scoring.prior_samples + 1 + scoring.iw_samples
 
 
-def useful_flops(decoder, steps: int, config, examples: dict, validations: int, device: str) -> dict[str, float] | None:
+def useful_flops(
+    decoder, steps: int, config, examples: dict, validations: int, device: str, pad_token_id: int
+) -> dict[str, float] | None:
     """The run's useful FLOPs by phase (``flops.job_flops``), with the shapes it needs for the matmul rate; None
     where ``flops.py`` does not count the run's work (the memory placement, the frozen pass inside each step,
     trained decoder weights, the divergence's extra decodes)."""
@@ -309,6 +319,7 @@ def useful_flops(decoder, steps: int, config, examples: dict, validations: int, 
         validated=validation[: config.train.eval_batches * config.train.batch_size],  # validation.validate's
         validations=validations,
         verdict_decodes=verdict_decodes(config) if validation else 0,
+        shared_prefix_positions=shared_prefix_positions(examples["train"] + examples["validation"], pad_token_id),
     )
     mean_length = statistics.fmean(p + r for p, r in train) + config.latent.latent_tokens
     out["matmul_rows"] = round(config.train.batch_size * mean_length)

@@ -56,6 +56,24 @@ def test_a_jobs_flops_by_phase_counted_by_hand():
     assert job["total"] == pytest.approx(sum(job[k] for k in ("frozen_pass", "steps", "validation", "verdict")))
     empty = job_flops(shape, train, [], 1, steps=3, batch_size=2, validated=[], validations=0, verdict_decodes=4)
     assert empty["validation"] == empty["verdict"] == 0
+    # a shared prefix computed once per batch: 3 positions fewer, each the linear layers' 2 x (q 4x4, k and v
+    # 4x2, o 4x4, the MLP's three 4x6) = 240 FLOPs
+    shared = job_flops(
+        shape,
+        train,
+        validation,
+        1,
+        steps=3,
+        batch_size=2,
+        validated=validation,
+        validations=5,
+        verdict_decodes=4,
+        shared_prefix_positions=3,
+    )
+    assert job["frozen_pass"] - shared["frozen_pass"] == 3 * 240
+    assert {k: shared[k] for k in ("steps", "validation", "verdict")} == {
+        k: job[k] for k in ("steps", "validation", "verdict")
+    }
 
 
 def test_the_formula_matches_torchs_flop_counter_on_a_tiny_llama():

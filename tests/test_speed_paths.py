@@ -1,8 +1,10 @@
 """The step's and the scorer's fast paths compute what the plain computation does, each against a second
 straightforward implementation on a tiny model: the decoder's rows in length groups (values and
 gradients) against one pass over the padded batch, the LM head at the supervised positions only against
-the head over the whole window, decodes reused in scoring against scoring without reuse, and
-``length_groups`` against every split by brute force."""
+the head over the whole window, decodes reused in scoring against scoring without reuse, the frozen pass
+with its shared prefix run once against the plain pass, the between placement's prompt run apart (once for
+every code in scoring) against one pass over ``[x][z][y]``, and ``length_groups`` against every split by brute
+force."""
 
 from __future__ import annotations
 
@@ -13,14 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from disentanglement import cvae_base
+from disentanglement import cvae_base, reference
 from disentanglement.config import build_config
 from disentanglement.data import collate, length_groups, tokenize_pairs
 from disentanglement.evaluation import score_batch
 from disentanglement.losses import masked_token_nll_per_position
 from disentanglement.models import build_cvae
 from disentanglement.testing import make_hidden_factor_pairs
-from helpers import tiny_llama, tiny_tokenizer
+from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -165,3 +167,187 @@ def test_scoring_reuses_the_exact_mixtures_decodes_and_gives_the_same_scores(mod
     for name in ("posterior_nll", "prior_nll", "zfree_nll", "iw_log_weights", "iw_sequence_nll"):
         torch.testing.assert_close(getattr(reused, name), getattr(plain, name), rtol=0, atol=0)
     assert reused.reconstruction_terms == plain.reconstruction_terms
+
+
+def test_shared_prefix_length_by_hand():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0], [5, 6, 7, 1, 0, 0], [5, 6, 7, 8, 2, 3]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    assert reference.shared_prefix_length(ids, mask) == 3
+    assert reference.shared_prefix_length(ids[[0, 2]], mask[[0, 2]]) == 4  # 5 6 7 8, and rows of 5 and 6 tokens
+    # one short of the shortest row: every row keeps a token of its own
+    same = torch.tensor([[4, 4, 4, 0], [4, 4, 4, 4]])
+    assert reference.shared_prefix_length(same, torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])) == 2
+    assert reference.shared_prefix_length(ids[:1], mask[:1]) == 0  # one row: nothing to share
+    # left padding: the first positions are not every row's own, so nothing is shared
+    left = torch.tensor([[0, 5, 6, 7], [5, 6, 7, 8]])
+    assert reference.shared_prefix_length(left, torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])) == 0
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_the_frozen_pass_runs_the_shared_prefix_once_and_gives_the_plain_pass(build):
+    tokenizer = tiny_tokenizer()
+    # ChatML, "<|im_start|>user\nwhat about the ": 21 tokens every row shares, then prompts of different lengths
+    prompts = [f"what about the {'item ' * (1 + i % 4)}{i}" for i in range(6)]
+    pairs = make_hidden_factor_pairs(prompts, kind="clean")
+    config = build_config(dict(codebook_size=4, encoder_view="token_weighted_attention"))
+    examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
+    torch.manual_seed(0)
+    model = build_cvae(config, build(len(tokenizer))).eval()
+    batch = collate(examples, tokenizer.pad_token_id)
+    shared = reference.shared_prefix_length(batch.input_ids, batch.attention_mask)
+    assert shared >= max(reference.MIN_SHARED_PREFIX, 21)
+    calls = []
+    original = model.decoder.forward
+
+    def counted(*args, **kwargs):
+        calls.append(tuple(kwargs["input_ids"].shape))
+        return original(*args, **kwargs)
+
+    model.decoder.forward = counted
+    try:
+        fast = model.frozen_pass(batch)
+        fast_calls = list(calls)
+        original_min = reference.MIN_SHARED_PREFIX
+        reference.MIN_SHARED_PREFIX = 10**9
+        try:
+            plain = model.frozen_pass(batch)
+        finally:
+            reference.MIN_SHARED_PREFIX = original_min
+    finally:
+        del model.decoder.forward
+    B, T = batch.input_ids.shape
+    assert fast_calls == [(1, shared), (B, T - shared)] and calls[len(fast_calls) :] == [(B, T)]
+    torch.testing.assert_close(fast.zfree_token_nll, plain.zfree_token_nll, **TOL)
+    torch.testing.assert_close(fast.prior_features, plain.prior_features, **TOL)
+    torch.testing.assert_close(fast.encoder_features, plain.encoder_features, **TOL)
+    torch.testing.assert_close(fast.response_hidden, plain.response_hidden, **TOL)
+
+
+def test_the_positions_a_shared_prefix_saves_counted_by_hand():
+    from disentanglement.data import Example
+    from disentanglement.features import shared_prefix_positions
+
+    def example(prompt, response):
+        return Example(prompt_ids=prompt, response_ids=response, label=None, source="by hand")
+
+    common = list(range(10, 20))  # 10 tokens every prompt begins with
+    examples = [example(common + [1] * i, [2, 3]) for i in range(1, 6)]  # 13 .. 17 tokens, in that order
+    # batches of 2 in length order: [0, 1] share common + [1] (11), [2, 3] common + [1, 1, 1] (13), one row
+    # each fewer; the lone [4] shares nothing
+    assert shared_prefix_positions(examples, 0, batch_size=2) == 11 + 13
+    assert shared_prefix_positions(examples, 0, batch_size=5) == 4 * 11
+    short = [example([7] * 3 + [i], [2]) for i in range(4)]  # 3 shared tokens: below MIN_SHARED_PREFIX
+    assert shared_prefix_positions(short, 0, batch_size=4) == 0
+
+
+@pytest.fixture(scope="module")
+def between_batch():
+    tokenizer = tiny_tokenizer()
+    # prompts of different lengths that begin alike (ChatML's "<|im_start|>user\nwhat about ": a shared prefix)
+    prompts = [f"what about {'item ' * (1 + (i * 3) % 5)}{i}" for i in range(7)]
+    pairs = make_hidden_factor_pairs(prompts, kind="clean")
+    config = build_config(dict(codebook_size=4, latent_placement="between"))
+    examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
+    return tokenizer, collate(examples, tokenizer.pad_token_id)
+
+
+@contextlib.contextmanager
+def one_pass_over_the_prompt():
+    original = cvae_base.SPLIT_PROMPT
+    cvae_base.SPLIT_PROMPT = False
+    try:
+        yield
+    finally:
+        cvae_base.SPLIT_PROMPT = original
+
+
+@pytest.mark.parametrize("groups", ["one group", "length groups"])
+@pytest.mark.parametrize("training", ["frozen", "lora"])
+def test_the_between_placements_prompt_apart_is_one_pass_over_the_sequence(
+    between_batch, training, groups, monkeypatch
+):
+    tokenizer, batch = between_batch
+    if groups == "length groups":  # every split that saves a position: prompts and [z][y] in several calls
+        monkeypatch.setattr(cvae_base, "DECODER_CALL_POSITIONS", 0)
+    config = build_config(dict(codebook_size=4, latent_placement="between", decoder_training=training))
+    torch.manual_seed(0)
+    model = build_cvae(config, tiny_llama(len(tokenizer))).train()
+    if training == "lora":  # adapters away from their zero start, so that their gradients are not trivial
+        with torch.no_grad():
+            for name, p in model.decoder.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.1)
+    vector = torch.randn(len(batch), model.latent_vector_dim, requires_grad=True)
+    inputs = [vector] + [p for p in model.decoder.parameters() if p.requires_grad]
+    assert len(inputs) == (1 if training == "frozen" else 9)  # the latent; with LoRA 2 layers x q, v x A, B too
+    kinds = []
+    calls, counted = count_decoder_calls_any(model, kinds)
+    model.decoder.forward = counted
+    try:
+        apart = model.decode(batch, vector)
+        nll = apart.token_nll()
+        grads = torch.autograd.grad(nll.sum(), inputs)
+        apart_calls = list(calls)
+        with one_pass_over_the_prompt():
+            plain = model.decode(batch, vector)
+            plain_nll = plain.token_nll()
+            plain_grads = torch.autograd.grad(plain_nll.sum(), inputs)
+    finally:
+        del model.decoder.forward
+    B, X = len(batch), int(batch.prompt_lengths.max())
+    shared = reference.shared_prefix_length(batch.input_ids[:, :X], batch.attention_mask[:, :X])
+    P, R = model.num_latent_tokens, int(batch.response_lengths.max())
+    if groups == "one group":  # the prompts' shared prefix once, the rest of the prompts, then every row's [z][y]
+        assert apart_calls == [(1, shared), (B, X - shared), (B, P + R)]
+    else:  # groups of prompts (each its shared prefix, then the rest), then groups of [z][y]: every row once
+        suffix_calls = [shape for shape, kind in zip(apart_calls, kinds, strict=False) if kind == "embeds"]
+        assert len(suffix_calls) >= 2 and sum(rows for rows, _ in suffix_calls) == B
+        assert max(width for _, width in suffix_calls) == P + R and len(apart_calls) > len(suffix_calls) + 2
+    assert calls[len(apart_calls) :][0][1] > P + R  # the plain pass: the whole [x][z][y]
+    torch.testing.assert_close(nll, plain_nll, **TOL)
+    for grad, plain_grad in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(grad, plain_grad, rtol=1e-4, atol=1e-5)
+    # every supervised position's state is the one-pass state
+    supervised = F.pad(apart.target_mask[:, apart.start + 1 :].bool(), (0, 1))
+    torch.testing.assert_close(apart.hidden[supervised], plain.hidden[supervised], **TOL)
+
+
+def test_scoring_runs_the_between_placements_prompt_once_for_every_code(between_batch):
+    tokenizer, batch = between_batch
+    config = build_config(dict(codebook_size=4, latent_placement="between"))
+    torch.manual_seed(0)
+    model = build_cvae(config, tiny_llama(len(tokenizer))).eval()
+    features = model.frozen_pass(batch)
+    calls, counted = count_decoder_calls_any(model)
+    model.decoder.forward = counted
+    try:
+        torch.manual_seed(0)
+        apart = score_batch(model, batch, features)
+        apart_calls = list(calls)
+        calls.clear()
+        with one_pass_over_the_prompt():
+            torch.manual_seed(0)
+            plain = score_batch(model, batch, features)
+    finally:
+        del model.decoder.forward
+    # the prompt (its shared prefix and the rest: two calls) once, then [z][y] under each of the 4 codes
+    assert len(apart_calls) == 2 + 4 and all(shape[1] < batch.input_ids.shape[1] for shape in apart_calls)
+    for name in ("posterior_nll", "prior_nll", "zfree_nll", "iw_log_weights", "iw_sequence_nll"):
+        torch.testing.assert_close(getattr(apart, name), getattr(plain, name), rtol=1e-5, atol=1e-5)
+
+
+def count_decoder_calls_any(model, kinds=None):
+    """As :func:`count_decoder_calls`, for calls by ``input_ids`` or by ``inputs_embeds``: their ``[B, T]``; with a
+    ``kinds`` list, "ids" or "embeds" for each call."""
+    calls = []
+    original = model.decoder.forward
+
+    def counted(*args, **kwargs):
+        inputs = kwargs.get("input_ids")
+        if kinds is not None:
+            kinds.append("ids" if inputs is not None else "embeds")
+        inputs = kwargs["inputs_embeds"] if inputs is None else inputs
+        calls.append(tuple(inputs.shape[:2]))
+        return original(*args, **kwargs)
+
+    return calls, counted

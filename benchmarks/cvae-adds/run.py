@@ -103,6 +103,10 @@ RECIPES = {
     "centered-lora-240": [*CENTERED_LORA, "--max-steps", "240"],
     # centered-lora from the partition of k-means of the view itself (two-factor's rare word at NMI 1.000)
     "centered-lora-vk": [*CENTERED_LORA, "--codebook-init", "view_kmeans"],
+    # the default with the latent between prompt and response ([x][z][y]), whose prompt part the decoder can run
+    # once for every code (issue 25); and centered-lora-240 so placed
+    "between": [*DEFAULT, "--latent-placement", "between"],
+    "centered-lora-240-between": [*CENTERED_LORA, "--max-steps", "240", "--latent-placement", "between"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
 }  # fmt: skip
@@ -171,6 +175,8 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-echo", "centered-lora-240", (0, 1, 2)),
     ("two-factor", "raw-lora-240", (0, 1, 2)),
     ("style-in-echo", "raw-lora-240", (0, 1, 2)),
+    ("two-factor", "between", (0, 1, 2)),
+    ("style-in-echo", "between", (0, 1, 2)),
 ]
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from transformers import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention_backward import fast_attention_backward
@@ -37,7 +38,8 @@ from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, Recon
 from .data import Batch, length_groups
 from .injection import LatentLayout, latent_memory, latent_projection
 from .losses import apply_head, default_chunk_size, masked_token_nll_per_position, reconstruction_loss_stack
-from .reference import ZFreeReference, reference_hidden_states, unused_logits
+from .memory import decoder_text_config, plain_cache
+from .reference import ZFreeReference, forward_sharing_prefix, reference_hidden_states, unused_logits
 from .regularizers import beta_at, kl_objective, next_token_divergence
 from .token_weighting import (
     TokenWeighting,
@@ -193,6 +195,10 @@ class Decoded:
 #: What one more decoder call costs, in positions of work (:func:`.data.length_groups`): a batch is split by
 #: length only where that saves more positions than this per extra call (measured: ``benchmarks/README.md``).
 DECODER_CALL_POSITIONS = 64
+
+#: With ``latent_placement: between`` (``[x][z][y]``) the prompt's keys and values do not depend on ``z``: the decoder
+#: runs the prompt once and ``[z][y]`` from its cache (:meth:`CVAEBase._decode_after_prompt`); False: one pass.
+SPLIT_PROMPT = True
 
 #: Logits of a step's supervised positions computed in one block up to this many elements (256 MiB in float32; at
 #: SmolLM2's 49,152-token vocabulary: 1,365 response tokens in the batch), instead of checkpointed chunks whose
@@ -403,7 +409,8 @@ class CVAEBase(nn.Module):
         # encoder_view "attention": the learned query, trained with the encoder heads ("encoder" group).
         # encoder_view "token_weighted_attention": the same query, its logits starting at log pi_t.
         self.encoder_pool = AttentionPool(H) if latent.encoder_view in ATTENTION_VIEWS else None
-        self._decode_memo: tuple[Batch, list] | None = None  # reusing_decodes: (batch, [(vector, nll, target)])
+        # reusing_decodes: (batch, [(vector, nll, target)], {"prompt": the prompt's cache for the between placement})
+        self._decode_memo: tuple[Batch, list, dict] | None = None
         # encoder_block: a trainable block over the per-token states before that pool, the identity at the start.
         self.encoder_block = EncoderBlock(latent.encoder_block, H) if latent.encoder_block != "none" else None
         # Parameter-free: the first Linear of each head absorbs any affine, and a norm of frozen
@@ -671,8 +678,107 @@ class CVAEBase(nn.Module):
             start = int(supervised.float().argmax(dim=1).min())  # first position predicting a response token
         # On the CPU in bf16, SDPA's own backward is slow: attention_backward's runs instead (same forward).
         with self._frozen_layers_checkpointed(), fast_attention_backward(self.decoder):
-            hidden = self._decoder_hidden(embeds, extra)[:, start:]  # [B, Tc - start, H], after the final norm
+            if window and self._splits_prompt():
+                hidden = self._decode_after_prompt(batch, embeds, attention, start)
+            else:
+                hidden = self._decoder_hidden(embeds, extra)[:, start:]  # [B, Tc - start, H], after the final norm
         return Decoded(hidden, self.decoder.get_output_embeddings(), start, ids, target, offsets)
+
+    def _splits_prompt(self) -> bool:
+        """Whether :meth:`decode` runs the prompt apart (:data:`SPLIT_PROMPT`): the between placement on a decoder
+        whose layers keep a plain full-attention cache, and not under activation checkpointing with gradients
+        (transformers' checkpointed layers drop a cache)."""
+        if not (SPLIT_PROMPT and self.layout.placement == "between"):
+            return False
+        checkpointed = getattr(self.decoder, "is_activation_checkpointing", False) and torch.is_grad_enabled()
+        return not checkpointed and plain_cache(self.decoder)
+
+    def _prompt_keys_values(self, batch: Batch) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """The decoder's keys and values ``[B, Hkv, X, Dh]`` of every layer over every row's prompt (``X`` the
+        longest prompt; a row's positions past its own prompt are masked), and that mask ``[B, X]``. Inside
+        :meth:`reusing_decodes` the prompt runs once for every latent. A frozen decoder's prompt takes no gradient
+        and runs without; a prefix every prompt shares runs once (:func:`.reference.forward_sharing_prefix`)."""
+        memo = self._decode_memo
+        reuse = memo is not None and memo[0] is batch and not torch.is_grad_enabled()
+        if reuse and "prompt" in memo[2]:
+            return memo[2]["prompt"]
+        X = int(batch.prompt_lengths.max())
+        positions = torch.arange(X, device=batch.input_ids.device).unsqueeze(0)
+        mask = (positions < batch.prompt_lengths.unsqueeze(1)).to(batch.attention_mask.dtype)  # [B, X]
+        groups = [list(range(len(batch)))]
+        if batch.input_ids.device.type == "cpu":  # prompts of very different lengths at their own widths
+            groups = length_groups(batch.prompt_lengths.tolist(), DECODER_CALL_POSITIONS)
+        parts = []  # per group, per layer: (keys, values) [rows, Hkv, X, Dh], zeros past the group's width
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.decoder_training != "frozen"):
+            for rows in groups:
+                index = torch.tensor(rows, device=mask.device)
+                w = int(batch.prompt_lengths[index].max())
+                ids, group_mask = batch.input_ids[index, :w], mask[index, :w]
+                _, cache = forward_sharing_prefix(
+                    self.decoder, ids, group_mask, output_hidden_states=False, keep_cache=True
+                )
+                pad = (0, 0, 0, X - w)
+                parts.append([(F.pad(layer.keys, pad), F.pad(layer.values, pad)) for layer in cache.layers])
+        layers = parts[0]
+        if len(groups) > 1:
+            order = torch.argsort(torch.tensor([r for rows in groups for r in rows], device=mask.device))
+            layers = [
+                tuple(torch.cat([part[n][kv] for part in parts])[order] for kv in (0, 1)) for n in range(len(layers))
+            ]
+        prompt = (layers, mask)
+        if reuse:
+            memo[2]["prompt"] = prompt
+        return prompt
+
+    def _decode_after_prompt(
+        self, batch: Batch, embeds: torch.Tensor, attention: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """The between placement's window ``[B, Tc - start, H]`` (as :meth:`_decoder_hidden` gives it): the prompt
+        (:meth:`_prompt_keys_values`), then each row's ``[z][y]`` (its conditioned positions ``p_b .. p_b + P + r_b
+        - 1``) at its own positions, reading the prompt's keys and values; on the CPU rows of very different
+        lengths in :func:`.data.length_groups`, as :meth:`_decoder_hidden` runs them. The same computation as one
+        pass over ``[x][z][y]`` (causal attention: the prompt never reads ``z``), on fewer positions: the prompt
+        once for every latent and, for a frozen decoder, without a backward. A row's window positions before its
+        latent (its prompt's last ones, where another row's prompt is shorter) are zero: nothing reads them."""
+        layers, prompt_mask = self._prompt_keys_values(batch)
+        B, Tc, H = embeds.shape
+        p = batch.prompt_lengths.unsqueeze(1)  # [B, 1]
+        lengths = self.num_latent_tokens + batch.response_lengths  # [B]: each row's [z][y]
+        L = int(lengths.max())
+        where = p + torch.arange(L, device=embeds.device).unsqueeze(0)  # [B, L]: conditioned position of suffix j
+        index = where.clamp(max=Tc - 1)
+        suffix = embeds.gather(1, index.unsqueeze(-1).expand(-1, -1, H))  # [B, L, H]
+        suffix_mask = (attention.gather(1, index) * (where < Tc)).to(prompt_mask.dtype)
+        groups = [list(range(B))]
+        if embeds.device.type == "cpu":  # as _decoder_hidden: measured on CPUs only
+            groups = length_groups(lengths.tolist(), DECODER_CALL_POSITIONS)
+        config = decoder_text_config(self.decoder)
+        parts = []
+        for rows in groups:
+            w = int(lengths[rows].max())
+            part = layers
+            if len(groups) > 1:
+                rows_index = torch.tensor(rows, device=embeds.device)
+                part = [(keys[rows_index], values[rows_index]) for keys, values in layers]
+            else:
+                rows_index = slice(None)
+            out = self.decoder(
+                inputs_embeds=suffix[rows_index, :w],
+                attention_mask=torch.cat([prompt_mask[rows_index], suffix_mask[rows_index, :w]], dim=1),
+                position_ids=where[rows_index, :w],
+                cache=DynamicCache(ddp_cache_data=list(part), config=config),  # new: the forward appends to it
+                use_cache=True,
+                output_hidden_states=True,
+                logits_to_keep=unused_logits(suffix),
+            )
+            parts.append(F.pad(out.hidden_states[-1], (0, 0, 0, L - w)))  # [rows, L, H], after the final norm
+        hidden = parts[0]
+        if len(groups) > 1:
+            order = torch.tensor([r for rows in groups for r in rows], device=embeds.device)
+            hidden = torch.cat(parts)[torch.argsort(order)]
+        k = start + torch.arange(Tc - start, device=embeds.device).unsqueeze(0) - p  # [B, W]: suffix position
+        window = hidden.gather(1, k.clamp(0, L - 1).unsqueeze(-1).expand(-1, -1, H))
+        return window * ((k >= 0) & (k < L)).unsqueeze(-1).to(window.dtype)
 
     def _decoder_hidden(self, embeds: torch.Tensor, extra: dict[str, object]) -> torch.Tensor:
         """The decoder's final hidden states ``[B, Tc, H]`` (after the final norm).
@@ -788,7 +894,7 @@ class CVAEBase(nn.Module):
         The decoder computes each row alone (its other rows never enter it), so a reused row is the row a
         new decode would give. The memo knows nothing of the model's state: change no parameter and not the
         mode inside the block."""
-        previous, self._decode_memo = self._decode_memo, (batch, [])
+        previous, self._decode_memo = self._decode_memo, (batch, [], {})
         try:
             yield
         finally:

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 from tqdm.auto import tqdm
 
+from . import reference as reference_pass
 from .checkpoints import replace_file_durably
 from .cvae_base import ATTENTION_VIEWS, CVAEBase, FrozenFeatures, WeightingParams
 from .data import Batch, Example, collate
@@ -215,6 +216,25 @@ class FeatureCache:
 
 
 @torch.no_grad()
+def frozen_pass_batches(examples: Sequence[Example], batch_size: int = 16) -> list[list[int]]:
+    """The frozen pass's batches: example indices in length order (little padding), ``batch_size`` at a time."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def shared_prefix_positions(examples: Sequence[Example], pad_token_id: int, batch_size: int = 16) -> int:
+    """Decoder positions the frozen pass over ``examples`` does not compute because every row of a batch shares
+    them (:func:`.reference.shared_prefix_length`, from :data:`.reference.MIN_SHARED_PREFIX` tokens): the
+    shared prefix runs once per batch, not once per row."""
+    saved = 0
+    for chunk in frozen_pass_batches(examples, batch_size):
+        batch = collate([examples[i] for i in chunk], pad_token_id)
+        shared = reference_pass.shared_prefix_length(batch.input_ids, batch.attention_mask)
+        if shared >= reference_pass.MIN_SHARED_PREFIX:
+            saved += (len(chunk) - 1) * shared
+    return saved
+
+
 def build_feature_cache(
     model: CVAEBase,
     examples: Sequence[Example],
@@ -234,8 +254,7 @@ def build_feature_cache(
     if device is None:
         device = next(model.parameters()).device
     rank, size = rank_and_size(state)
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
-    batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    batches = frozen_pass_batches(examples, batch_size)
     # Per example: (response NLL [r], entropy [r] or None, hidden states [r, H] or None, prior [H], encoder [2H]).
     rows: dict[int, tuple] = {}
     for chunk in tqdm(batches[rank::size], desc=description, disable=not progress, unit="batch"):

@@ -129,10 +129,13 @@ def job_flops(
     validated: Sequence[tuple[int, int]],
     validations: int,
     verdict_decodes: int,
+    shared_prefix_positions: int = 0,
 ) -> dict[str, float]:
     """Useful FLOPs of a training run by phase, from its examples' ``(prompt, response)`` lengths:
 
-    - ``frozen_pass``: one forward over ``[x][y]`` of every example, train and validation;
+    - ``frozen_pass``: one forward over ``[x][y]`` of every example, train and validation, less the linear
+      layers of the ``shared_prefix_positions`` that it computes once per batch instead of once per row
+      (:func:`.features.shared_prefix_positions`; their attention, a few pairs each, is left counted);
     - ``steps``: ``steps x batch_size`` examples, each the mean training example's forward over ``[z][x][y]``
       and input-gradient backward (the batches are drawn at random: the mean is the expectation);
     - ``validation``: ``validations`` times a forward under the posterior latent of each example of
@@ -149,8 +152,9 @@ def job_flops(
         prompts, responses = zip(*pairs, strict=True)
         return step_flops(shape, prompts, responses, latent, backward=backward)["total"]
 
+    prefix = shared_prefix_positions * forward_flops(shape, 1, 0)["linear"]
     out = {
-        "frozen_pass": float(total([*train, *validation], 0, False)),
+        "frozen_pass": float(total([*train, *validation], 0, False) - prefix),
         "steps": total(train, latent_tokens, True) / max(1, len(train)) * steps * batch_size,
         "validation": float(total(validated, latent_tokens, False) * validations),
         "verdict": float(total(validation, latent_tokens, False) * verdict_decodes),

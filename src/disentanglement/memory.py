@@ -56,18 +56,29 @@ class MemoryGeometry:
         return self.layers * 2 * self.kv_heads * self.head_dim
 
 
-def _decoder_config(decoder: nn.Module):
+def decoder_text_config(decoder: nn.Module):
+    """The decoder's (text) config, for a cache of its layers; None without one."""
     config = getattr(decoder, "config", None)
     if config is None:
         return None
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+def plain_cache(decoder: nn.Module) -> bool:
+    """Whether every layer of ``decoder`` keeps a plain full-attention key/value cache (:func:`memory_geometry`
+    accepts it): what a cache built from stored keys and values, or the memory placement, needs."""
+    try:
+        memory_geometry(decoder)
+    except ConfigError:
+        return False
+    return True
+
+
 def memory_geometry(decoder: nn.Module) -> MemoryGeometry:
     """The cache geometry of a Hugging Face causal LM (peft-wrapped or not); :class:`ConfigError` where a
     latent memory does not apply: no config, an encoder-decoder or cross-attention model, or layers that do
     not all keep a plain full-attention cache (sliding-window, linear-attention or hybrid models)."""
-    config = _decoder_config(decoder)
+    config = decoder_text_config(decoder)
     what = type(decoder).__name__
     if config is None:
         raise ConfigError(
@@ -171,7 +182,7 @@ class LatentMemory(nn.Module):
 def memory_cache(keys: torch.Tensor, values: torch.Tensor, decoder: nn.Module) -> DynamicCache:
     """A fresh ``DynamicCache`` whose layer ``l`` holds ``keys[l]``, ``values[l]`` (``[B, Hkv, P, Dh]``) as its
     ``P`` past positions. The decoder's forward appends its own keys and values to it (a new one per forward)."""
-    return DynamicCache(ddp_cache_data=list(zip(keys, values, strict=True)), config=_decoder_config(decoder))
+    return DynamicCache(ddp_cache_data=list(zip(keys, values, strict=True)), config=decoder_text_config(decoder))
 
 
 def memory_attention_mask(attention_mask: torch.Tensor, slots: int) -> torch.Tensor:

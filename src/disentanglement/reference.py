@@ -38,11 +38,79 @@ def unused_logits(inputs: torch.Tensor) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.long, device=inputs.device)
 
 
+#: The shortest token prefix shared by every row of a batch that :func:`reference_hidden_states` computes once
+#: (below it a second decoder call costs more than it saves).
+MIN_SHARED_PREFIX = 8
+
+
+def shared_prefix_length(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """How many leading tokens every row of ``input_ids [B, T]`` has in common, all of them unmasked, kept one
+    short of the shortest row (so that every row has a token of its own after it); 0 for a single row.
+
+    A chat template's system turn is such a prefix: SmolLM2-Instruct's is 23 tokens of every chatterbot pair's
+    56 or so."""
+    B, T = input_ids.shape
+    if B < 2 or T < 2:
+        return 0
+    same = (input_ids == input_ids[:1]).all(dim=0) & attention_mask.bool().all(dim=0)  # [T]
+    common = int(same.long().cumprod(0).sum())
+    return min(common, int(attention_mask.sum(dim=1).min()) - 1)
+
+
+def _cache_of(out) -> object:
+    """The key/value cache of a transformers forward's output (``cache``, formerly ``past_key_values``)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+def forward_sharing_prefix(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    output_hidden_states: bool = True,
+    keep_cache: bool = False,
+) -> tuple[tuple[torch.Tensor, ...] | None, object | None]:
+    """One forward of ``model`` over right-padded ``input_ids [B, T]``: ``(hidden_states, cache)``, the ``L + 1``
+    hidden states ``[B, T, H]`` (None without ``output_hidden_states``) and, with ``keep_cache``, the key/value
+    cache of all ``T`` positions (else None). The model's own head does not run.
+
+    A prefix that every row shares (:func:`shared_prefix_length`, at least :data:`MIN_SHARED_PREFIX` tokens:
+    a chat template's system turn) runs once, as one row; the rows then continue from its keys and values.
+    Causal attention makes that the same computation (up to the kernels' rounding), on fewer positions. With
+    gradients, the prefix's row gets the gradients of every row that reads it."""
+    common = dict(output_hidden_states=output_hidden_states, logits_to_keep=unused_logits(input_ids))
+    shared = shared_prefix_length(input_ids, attention_mask)
+    if shared < MIN_SHARED_PREFIX:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=keep_cache, **common)
+        return (out.hidden_states if output_hidden_states else None), (_cache_of(out) if keep_cache else None)
+    B, T = input_ids.shape
+    prefix = model(input_ids=input_ids[:1, :shared], use_cache=True, **common)
+    cache = _cache_of(prefix)
+    cache.batch_repeat_interleave(B)  # the prefix's keys and values, for every row
+    positions = torch.arange(shared, T, device=input_ids.device).unsqueeze(0).expand(B, -1)
+    rest = model(
+        input_ids=input_ids[:, shared:],
+        attention_mask=attention_mask,  # past and present positions, as the cache expects
+        position_ids=positions,
+        cache=cache,
+        use_cache=True,
+        **common,
+    )
+    hidden = None
+    if output_hidden_states:
+        hidden = tuple(
+            torch.cat([before.expand(B, -1, -1), after], dim=1)
+            for before, after in zip(prefix.hidden_states, rest.hidden_states, strict=True)
+        )
+    return hidden, (cache if keep_cache else None)
+
+
 @torch.no_grad()
 def reference_hidden_states(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """The hidden states of one no-grad, eval-mode forward of ``model`` over ``input_ids [B, T]``.
+    """The hidden states of one no-grad, eval-mode forward of ``model`` over ``input_ids [B, T]``
+    (:func:`forward_sharing_prefix`: a prefix every row shares runs once).
 
     Returns ``hidden_states``: ``L + 1`` tensors ``[B, T, H]`` (the embeddings, then every layer; the
     last after the final norm). The model's own head does not run (callers apply it where they need
@@ -60,13 +128,8 @@ def reference_hidden_states(
                 "chunked head does not, so its scores would not be the model's"
             )
     with eval_mode(model):
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            output_hidden_states=True,
-            logits_to_keep=unused_logits(input_ids),
-        )
-    return out.hidden_states
+        hidden, _ = forward_sharing_prefix(model, input_ids, attention_mask)
+    return hidden
 
 
 class ZFreeReference:

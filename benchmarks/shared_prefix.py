@@ -1,0 +1,100 @@
+"""The frozen pass with and without its shared prefix: ``reference.reference_hidden_states`` runs the prefix that
+every row of a batch shares (a chat template's system turn) once and continues each row from its keys and values.
+
+    python benchmarks/shared_prefix.py --threads 2                    # the main job's 2,306 pairs
+    python benchmarks/shared_prefix.py --threads 2 --max-examples 320 # a quick check
+
+Both passes run in this process on the same examples and batches (``features.build_feature_cache``, batches of
+16 in length order, as training's), alternately ``--repeats`` times; it prints the seconds of each (the fewest),
+the ratio, the positions the decoder computes either way, and how far the two passes' features are apart (the
+kernels' rounding: the same computation on fewer positions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+from disentanglement import reference, trainer  # noqa: E402
+from disentanglement.config import build_config, read_config_file  # noqa: E402
+from disentanglement.data import collate  # noqa: E402
+from disentanglement.features import build_feature_cache  # noqa: E402
+from disentanglement.models import build_cvae  # noqa: E402
+
+
+def positions(examples, pad_id: int, batch_size: int) -> tuple[int, int]:
+    """Decoder positions of the length-ordered batches: ``(plain, with the shared prefix run once per batch)``."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
+    plain = shared = 0
+    for start in range(0, len(order), batch_size):
+        batch = collate([examples[i] for i in order[start : start + batch_size]], pad_id)
+        B, T = batch.input_ids.shape
+        p = reference.shared_prefix_length(batch.input_ids, batch.attention_mask)
+        p = p if p >= reference.MIN_SHARED_PREFIX else 0
+        plain += B * T
+        shared += B * T - (B - 1) * p
+    return plain, shared
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--max-examples", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    values = read_config_file(args.config)
+    nested = all(isinstance(section, dict) for section in values.values())
+    flat = {k: v for section in values.values() for k, v in section.items()} if nested else dict(values)
+    flat.update(progress=False)
+    if args.max_examples:
+        flat["max_examples"] = args.max_examples
+    config = build_config(flat)
+    device = trainer.choose_device(config.train.device, "TrainConfig.device")
+    decoder, tokenizer = trainer._decoder_and_tokenizer(config, None, device)
+    data = trainer.prepare_data(config, tokenizer, None)
+    examples = data.train + data.validation
+    model = build_cvae(config, decoder).to(device)
+    pad = tokenizer.pad_token_id
+    plain_positions, shared_positions = positions(examples, pad, 16)
+    default_min = reference.MIN_SHARED_PREFIX
+    seconds: dict[str, list[float]] = {"plain": [], "shared prefix": []}
+    caches = {}
+    for _ in range(args.repeats):
+        for name, minimum in (("plain", 10**9), ("shared prefix", default_min)):
+            reference.MIN_SHARED_PREFIX = minimum
+            start = time.perf_counter()
+            caches[name] = build_feature_cache(model, examples, pad, 16, progress=False)
+            seconds[name].append(time.perf_counter() - start)
+    reference.MIN_SHARED_PREFIX = default_min
+    a, b = caches["plain"], caches["shared prefix"]
+    nll_a, nll_b = torch.cat(a.response_nll), torch.cat(b.response_nll)
+    enc_diff = (a.encoder_features - b.encoder_features).norm(dim=1) / a.encoder_features.norm(dim=1)
+    prior_diff = (a.prior_features - b.prior_features).norm(dim=1) / a.prior_features.norm(dim=1)
+    best = {name: min(values) for name, values in seconds.items()}
+    print(
+        f"{len(examples)} examples, {torch.get_num_threads()} threads, decoder {next(decoder.parameters()).dtype}; "
+        f"decoder positions {plain_positions} plain, {shared_positions} with the shared prefix "
+        f"({shared_positions / plain_positions:.3f})"
+    )
+    for name, values in seconds.items():
+        print(f"  {name:14s} {best[name]:7.1f} s (runs: {', '.join(f'{v:.1f}' for v in values)})")
+    print(f"  plain / shared prefix = {best['plain'] / best['shared prefix']:.2f}")
+    print(
+        f"  z-free NLL b_t: max abs difference {float((nll_a - nll_b).abs().max()):.4f} nats, mean abs "
+        f"{float((nll_a - nll_b).abs().mean()):.5f} (mean b_t {float(nll_a.mean()):.3f}); relative L2 of the "
+        f"encoder features max {float(enc_diff.max()):.4f}, of the prior features max {float(prior_diff.max()):.4f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
