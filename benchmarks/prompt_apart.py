@@ -43,7 +43,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--batches", type=int, default=4, help="batches of each kind, drawn from the data")
     args = parser.parse_args(argv)
     if args.threads:
@@ -52,7 +54,7 @@ def main(argv=None) -> None:
     nested = all(isinstance(section, dict) for section in values.values())
     flat = {k: v for section in values.values() for k, v in section.items()} if nested else dict(values)
     flat.update(progress=False)
-    device = trainer.choose_device("auto", "--device")
+    device = trainer.choose_device(args.device, "--device")
     configs = {p: build_config(dict(flat, latent_placement=p)) for p in ("prefix", "between")}
     decoder, tokenizer = trainer._decoder_and_tokenizer(configs["prefix"], None, device)
     data = trainer.prepare_data(configs["prefix"], tokenizer, None)
@@ -80,7 +82,7 @@ def main(argv=None) -> None:
         "between, prompt apart": ("between", True),
     }
     times: dict[tuple[str, str], list[float]] = {}
-    for repeat in range(args.repeats + 1):  # the first round warms up
+    for repeat in range(args.warmup + args.repeats):
         for name, (placement, split) in cases.items():
             model = models[placement]
             cvae_base.SPLIT_PROMPT = split
@@ -97,7 +99,7 @@ def main(argv=None) -> None:
                 for batch, features in score_batches:
                     score_batch(model, batch, features)
             score = (time.perf_counter() - start) / len(score_batches)
-            if repeat:
+            if repeat >= args.warmup:
                 times.setdefault((name, "step"), []).append(step)
                 times.setdefault((name, "score"), []).append(score)
     cvae_base.SPLIT_PROMPT = True

@@ -8,7 +8,8 @@
 #      --gradient-checkpointing
 #   5. benchmarks/step_cost.py in bf16: the embedded SmolLM2-135M (with case (g), activation checkpointing, and the
 #      useful-FLOP MFU and --profile breakdown; on CUDA the matmul rate is torch.matmul's on the GPU),
-#      and the decoder-size table of real shapes with random weights (MODELS, config:smollm2-1.7b among them)
+#      and the decoder-size table of real shapes with random weights (MODELS, config:smollm2-1.7b among them);
+#      benchmarks/prompt_apart.py: the between placement's prompt once, against the prefix placement
 #   6. the main job, `disentangle train --config configs/default.yaml`, timed by phase (benchmarks/main_job.py):
 #      with an empty model cache (the GGUF is dequantised again) and an empty feature cache, then again on the
 #      caches that run filled (the second run: no dequantisation, no frozen pass)
@@ -116,6 +117,9 @@ run_step step_cost_embedded "$PY" benchmarks/step_cost.py --model embedded --dev
     --gradient-checkpointing --skip-scaling --profile "${REPEATS[@]}" "${MEMORY[@]}"
 run_step step_cost_sizes "$PY" benchmarks/step_cost.py --models "$MODELS" --device "$DEVICE" --dtype bfloat16 \
     --batch-size 8 --gradient-checkpointing "${REPEATS[@]}" "${MEMORY[@]}"
+
+# the between placement's prompt run once (a step and the verdict's scoring against the prefix placement)
+run_step prompt_apart "$PY" benchmarks/prompt_apart.py --device "$DEVICE" "${REPEATS[@]}"
 
 # 6. the main job, timed by phase: empty model and feature caches, then the second run on the caches it filled
 run_step main_job "$PY" benchmarks/main_job.py --device "$DEVICE" --caches both "${MAIN_STEPS[@]}"

@@ -177,6 +177,8 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-echo", "raw-lora-240", (0, 1, 2)),
     ("two-factor", "between", (0, 1, 2)),
     ("style-in-echo", "between", (0, 1, 2)),
+    ("two-factor", "centered-lora-240-between", (0,)),
+    ("style-in-echo", "centered-lora-240-between", (0,)),
 ]
 
 
