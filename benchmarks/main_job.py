@@ -319,7 +319,9 @@ def useful_flops(
         validated=validation[: config.train.eval_batches * config.train.batch_size],  # validation.validate's
         validations=validations,
         verdict_decodes=verdict_decodes(config) if validation else 0,
-        shared_prefix_positions=shared_prefix_positions(examples["train"] + examples["validation"], pad_token_id),
+        shared_prefix_positions=shared_prefix_positions(
+            examples["train"] + examples["validation"], pad_token_id, max(config.train.batch_size, 16)
+        ),
     )
     mean_length = statistics.fmean(p + r for p, r in train) + config.latent.latent_tokens
     out["matmul_rows"] = round(config.train.batch_size * mean_length)

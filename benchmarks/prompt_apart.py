@@ -1,7 +1,6 @@
 """The between placement's prompt run apart: a training step and the verdict's scoring, against one pass.
 
-    python benchmarks/prompt_apart.py --threads 2               # the embedded SmolLM2-135M, chatterbot pairs
-    python benchmarks/prompt_apart.py --threads 2 --repeats 3   # fewer repetitions
+    python benchmarks/prompt_apart.py --threads 2 --repeats 3   # the embedded SmolLM2-135M, chatterbot pairs
 
 With ``latent_placement: between`` (``[x][z][y]``) the prompt's keys and values do not depend on ``z``, so
 ``CVAEBase.decode`` runs the prompt once (a frozen decoder's without gradients, the chat template's shared system
@@ -81,23 +80,31 @@ def main(argv=None) -> None:
         "between, one pass": ("between", False),
         "between, prompt apart": ("between", True),
     }
+
+    def synchronize() -> None:  # CUDA runs asynchronously: a timer reads after the work is done
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     times: dict[tuple[str, str], list[float]] = {}
     for repeat in range(args.warmup + args.repeats):
         for name, (placement, split) in cases.items():
             model = models[placement]
             cvae_base.SPLIT_PROMPT = split
             model.train()
+            synchronize()
             start = time.perf_counter()
             for batch, features in step_batches:
                 out = model(batch, features, step=100)
                 out.loss.backward()
             model.zero_grad(set_to_none=True)
+            synchronize()
             step = (time.perf_counter() - start) / len(step_batches)
             model.eval()
             start = time.perf_counter()
             with torch.no_grad():
                 for batch, features in score_batches:
                     score_batch(model, batch, features)
+            synchronize()
             score = (time.perf_counter() - start) / len(score_batches)
             if repeat >= args.warmup:
                 times.setdefault((name, "step"), []).append(step)

@@ -163,9 +163,10 @@ def test_two_processes_train_what_one_process_trains_with_the_global_batch(two_p
     expected = one_process.model.trainable_state_dict()
     assert rank0["weights"].keys() == expected.keys()
     for name, value in expected.items():
-        # The decoder's input gradients summed over 4 rows a process against 8 in one: float32 rounding, up to
+        # The decoder's input gradients summed over 2 rows a process against 4 in one: float32 rounding, up to
         # 1.5e-6 on a weight of the latent projection (of 0.09 at most) after 6 steps.
-        torch.testing.assert_close(rank0["weights"][name], value, rtol=RTOL, atol=5 * ATOL, msg=name)
+        atol = 5 * ATOL if name.startswith("latent_projection") else ATOL
+        torch.testing.assert_close(rank0["weights"][name], value, rtol=RTOL, atol=atol, msg=name)
     # The sharded and gathered frozen pass is the one-process pass, bit for bit; so is c_base.
     entries = [
         {p.relative_to(d): load_file(str(p)) for p in (d / "feature_cache").rglob("*.safetensors")}

@@ -262,16 +262,23 @@ def one_pass_over_the_prompt():
 
 
 @pytest.mark.parametrize("groups", ["one group", "length groups"])
-@pytest.mark.parametrize("training", ["frozen", "lora"])
+@pytest.mark.parametrize(
+    "training, build",
+    [("frozen", tiny_llama), ("lora", tiny_llama), ("frozen", tiny_gpt2)],  # GPT-2: learned absolute positions
+    ids=["frozen-llama", "lora-llama", "frozen-gpt2"],
+)
 def test_the_between_placements_prompt_apart_is_one_pass_over_the_sequence(
-    between_batch, training, groups, monkeypatch
+    between_batch, training, build, groups, monkeypatch
 ):
     tokenizer, batch = between_batch
     if groups == "length groups":  # every split that saves a position: prompts and [z][y] in several calls
         monkeypatch.setattr(cvae_base, "DECODER_CALL_POSITIONS", 0)
     config = build_config(dict(codebook_size=4, latent_placement="between", decoder_training=training))
     torch.manual_seed(0)
-    model = build_cvae(config, tiny_llama(len(tokenizer))).train()
+    model = build_cvae(config, build(len(tokenizer))).train()
+    # a frozen decoder's prompt builds no graph; a trained one's carries the adapters' gradients
+    layers, _ = model._prompt_keys_values(batch)
+    assert all((keys.requires_grad or values.requires_grad) == (training == "lora") for keys, values in layers)
     if training == "lora":  # adapters away from their zero start, so that their gradients are not trivial
         with torch.no_grad():
             for name, p in model.decoder.named_parameters():
@@ -297,12 +304,14 @@ def test_the_between_placements_prompt_apart_is_one_pass_over_the_sequence(
     B, X = len(batch), int(batch.prompt_lengths.max())
     shared = reference.shared_prefix_length(batch.input_ids[:, :X], batch.attention_mask[:, :X])
     P, R = model.num_latent_tokens, int(batch.response_lengths.max())
-    if groups == "one group":  # the prompts' shared prefix once, the rest of the prompts, then every row's [z][y]
+    if groups == "one group" and training == "frozen":  # the prompts' shared prefix once, their rest, [z][y]
         assert apart_calls == [(1, shared), (B, X - shared), (B, P + R)]
-    else:  # groups of prompts (each its shared prefix, then the rest), then groups of [z][y]: every row once
+    elif groups == "one group":  # trained with dropout: every row's prompt its own, then [z][y]
+        assert apart_calls == [(B, X), (B, P + R)]
+    else:  # groups of prompts (frozen: each its shared prefix, then the rest), then groups of [z][y]
         suffix_calls = [shape for shape, kind in zip(apart_calls, kinds, strict=False) if kind == "embeds"]
         assert len(suffix_calls) >= 2 and sum(rows for rows, _ in suffix_calls) == B
-        assert max(width for _, width in suffix_calls) == P + R and len(apart_calls) > len(suffix_calls) + 2
+        assert max(width for _, width in suffix_calls) == P + R and kinds.count("ids") >= 2
     assert calls[len(apart_calls) :][0][1] > P + R  # the plain pass: the whole [x][z][y]
     torch.testing.assert_close(nll, plain_nll, **TOL)
     for grad, plain_grad in zip(grads, plain_grads, strict=True):

@@ -697,7 +697,8 @@ class CVAEBase(nn.Module):
         """The decoder's keys and values ``[B, Hkv, X, Dh]`` of every layer over every row's prompt (``X`` the
         longest prompt; a row's positions past its own prompt are masked), and that mask ``[B, X]``. Inside
         :meth:`reusing_decodes` the prompt runs once for every latent. A frozen decoder's prompt takes no gradient
-        and runs without; a prefix every prompt shares runs once (:func:`.reference.forward_sharing_prefix`)."""
+        and runs without; a prefix every prompt shares runs once (:func:`.reference.forward_sharing_prefix`), except in a
+        trained decoder's training steps (dropout)."""
         memo = self._decode_memo
         reuse = memo is not None and memo[0] is batch and not torch.is_grad_enabled()
         if reuse and "prompt" in memo[2]:
@@ -709,13 +710,15 @@ class CVAEBase(nn.Module):
         if batch.input_ids.device.type == "cpu":  # prompts of very different lengths at their own widths
             groups = length_groups(batch.prompt_lengths.tolist(), DECODER_CALL_POSITIONS)
         parts = []  # per group, per layer: (keys, values) [rows, Hkv, X, Dh], zeros past the group's width
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.decoder_training != "frozen"):
+        grad = torch.is_grad_enabled() and self.decoder_training != "frozen"
+        share = not (grad and self.decoder.training)  # a trained decoder's rows each draw their own dropout
+        with torch.set_grad_enabled(grad):
             for rows in groups:
                 index = torch.tensor(rows, device=mask.device)
                 w = int(batch.prompt_lengths[index].max())
                 ids, group_mask = batch.input_ids[index, :w], mask[index, :w]
                 _, cache = forward_sharing_prefix(
-                    self.decoder, ids, group_mask, output_hidden_states=False, keep_cache=True
+                    self.decoder, ids, group_mask, output_hidden_states=False, keep_cache=True, share=share
                 )
                 pad = (0, 0, 0, X - w)
                 parts.append([(F.pad(layer.keys, pad), F.pad(layer.values, pad)) for layer in cache.layers])

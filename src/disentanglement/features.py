@@ -215,7 +215,6 @@ class FeatureCache:
         )
 
 
-@torch.no_grad()
 def frozen_pass_batches(examples: Sequence[Example], batch_size: int = 16) -> list[list[int]]:
     """The frozen pass's batches: example indices in length order (little padding), ``batch_size`` at a time."""
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
@@ -235,6 +234,7 @@ def shared_prefix_positions(examples: Sequence[Example], pad_token_id: int, batc
     return saved
 
 
+@torch.no_grad()
 def build_feature_cache(
     model: CVAEBase,
     examples: Sequence[Example],

@@ -135,7 +135,7 @@ def job_flops(
 
     - ``frozen_pass``: one forward over ``[x][y]`` of every example, train and validation, less the linear
       layers of the ``shared_prefix_positions`` that it computes once per batch instead of once per row
-      (:func:`.features.shared_prefix_positions`; their attention, a few pairs each, is left counted);
+      (:func:`.features.shared_prefix_positions`; the attention they save is left counted);
     - ``steps``: ``steps x batch_size`` examples, each the mean training example's forward over ``[z][x][y]``
       and input-gradient backward (the batches are drawn at random: the mean is the expectation);
     - ``validation``: ``validations`` times a forward under the posterior latent of each example of

@@ -69,6 +69,7 @@ def forward_sharing_prefix(
     *,
     output_hidden_states: bool = True,
     keep_cache: bool = False,
+    share: bool = True,
 ) -> tuple[tuple[torch.Tensor, ...] | None, object | None]:
     """One forward of ``model`` over right-padded ``input_ids [B, T]``: ``(hidden_states, cache)``, the ``L + 1``
     hidden states ``[B, T, H]`` (None without ``output_hidden_states``) and, with ``keep_cache``, the key/value
@@ -77,9 +78,12 @@ def forward_sharing_prefix(
     A prefix that every row shares (:func:`shared_prefix_length`, at least :data:`MIN_SHARED_PREFIX` tokens:
     a chat template's system turn) runs once, as one row; the rows then continue from its keys and values.
     Causal attention makes that the same computation (up to the kernels' rounding), on fewer positions. With
-    gradients, the prefix's row gets the gradients of every row that reads it."""
+    gradients, the prefix's row gets the gradients of every row that reads it. ``share=False`` runs one pass:
+    callers pass it for a model whose layers keep no plain key/value cache (linear attention, hybrids), and for a
+    model in training mode with gradients (every row must draw its own dropout); and a checkpointed layer with
+    gradients drops the cache."""
     common = dict(output_hidden_states=output_hidden_states, logits_to_keep=unused_logits(input_ids))
-    shared = shared_prefix_length(input_ids, attention_mask)
+    shared = shared_prefix_length(input_ids, attention_mask) if share else 0
     if shared < MIN_SHARED_PREFIX:
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=keep_cache, **common)
         return (out.hidden_states if output_hidden_states else None), (_cache_of(out) if keep_cache else None)
@@ -127,8 +131,10 @@ def reference_hidden_states(
                 f"{type(model).__name__} post-processes its logits ({name}={value}); the z-free reference's "
                 "chunked head does not, so its scores would not be the model's"
             )
+    from .memory import plain_cache  # memory imports this module
+
     with eval_mode(model):
-        hidden, _ = forward_sharing_prefix(model, input_ids, attention_mask)
+        hidden, _ = forward_sharing_prefix(model, input_ids, attention_mask, share=plain_cache(model))
     return hidden
 
 
