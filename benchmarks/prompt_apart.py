@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 from disentanglement import cvae_base, trainer  # noqa: E402
-from disentanglement.config import build_config, read_config_file  # noqa: E402
+from disentanglement.config import resolve_config  # noqa: E402
 from disentanglement.data import collate  # noqa: E402
 from disentanglement.evaluation import score_batch  # noqa: E402
 from disentanglement.features import build_feature_cache  # noqa: E402
@@ -49,12 +49,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    values = read_config_file(args.config)
-    nested = all(isinstance(section, dict) for section in values.values())
-    flat = {k: v for section in values.values() for k, v in section.items()} if nested else dict(values)
-    flat.update(progress=False)
     device = trainer.choose_device(args.device, "--device")
-    configs = {p: build_config(dict(flat, latent_placement=p)) for p in ("prefix", "between")}
+    configs = {
+        p: resolve_config(args.config, {"progress": False, "latent_placement": p}) for p in ("prefix", "between")
+    }
     decoder, tokenizer = trainer._decoder_and_tokenizer(configs["prefix"], None, device)
     data = trainer.prepare_data(configs["prefix"], tokenizer, None)
     pad = tokenizer.pad_token_id

@@ -23,24 +23,22 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 from disentanglement import reference, trainer  # noqa: E402
-from disentanglement.config import build_config, read_config_file  # noqa: E402
+from disentanglement.config import resolve_config  # noqa: E402
 from disentanglement.data import collate  # noqa: E402
-from disentanglement.features import build_feature_cache  # noqa: E402
+from disentanglement.features import (  # noqa: E402
+    build_feature_cache,
+    frozen_pass_batches,
+    shared_prefix_positions,
+)
 from disentanglement.models import build_cvae  # noqa: E402
 
 
 def positions(examples, pad_id: int, batch_size: int) -> tuple[int, int]:
-    """Decoder positions of the length-ordered batches: ``(plain, with the shared prefix run once per batch)``."""
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
-    plain = shared = 0
-    for start in range(0, len(order), batch_size):
-        batch = collate([examples[i] for i in order[start : start + batch_size]], pad_id)
-        B, T = batch.input_ids.shape
-        p = reference.shared_prefix_length(batch.input_ids, batch.attention_mask)
-        p = p if p >= reference.MIN_SHARED_PREFIX else 0
-        plain += B * T
-        shared += B * T - (B - 1) * p
-    return plain, shared
+    """Decoder positions of the frozen pass's batches: ``(plain, with the shared prefix run once per batch)``."""
+    plain = 0
+    for chunk in frozen_pass_batches(examples, batch_size):
+        plain += collate([examples[i] for i in chunk], pad_id).input_ids.numel()
+    return plain, plain - shared_prefix_positions(examples, pad_id, batch_size)
 
 
 def main(argv=None) -> None:
@@ -52,13 +50,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    values = read_config_file(args.config)
-    nested = all(isinstance(section, dict) for section in values.values())
-    flat = {k: v for section in values.values() for k, v in section.items()} if nested else dict(values)
-    flat.update(progress=False)
-    if args.max_examples:
-        flat["max_examples"] = args.max_examples
-    config = build_config(flat)
+    overrides = {"progress": False, **({"max_examples": args.max_examples} if args.max_examples else {})}
+    config = resolve_config(args.config, overrides)
     device = trainer.choose_device(config.train.device, "TrainConfig.device")
     decoder, tokenizer = trainer._decoder_and_tokenizer(config, None, device)
     data = trainer.prepare_data(config, tokenizer, None)

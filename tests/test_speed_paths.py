@@ -51,12 +51,18 @@ def one_decoder_pass():
         cvae_base.DECODER_CALL_POSITIONS = original
 
 
-def count_decoder_calls(model):
+def count_decoder_calls(model, kinds=None):
+    """``(calls, counted)``: ``counted`` stands in for the decoder's forward and records the ``[B, T]`` of each call
+    (by ``input_ids`` or by ``inputs_embeds``); with a ``kinds`` list, "ids" or "embeds" for each call."""
     calls = []
     original = model.decoder.forward
 
     def counted(*args, **kwargs):
-        calls.append(kwargs["inputs_embeds"].shape)
+        inputs = kwargs.get("input_ids")
+        if kinds is not None:
+            kinds.append("ids" if inputs is not None else "embeds")
+        inputs = kwargs["inputs_embeds"] if inputs is None else inputs
+        calls.append(tuple(inputs.shape[:2]))
         return original(*args, **kwargs)
 
     return calls, counted
@@ -196,13 +202,7 @@ def test_the_frozen_pass_runs_the_shared_prefix_once_and_gives_the_plain_pass(bu
     batch = collate(examples, tokenizer.pad_token_id)
     shared = reference.shared_prefix_length(batch.input_ids, batch.attention_mask)
     assert shared >= max(reference.MIN_SHARED_PREFIX, 21)
-    calls = []
-    original = model.decoder.forward
-
-    def counted(*args, **kwargs):
-        calls.append(tuple(kwargs["input_ids"].shape))
-        return original(*args, **kwargs)
-
+    calls, counted = count_decoder_calls(model)
     model.decoder.forward = counted
     try:
         fast = model.frozen_pass(batch)
@@ -288,7 +288,7 @@ def test_the_between_placements_prompt_apart_is_one_pass_over_the_sequence(
     inputs = [vector] + [p for p in model.decoder.parameters() if p.requires_grad]
     assert len(inputs) == (1 if training == "frozen" else 9)  # the latent; with LoRA 2 layers x q, v x A, B too
     kinds = []
-    calls, counted = count_decoder_calls_any(model, kinds)
+    calls, counted = count_decoder_calls(model, kinds)
     model.decoder.forward = counted
     try:
         apart = model.decode(batch, vector)
@@ -327,7 +327,7 @@ def test_scoring_runs_the_between_placements_prompt_once_for_every_code(between_
     torch.manual_seed(0)
     model = build_cvae(config, tiny_llama(len(tokenizer))).eval()
     features = model.frozen_pass(batch)
-    calls, counted = count_decoder_calls_any(model)
+    calls, counted = count_decoder_calls(model)
     model.decoder.forward = counted
     try:
         torch.manual_seed(0)
@@ -343,20 +343,3 @@ def test_scoring_runs_the_between_placements_prompt_once_for_every_code(between_
     assert len(apart_calls) == 2 + 4 and all(shape[1] < batch.input_ids.shape[1] for shape in apart_calls)
     for name in ("posterior_nll", "prior_nll", "zfree_nll", "iw_log_weights", "iw_sequence_nll"):
         torch.testing.assert_close(getattr(apart, name), getattr(plain, name), rtol=1e-5, atol=1e-5)
-
-
-def count_decoder_calls_any(model, kinds=None):
-    """As :func:`count_decoder_calls`, for calls by ``input_ids`` or by ``inputs_embeds``: their ``[B, T]``; with a
-    ``kinds`` list, "ids" or "embeds" for each call."""
-    calls = []
-    original = model.decoder.forward
-
-    def counted(*args, **kwargs):
-        inputs = kwargs.get("input_ids")
-        if kinds is not None:
-            kinds.append("ids" if inputs is not None else "embeds")
-        inputs = kwargs["inputs_embeds"] if inputs is None else inputs
-        calls.append(tuple(inputs.shape[:2]))
-        return original(*args, **kwargs)
-
-    return calls, counted

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention_backward import fast_attention_backward
@@ -38,7 +37,7 @@ from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, Recon
 from .data import Batch, length_groups
 from .injection import LatentLayout, latent_memory, latent_projection
 from .losses import apply_head, default_chunk_size, masked_token_nll_per_position, reconstruction_loss_stack
-from .memory import decoder_text_config, plain_cache
+from .memory import cache_from_layers, plain_cache
 from .reference import ZFreeReference, forward_sharing_prefix, reference_hidden_states, unused_logits
 from .regularizers import beta_at, kl_objective, next_token_divergence
 from .token_weighting import (
@@ -204,6 +203,22 @@ SPLIT_PROMPT = True
 #: SmolLM2's 49,152-token vocabulary: 1,365 response tokens in the batch), instead of checkpointed chunks whose
 #: backward recomputes the head's matmul and log-softmax (measured: ``benchmarks/README.md``, "Speed").
 WHOLE_WINDOW_LOGITS = 1 << 26
+
+
+def _row_groups(lengths: torch.Tensor) -> list[list[int]]:
+    """The rows of ``lengths [B]`` in :func:`.data.length_groups` on the CPU; one group elsewhere (on a GPU an extra
+    call costs kernel launches: measured on CPUs only)."""
+    if lengths.device.type != "cpu":
+        return [list(range(lengths.shape[0]))]
+    return length_groups(lengths.tolist(), DECODER_CALL_POSITIONS)
+
+
+def _in_row_order(parts: list[torch.Tensor], groups: list[list[int]]) -> torch.Tensor:
+    """``parts`` (one tensor per group of rows, rows first) put back in the batch's row order."""
+    if len(groups) == 1:
+        return parts[0]
+    order = torch.tensor([r for rows in groups for r in rows], device=parts[0].device)
+    return torch.cat(parts)[torch.argsort(order)]
 
 
 def _pad_last(mask: torch.Tensor) -> torch.Tensor:
@@ -706,9 +721,7 @@ class CVAEBase(nn.Module):
         X = int(batch.prompt_lengths.max())
         positions = torch.arange(X, device=batch.input_ids.device).unsqueeze(0)
         mask = (positions < batch.prompt_lengths.unsqueeze(1)).to(batch.attention_mask.dtype)  # [B, X]
-        groups = [list(range(len(batch)))]
-        if batch.input_ids.device.type == "cpu":  # prompts of very different lengths at their own widths
-            groups = length_groups(batch.prompt_lengths.tolist(), DECODER_CALL_POSITIONS)
+        groups = _row_groups(batch.prompt_lengths)  # prompts of very different lengths at their own widths
         parts = []  # per group, per layer: (keys, values) [rows, Hkv, X, Dh], zeros past the group's width
         grad = torch.is_grad_enabled() and self.decoder_training != "frozen"
         share = not (grad and self.decoder.training)  # a trained decoder's rows each draw their own dropout
@@ -722,12 +735,9 @@ class CVAEBase(nn.Module):
                 )
                 pad = (0, 0, 0, X - w)
                 parts.append([(F.pad(layer.keys, pad), F.pad(layer.values, pad)) for layer in cache.layers])
-        layers = parts[0]
-        if len(groups) > 1:
-            order = torch.argsort(torch.tensor([r for rows in groups for r in rows], device=mask.device))
-            layers = [
-                tuple(torch.cat([part[n][kv] for part in parts])[order] for kv in (0, 1)) for n in range(len(layers))
-            ]
+        layers = [
+            tuple(_in_row_order([part[n][kv] for part in parts], groups) for kv in (0, 1)) for n in range(len(parts[0]))
+        ]
         prompt = (layers, mask)
         if reuse:
             memo[2]["prompt"] = prompt
@@ -752,10 +762,7 @@ class CVAEBase(nn.Module):
         index = where.clamp(max=Tc - 1)
         suffix = embeds.gather(1, index.unsqueeze(-1).expand(-1, -1, H))  # [B, L, H]
         suffix_mask = (attention.gather(1, index) * (where < Tc)).to(prompt_mask.dtype)
-        groups = [list(range(B))]
-        if embeds.device.type == "cpu":  # as _decoder_hidden: measured on CPUs only
-            groups = length_groups(lengths.tolist(), DECODER_CALL_POSITIONS)
-        config = decoder_text_config(self.decoder)
+        groups = _row_groups(lengths)
         parts = []
         for rows in groups:
             w = int(lengths[rows].max())
@@ -769,16 +776,13 @@ class CVAEBase(nn.Module):
                 inputs_embeds=suffix[rows_index, :w],
                 attention_mask=torch.cat([prompt_mask[rows_index], suffix_mask[rows_index, :w]], dim=1),
                 position_ids=where[rows_index, :w],
-                cache=DynamicCache(ddp_cache_data=list(part), config=config),  # new: the forward appends to it
+                cache=cache_from_layers(part, self.decoder),
                 use_cache=True,
                 output_hidden_states=True,
                 logits_to_keep=unused_logits(suffix),
             )
             parts.append(F.pad(out.hidden_states[-1], (0, 0, 0, L - w)))  # [rows, L, H], after the final norm
-        hidden = parts[0]
-        if len(groups) > 1:
-            order = torch.tensor([r for rows in groups for r in rows], device=embeds.device)
-            hidden = torch.cat(parts)[torch.argsort(order)]
+        hidden = _in_row_order(parts, groups)  # [B, L, H]
         k = start + torch.arange(Tc - start, device=embeds.device).unsqueeze(0) - p  # [B, W]: suffix position
         window = hidden.gather(1, k.clamp(0, L - 1).unsqueeze(-1).expand(-1, -1, H))
         return window * ((k >= 0) & (k < L)).unsqueeze(-1).to(window.dtype)
@@ -800,7 +804,7 @@ class CVAEBase(nn.Module):
         if cpu and set(extra) == {"attention_mask"} and isinstance(mask, torch.Tensor) and mask.dim() == 2:
             lengths = mask.sum(dim=1)
             if bool((mask[:, :-1] >= mask[:, 1:]).all()):  # right-padded: each row is ones, then zeros
-                groups = length_groups(lengths.tolist(), DECODER_CALL_POSITIONS)
+                groups = _row_groups(lengths)
         if groups is None or len(groups) == 1:
             return self._decoder_final_hidden(embeds, extra)
         width = embeds.shape[1]
@@ -810,8 +814,7 @@ class CVAEBase(nn.Module):
             w = int(lengths[index].max())
             hidden = self._decoder_final_hidden(embeds[index, :w], {"attention_mask": mask[index, :w]})
             parts.append(F.pad(hidden, (0, 0, 0, width - w)))
-        order = torch.tensor([r for rows in groups for r in rows], device=embeds.device)
-        return torch.cat(parts)[torch.argsort(order)]
+        return _in_row_order(parts, groups)
 
     def _decoder_final_hidden(self, embeds: torch.Tensor, extra: dict[str, object]) -> torch.Tensor:
         out = self.decoder(

@@ -31,6 +31,7 @@ does; the per-layer map, Optimus's, learns from zero what differs per layer. Its
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .config import ConfigError
-from .reference import unused_logits
+from .reference import cache_of, unused_logits
 
 
 @dataclass(frozen=True)
@@ -64,14 +65,20 @@ def decoder_text_config(decoder: nn.Module):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+#: plain_cache's answer per decoder (it builds a cache to find out: asked on every batch).
+_PLAIN_CACHE: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
 def plain_cache(decoder: nn.Module) -> bool:
     """Whether every layer of ``decoder`` keeps a plain full-attention key/value cache (:func:`memory_geometry`
     accepts it): what a cache built from stored keys and values, or the memory placement, needs."""
-    try:
-        memory_geometry(decoder)
-    except ConfigError:
-        return False
-    return True
+    if decoder not in _PLAIN_CACHE:
+        try:
+            memory_geometry(decoder)
+            _PLAIN_CACHE[decoder] = True
+        except ConfigError:
+            _PLAIN_CACHE[decoder] = False
+    return _PLAIN_CACHE[decoder]
 
 
 def memory_geometry(decoder: nn.Module) -> MemoryGeometry:
@@ -147,7 +154,7 @@ class LatentMemory(nn.Module):
             use_cache=True,
             logits_to_keep=unused_logits(latent_embeds),
         )
-        cache = out["cache"] if "cache" in out else out["past_key_values"]
+        cache = cache_of(out)
         keys = torch.stack([layer.keys for layer in cache.layers])  # [Ly, B, Hkv, P, Dh]
         values = torch.stack([layer.values for layer in cache.layers])
         learned_keys, learned_values = self(latent_embeds)
@@ -182,7 +189,13 @@ class LatentMemory(nn.Module):
 def memory_cache(keys: torch.Tensor, values: torch.Tensor, decoder: nn.Module) -> DynamicCache:
     """A fresh ``DynamicCache`` whose layer ``l`` holds ``keys[l]``, ``values[l]`` (``[B, Hkv, P, Dh]``) as its
     ``P`` past positions. The decoder's forward appends its own keys and values to it (a new one per forward)."""
-    return DynamicCache(ddp_cache_data=list(zip(keys, values, strict=True)), config=decoder_text_config(decoder))
+    return cache_from_layers(list(zip(keys, values, strict=True)), decoder)
+
+
+def cache_from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]], decoder: nn.Module) -> DynamicCache:
+    """A fresh ``DynamicCache`` of ``decoder`` holding ``(keys, values)`` ``[B, Hkv, S, Dh]`` per layer as its ``S``
+    past positions (a new one per forward: the forward appends to it)."""
+    return DynamicCache(ddp_cache_data=list(layers), config=decoder_text_config(decoder))
 
 
 def memory_attention_mask(attention_mask: torch.Tensor, slots: int) -> torch.Tensor:

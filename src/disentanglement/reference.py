@@ -57,7 +57,7 @@ def shared_prefix_length(input_ids: torch.Tensor, attention_mask: torch.Tensor) 
     return min(common, int(attention_mask.sum(dim=1).min()) - 1)
 
 
-def _cache_of(out) -> object:
+def cache_of(out) -> object:
     """The key/value cache of a transformers forward's output (``cache``, formerly ``past_key_values``)."""
     return out["cache"] if "cache" in out else out["past_key_values"]
 
@@ -86,10 +86,10 @@ def forward_sharing_prefix(
     shared = shared_prefix_length(input_ids, attention_mask) if share else 0
     if shared < MIN_SHARED_PREFIX:
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=keep_cache, **common)
-        return (out.hidden_states if output_hidden_states else None), (_cache_of(out) if keep_cache else None)
+        return (out.hidden_states if output_hidden_states else None), (cache_of(out) if keep_cache else None)
     B, T = input_ids.shape
     prefix = model(input_ids=input_ids[:1, :shared], use_cache=True, **common)
-    cache = _cache_of(prefix)
+    cache = cache_of(prefix)
     cache.batch_repeat_interleave(B)  # the prefix's keys and values, for every row
     positions = torch.arange(shared, T, device=input_ids.device).unsqueeze(0).expand(B, -1)
     rest = model(
