@@ -321,6 +321,31 @@ def test_the_between_placements_prompt_apart_is_one_pass_over_the_sequence(
     torch.testing.assert_close(apart.hidden[supervised], plain.hidden[supervised], **TOL)
 
 
+def test_the_between_decode_stays_inside_the_models_positions():
+    """Rows of opposite lengths (a long prompt with a short response, a short prompt with a long one): the
+    suffix's padding positions stop at the one pass's last position, so GPT-2 with exactly that many learned
+    positions decodes apart as in one pass (padding at ``p_b + j`` went past them: an index error)."""
+    tokenizer = tiny_tokenizer()
+    prompts = ["what about " + "item " * 12 + "now", "hi"]
+    responses = ["ok", "well " * 12 + "that is all"]
+    pairs = make_hidden_factor_pairs(prompts, kind="marked", responses=responses)
+    config = build_config(dict(codebook_size=4, latent_placement="between"))
+    examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
+    batch = collate(examples, tokenizer.pad_token_id)
+    P = build_cvae(config, tiny_gpt2(len(tokenizer))).num_latent_tokens
+    Tc = int((batch.prompt_lengths + batch.response_lengths).max()) + P  # one pass's [x][z][y] width
+    longest_suffix = int(batch.prompt_lengths.max() + batch.response_lengths.max()) + P
+    assert longest_suffix > Tc  # the case: the longest prompt and the longest response are in different rows
+    torch.manual_seed(0)
+    model = build_cvae(config, tiny_gpt2(len(tokenizer), n_positions=Tc)).eval()
+    vector = torch.randn(len(batch), model.latent_vector_dim)
+    with torch.no_grad():
+        apart = model.decode(batch, vector).token_nll()
+        with one_pass_over_the_prompt():
+            plain = model.decode(batch, vector).token_nll()
+    torch.testing.assert_close(apart, plain, **TOL)
+
+
 def test_scoring_runs_the_between_placements_prompt_once_for_every_code(between_batch):
     tokenizer, batch = between_batch
     config = build_config(dict(codebook_size=4, latent_placement="between"))
@@ -343,3 +368,15 @@ def test_scoring_runs_the_between_placements_prompt_once_for_every_code(between_
     assert len(apart_calls) == 2 + 4 and all(shape[1] < batch.input_ids.shape[1] for shape in apart_calls)
     for name in ("posterior_nll", "prior_nll", "zfree_nll", "iw_log_weights", "iw_sequence_nll"):
         torch.testing.assert_close(getattr(apart, name), getattr(plain, name), rtol=1e-5, atol=1e-5)
+
+
+def test_plain_cache_is_asked_once_per_decoder(monkeypatch):
+    """``memory.plain_cache`` builds a cache to answer; it answers each decoder once (asked on every batch)."""
+    from disentanglement import memory
+
+    asked = []
+    geometry = memory.memory_geometry
+    monkeypatch.setattr(memory, "memory_geometry", lambda decoder: asked.append(decoder) or geometry(decoder))
+    first, second = tiny_llama(64), tiny_gpt2(64)
+    assert [memory.plain_cache(m) for m in (first, first, second, second, first)] == [True] * 5
+    assert asked == [first, second]

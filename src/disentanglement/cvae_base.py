@@ -214,8 +214,10 @@ def _row_groups(lengths: torch.Tensor) -> list[list[int]]:
 
 
 def _in_row_order(parts: list[torch.Tensor], groups: list[list[int]]) -> torch.Tensor:
-    """``parts`` (one tensor per group of rows, rows first) put back in the batch's row order."""
+    """``parts`` (one tensor per group of rows, rows first) put back in the batch's row order. One group is the
+    batch in its own order (:func:`_row_groups` and :func:`.data.length_groups` keep it)."""
     if len(groups) == 1:
+        assert groups[0] == list(range(len(groups[0]))), "one group out of row order"
         return parts[0]
     order = torch.tensor([r for rows in groups for r in rows], device=parts[0].device)
     return torch.cat(parts)[torch.argsort(order)]
@@ -724,7 +726,8 @@ class CVAEBase(nn.Module):
         groups = _row_groups(batch.prompt_lengths)  # prompts of very different lengths at their own widths
         parts = []  # per group, per layer: (keys, values) [rows, Hkv, X, Dh], zeros past the group's width
         grad = torch.is_grad_enabled() and self.decoder_training != "frozen"
-        share = not (grad and self.decoder.training)  # a trained decoder's rows each draw their own dropout
+        # a trained decoder in training mode: every row draws its own dropout, with gradients or without
+        share = not (self.decoder_training != "frozen" and self.decoder.training)
         with torch.set_grad_enabled(grad):
             for rows in groups:
                 index = torch.tensor(rows, device=mask.device)
@@ -775,7 +778,7 @@ class CVAEBase(nn.Module):
             out = self.decoder(
                 inputs_embeds=suffix[rows_index, :w],
                 attention_mask=torch.cat([prompt_mask[rows_index], suffix_mask[rows_index, :w]], dim=1),
-                position_ids=where[rows_index, :w],
+                position_ids=index[rows_index, :w],  # padding past Tc - 1 at Tc - 1: never past one pass's ids
                 cache=cache_from_layers(part, self.decoder),
                 use_cache=True,
                 output_hidden_states=True,

@@ -71,7 +71,9 @@ _PLAIN_CACHE: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictio
 
 def plain_cache(decoder: nn.Module) -> bool:
     """Whether every layer of ``decoder`` keeps a plain full-attention key/value cache (:func:`memory_geometry`
-    accepts it): what a cache built from stored keys and values, or the memory placement, needs."""
+    accepts it): what a cache built from stored keys and values, or the memory placement, needs. The answer is
+    kept per module object (a weak reference): a decoder whose config is edited in place after the first call
+    keeps its first answer."""
     if decoder not in _PLAIN_CACHE:
         try:
             memory_geometry(decoder)

@@ -80,7 +80,7 @@ def forward_sharing_prefix(
     Causal attention makes that the same computation (up to the kernels' rounding), on fewer positions. With
     gradients, the prefix's row gets the gradients of every row that reads it. ``share=False`` runs one pass:
     callers pass it for a model whose layers keep no plain key/value cache (linear attention, hybrids), and for a
-    model in training mode with gradients (every row must draw its own dropout); and a checkpointed layer with
+    trained model in training mode (every row must draw its own dropout); and a checkpointed layer with
     gradients drops the cache."""
     common = dict(output_hidden_states=output_hidden_states, logits_to_keep=unused_logits(input_ids))
     shared = shared_prefix_length(input_ids, attention_mask) if share else 0
