@@ -233,7 +233,10 @@ def test_cli_eval_generation(discrete_run, tmp_path, injected_loader, capsys):
     argv = ["eval", str(discrete_run.run_dir), "--output", str(tmp_path / "e.json"), "--no-progress", "--generation"]
     assert cli.main([*argv, "--generation-prompts", "2", "--generation-max-new-tokens", "40", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
-    assert "controllability: code recovery 1.000 (chance 0.250) over 8 generations for 2 prompts" in printed
+    assert "controllability: code recovery 1.000 (chance 0.250) over 8 generations for 2 prompts (greedy" in printed
+    sampled = ["--generation-temperature", "1.5", "--output", str(tmp_path / "s.json")]
+    assert cli.main([*argv, "--generation-prompts", "2", "--device", "cpu", *sampled]) == 0
+    assert "for 2 prompts (sampled at temperature 1.5 (top-p 1)" in capsys.readouterr().out
     assert "label label: classifier accuracy on generations 1.000" in printed
 
 
@@ -352,3 +355,26 @@ def test_continuous_attribute_vectors_are_read_from_the_text(continuous):
     # the attribute targets' generations, read back by hand, give the same shares (the first two prompts shown)
     assert 0 <= entry["accuracy"] <= 1 and 0 <= entry["none_share"] <= 1
     assert entry["accuracy"] * 16 == pytest.approx(round(entry["accuracy"] * 16))  # a share of 16 generations
+
+
+def test_sampled_generations_are_seeded_and_cool_to_greedy(discrete):
+    """``temperature`` above 0 samples from the decoder's whole distribution under ``seed``: the same seed gives
+    the same report, another seed other texts, and near temperature 0 the greedy text."""
+    greedy = controllability(*discrete, **OPTIONS)
+    assert greedy["temperature"] == 0.0 and greedy["decoding"] == "greedy, at most 40 new tokens"
+    sampled = controllability(*discrete, **OPTIONS, temperature=2.0)
+    assert sampled["decoding"] == "sampled at temperature 2 (top-p 1), at most 40 new tokens"
+    assert controllability(*discrete, **OPTIONS, temperature=2.0) == sampled
+    other_seed = controllability(*discrete, **dict(OPTIONS, seed=1), temperature=2.0)
+    texts = [e["text"] for e in sampled["examples"]]
+    assert texts != [e["text"] for e in greedy["examples"]]
+    assert [e["text"] for e in other_seed["examples"]] != texts
+    assert sampled["real_zfree_nll_per_token"] == greedy["real_zfree_nll_per_token"]
+    # near temperature 0 the samples are the greedy text: sampling draws from the decoder's own distribution
+    cold = controllability(*discrete, **OPTIONS, temperature=1e-4)
+    assert [e["text"] for e in cold["examples"]] == [e["text"] for e in greedy["examples"]]
+    assert cold["zfree_nll_per_token"] == pytest.approx(greedy["zfree_nll_per_token"])
+    assert "for 4 prompts (sampled at temperature 2 (top-p 1)" in summary_lines(sampled)[0]
+    for bad in (-0.5, float("nan"), True):
+        with pytest.raises(ValueError, match="--generation-temperature must be a number >= 0"):
+            controllability(*discrete, **OPTIONS, temperature=bad)

@@ -74,7 +74,7 @@ def run_eval(
     data="train", iw_samples=4)``). ``output`` defaults to ``RUN/eval/eval_<data>.json``; the summary is the
     same path with ``.md``. With ``generation`` the report gets ``controllability``
     (:func:`controllability.controllability` on ``generation_prompts`` prompts of ``data``,
-    ``generation_max_new_tokens`` greedy tokens, and ``generation_latents`` prior draws per prompt for a
+    ``generation_max_new_tokens`` tokens at most, greedy or sampled at ``generation_temperature``, and ``generation_latents`` prior draws per prompt for a
     continuous model). Returns ``(report, json_path, markdown_path)``.
     """
     from .report import write_markdown_summary
@@ -166,6 +166,7 @@ def _eval_controllability(model, tokenizer, config, examples, cache, options: Ev
         raw_pairs(options.data, config, examples),
         num_prompts=options.generation_prompts,
         max_new_tokens=options.generation_max_new_tokens,
+        temperature=options.generation_temperature,
         prior_latents=options.generation_latents,
         seed=options.seed,
         batch_size=options.batch_size,

@@ -32,8 +32,8 @@ alone), and measure:
 - **fluency**: the z-free reference's NLL of the generations, nats per response token (the
   end-of-sequence token included, as in training), beside the same for the real responses.
 
-Deterministic given ``seed`` (greedy decoding; the prior draws and the split are seeded); the caller's
-random state and the model's mode are kept.
+Deterministic given ``seed`` (greedy decoding by default, or sampling under the seed; the prior draws and the
+split are seeded); the caller's random state and the model's mode are kept.
 """
 
 from __future__ import annotations
@@ -275,11 +275,15 @@ def controllability(
     seed: int = 0,
     batch_size: int = 16,
     progress: bool = False,
+    temperature: float = 0.0,
     detector: Detector | None = None,
     detector_name: str | None = None,
 ) -> dict[str, Any]:
     """The controllability report of a model on held-out data (see the module docstring); ``progress`` shows
-    a progress bar over the generations.
+    a progress bar over the generations. ``temperature`` 0 decodes greedily (the default); above 0 it samples
+    at that temperature from the decoder's whole distribution (top-p 1, no top-k), seeded by ``seed``: at 1, a
+    decoder that fits the data writes responses as predictable to the z-free reference as the real ones, where
+    greedy text is more predictable by construction.
 
     ``examples`` and ``cache`` are the evaluated data and its frozen-pass features (as for
     ``evaluation.evaluate``), ``pairs`` their raw pairs (same order; the prompts' texts). Returns a JSON-able
@@ -300,17 +304,26 @@ def controllability(
             raise ValueError(f"--generation-{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
     if isinstance(prior_latents, bool) or not isinstance(prior_latents, int) or prior_latents < 2:
         raise ValueError(f"--generation-latents must be an integer >= 2, got {prior_latents!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not temperature >= 0:
+        raise ValueError(f"--generation-temperature must be a number >= 0, got {temperature!r}")
+    if temperature > 0:
+        sampling = SamplingOptions(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
+        decoding = f"sampled at temperature {temperature:g} (top-p 1), at most {max_new_tokens} new tokens"
+    else:
+        sampling = SamplingOptions(greedy=True, max_new_tokens=max_new_tokens, seed=seed)
+        decoding = f"greedy, at most {max_new_tokens} new tokens"
     space = model.latent_space
     prompts = choose_prompts([p.prompt for p in pairs], num_prompts, seed)
     factors = example_factor_values(examples)
     targets, texts, encoded, recovered, real_features = _generate_and_reencode(
-        model, tokenizer, config, examples, cache, prompts, factors, max_new_tokens, prior_latents, seed, batch_size,
+        model, tokenizer, config, examples, cache, prompts, factors, sampling, prior_latents, seed, batch_size,
         progress,
     )  # fmt: skip
     report: dict[str, Any] = {
         "prompts": len(prompts),
         "generations": len(targets),
-        "decoding": f"greedy, at most {max_new_tokens} new tokens",
+        "decoding": decoding,
+        "temperature": float(temperature),
         "seed": seed,
     }
 
@@ -368,7 +381,7 @@ def _generate_and_reencode(
     cache: FeatureCache,
     prompts: list[str],
     factors: dict[str, list[str]] | None,
-    max_new_tokens: int,
+    sampling: SamplingOptions,
     prior_latents: int,
     seed: int,
     batch_size: int,
@@ -380,7 +393,6 @@ def _generate_and_reencode(
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id
     space = model.latent_space
-    sampling = SamplingOptions(greedy=True, max_new_tokens=max_new_tokens, seed=seed)
     with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         torch.manual_seed(seed)
         latents = posterior_latents(model, examples, cache, pad)
@@ -431,7 +443,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         recovery = f"latent recovery {report['latent_recovery_accuracy']:.3f}"
     lines = [
         f"controllability: {recovery} (chance {report['recovery_chance']:.3f}) over {report['generations']} "
-        f"generations for {report['prompts']} prompts; distinct-1 {report['distinct_1']:.3f}, distinct-2 "
+        f"generations for {report['prompts']} prompts ({report.get('decoding', 'greedy')}); distinct-1 {report['distinct_1']:.3f}, distinct-2 "
         f"{report['distinct_2']:.3f}; z-free NLL {report['zfree_nll_per_token']:.3f} nats/token (real "
         f"responses {report['real_zfree_nll_per_token']:.3f})",
     ]

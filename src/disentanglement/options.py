@@ -226,7 +226,14 @@ class EvalOptions(ScoringOptions):
         group=_STEERING,
     )
     generation_prompts: int = ranged(8, "held-out prompts generated for", Range(1), group=_STEERING)
-    generation_max_new_tokens: int = ranged(32, "greedy tokens per generation", Range(1), group=_STEERING)
+    generation_max_new_tokens: int = ranged(32, "new tokens per generation at most", Range(1), group=_STEERING)
+    generation_temperature: float = ranged(
+        0.0,
+        "0: greedy generations; above 0: sampled at this temperature from the decoder's whole distribution "
+        "(seeded by --seed); at 1 their z-free NLL is comparable with the real responses'",
+        Range(0, integer=False),
+        group=_STEERING,
+    )
     generation_latents: int = ranged(
         8, "continuous: prior draws per prompt (recovery targets)", Range(2), group=_STEERING
     )
