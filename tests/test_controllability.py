@@ -362,7 +362,9 @@ def test_sampled_generations_are_seeded_and_cool_to_greedy(discrete):
     the same report, another seed other texts, and near temperature 0 the greedy text."""
     greedy = controllability(*discrete, **OPTIONS)
     assert greedy["temperature"] == 0.0 and greedy["decoding"] == "greedy, at most 40 new tokens"
+    caller = torch.get_rng_state()
     sampled = controllability(*discrete, **OPTIONS, temperature=2.0)
+    assert torch.equal(torch.get_rng_state(), caller)  # the caller's random state is kept
     assert sampled["decoding"] == "sampled at temperature 2 (top-p 1), at most 40 new tokens"
     assert controllability(*discrete, **OPTIONS, temperature=2.0) == sampled
     other_seed = controllability(*discrete, **dict(OPTIONS, seed=1), temperature=2.0)
@@ -375,6 +377,6 @@ def test_sampled_generations_are_seeded_and_cool_to_greedy(discrete):
     assert [e["text"] for e in cold["examples"]] == [e["text"] for e in greedy["examples"]]
     assert cold["zfree_nll_per_token"] == pytest.approx(greedy["zfree_nll_per_token"])
     assert "for 4 prompts (sampled at temperature 2 (top-p 1)" in summary_lines(sampled)[0]
-    for bad in (-0.5, float("nan"), True):
-        with pytest.raises(ValueError, match="--generation-temperature must be a number >= 0"):
+    for bad in (-0.5, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="--generation-temperature must be a finite number >= 0"):
             controllability(*discrete, **OPTIONS, temperature=bad)

@@ -74,8 +74,9 @@ def run_eval(
     data="train", iw_samples=4)``). ``output`` defaults to ``RUN/eval/eval_<data>.json``; the summary is the
     same path with ``.md``. With ``generation`` the report gets ``controllability``
     (:func:`controllability.controllability` on ``generation_prompts`` prompts of ``data``,
-    ``generation_max_new_tokens`` tokens at most, greedy or sampled at ``generation_temperature``, and ``generation_latents`` prior draws per prompt for a
-    continuous model). Returns ``(report, json_path, markdown_path)``.
+    ``generation_max_new_tokens`` tokens at most, greedy or sampled at ``generation_temperature``, and
+    ``generation_latents`` prior draws per prompt for a continuous model). Returns
+    ``(report, json_path, markdown_path)``.
     """
     from .report import write_markdown_summary
 

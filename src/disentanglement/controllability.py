@@ -1,9 +1,9 @@
 """Does forcing a latent steer the response the way the latent means? (``disentangle eval --generation``)
 
 For ``P`` held-out prompts (a seeded choice of the distinct prompts of the evaluated data), generate one
-greedy response under each of a set of target latents, then re-encode every ``(prompt, generation)`` pair
-with the model's own encoder, tokenised as in training (an empty generation is its end-of-sequence token
-alone), and measure:
+response (greedy, or sampled at a temperature) under each of a set of target latents, then re-encode every
+``(prompt, generation)`` pair with the model's own encoder, tokenised as in training (an empty generation is its
+end-of-sequence token alone), and measure:
 
 - **code recovery** (discrete): the targets are, for each slot ``m`` and code ``k``, the prompt's prior-mode
   codes with slot ``m`` set to ``k``; a generation is recovered when the argmax code of slot ``m`` of its
@@ -38,6 +38,7 @@ split are seeded); the caller's random state and the model's mode are kept.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -281,7 +282,8 @@ def controllability(
 ) -> dict[str, Any]:
     """The controllability report of a model on held-out data (see the module docstring); ``progress`` shows
     a progress bar over the generations. ``temperature`` 0 decodes greedily (the default); above 0 it samples
-    at that temperature from the decoder's whole distribution (top-p 1, no top-k), seeded by ``seed``: at 1, a
+    at that temperature from the decoder's whole distribution (top-p 1, no top-k; a decoder's own generation
+    config still applies), seeded by ``seed`` (the same text for the same seed and ``batch_size``): at 1, a
     decoder that fits the data writes responses as predictable to the z-free reference as the real ones, where
     greedy text is more predictable by construction.
 
@@ -304,8 +306,8 @@ def controllability(
             raise ValueError(f"--generation-{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
     if isinstance(prior_latents, bool) or not isinstance(prior_latents, int) or prior_latents < 2:
         raise ValueError(f"--generation-latents must be an integer >= 2, got {prior_latents!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not temperature >= 0:
-        raise ValueError(f"--generation-temperature must be a number >= 0, got {temperature!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature < math.inf:
+        raise ValueError(f"--generation-temperature must be a finite number >= 0, got {temperature!r}")
     if temperature > 0:
         sampling = SamplingOptions(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
         decoding = f"sampled at temperature {temperature:g} (top-p 1), at most {max_new_tokens} new tokens"
@@ -443,9 +445,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         recovery = f"latent recovery {report['latent_recovery_accuracy']:.3f}"
     lines = [
         f"controllability: {recovery} (chance {report['recovery_chance']:.3f}) over {report['generations']} "
-        f"generations for {report['prompts']} prompts ({report.get('decoding', 'greedy')}); distinct-1 {report['distinct_1']:.3f}, distinct-2 "
-        f"{report['distinct_2']:.3f}; z-free NLL {report['zfree_nll_per_token']:.3f} nats/token (real "
-        f"responses {report['real_zfree_nll_per_token']:.3f})",
+        f"generations for {report['prompts']} prompts ({report.get('decoding', 'greedy')}); "
+        f"distinct-1 {report['distinct_1']:.3f}, distinct-2 {report['distinct_2']:.3f}; "
+        f"z-free NLL {report['zfree_nll_per_token']:.3f} nats/token "
+        f"(real responses {report['real_zfree_nll_per_token']:.3f})",
     ]
     for name, entry in report.get("attributes", {}).items():
         lines.append(f"  attribute {name}: recovery {entry['recovery_accuracy']:.3f} (chance {entry['chance']:.3f})")

@@ -230,7 +230,7 @@ class EvalOptions(ScoringOptions):
     generation_temperature: float = ranged(
         0.0,
         "0: greedy generations; above 0: sampled at this temperature from the decoder's whole distribution "
-        "(seeded by --seed); at 1 their z-free NLL is comparable with the real responses'",
+        "(seeded by --seed, at the same --batch-size); at 1 their z-free NLL is comparable with the real responses'",
         Range(0, integer=False),
         group=_STEERING,
     )
