@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from unittest import mock
 
 import pytest
 import torch
@@ -41,19 +42,20 @@ def model_and_batch():
     return model, batch
 
 
-@contextlib.contextmanager
 def one_decoder_pass():
-    original = cvae_base.DECODER_CALL_POSITIONS
-    cvae_base.DECODER_CALL_POSITIONS = float("inf")
-    try:
-        yield
-    finally:
-        cvae_base.DECODER_CALL_POSITIONS = original
+    """The decoder's rows in one call, not in length groups."""
+    return mock.patch.object(cvae_base, "DECODER_CALL_POSITIONS", float("inf"))
 
 
+def one_pass_over_the_prompt():
+    """The between placement's prompt and ``[z][y]`` in one pass over ``[x][z][y]``."""
+    return mock.patch.object(cvae_base, "SPLIT_PROMPT", False)
+
+
+@contextlib.contextmanager
 def count_decoder_calls(model, kinds=None):
-    """``(calls, counted)``: ``counted`` stands in for the decoder's forward and records the ``[B, T]`` of each call
-    (by ``input_ids`` or by ``inputs_embeds``); with a ``kinds`` list, "ids" or "embeds" for each call."""
+    """Inside, the decoder's forward records the ``[B, T]`` of each call (by ``input_ids`` or by
+    ``inputs_embeds``) in the list it yields; with a ``kinds`` list, "ids" or "embeds" for each call."""
     calls = []
     original = model.decoder.forward
 
@@ -65,7 +67,11 @@ def count_decoder_calls(model, kinds=None):
         calls.append(tuple(inputs.shape[:2]))
         return original(*args, **kwargs)
 
-    return calls, counted
+    model.decoder.forward = counted
+    try:
+        yield calls
+    finally:
+        del model.decoder.forward
 
 
 def test_length_groups_by_brute_force():
@@ -93,9 +99,7 @@ def test_decoding_in_length_groups_is_one_pass_on_every_real_position(model_and_
     model, batch = model_and_batch
     model.train()
     vector = torch.randn(len(batch), model.latent_vector_dim, requires_grad=True)
-    calls, counted = count_decoder_calls(model)
-    model.decoder.forward = counted
-    try:
+    with count_decoder_calls(model) as calls:
         grouped = model.decode(batch, vector)
         nll = grouped.token_nll()
         (grad,) = torch.autograd.grad(nll.sum(), vector)
@@ -104,8 +108,6 @@ def test_decoding_in_length_groups_is_one_pass_on_every_real_position(model_and_
             plain = model.decode(batch, vector)
             plain_nll = plain.token_nll()
             (plain_grad,) = torch.autograd.grad(plain_nll.sum(), vector)
-    finally:
-        del model.decoder.forward
     assert grouped_calls >= 2 and len(calls) == grouped_calls + 1  # the batch was split; the plain pass is one call
     assert sum(s[0] * s[1] for s in calls[:grouped_calls]) < calls[-1][0] * calls[-1][1]  # fewer positions
     torch.testing.assert_close(nll, plain_nll, **TOL)
@@ -152,22 +154,14 @@ def test_scoring_reuses_the_exact_mixtures_decodes_and_gives_the_same_scores(mod
     model, batch = model_and_batch
     model.eval()
     features = model.frozen_pass(batch)
-    calls, counted = count_decoder_calls(model)
-    model.decoder.forward = counted
-    try:
+    with count_decoder_calls(model) as calls:
         torch.manual_seed(0)
         reused = score_batch(model, batch, features)
         reused_calls = len(calls)
         calls.clear()
-        original = type(model).reusing_decodes
-        type(model).reusing_decodes = lambda self, batch: contextlib.nullcontext()
-        try:
+        with mock.patch.object(type(model), "reusing_decodes", lambda self, batch: contextlib.nullcontext()):
             torch.manual_seed(0)
             plain = score_batch(model, batch, features)
-        finally:
-            type(model).reusing_decodes = original
-    finally:
-        del model.decoder.forward
     groups = len(length_groups(batch.attention_mask.sum(1).add(model.num_latent_tokens).tolist(), 64))
     assert reused_calls == 4 * groups and len(calls) == 6 * groups  # 4 codes; not the posterior and the bound again
     for name in ("posterior_nll", "prior_nll", "zfree_nll", "iw_log_weights", "iw_sequence_nll"):
@@ -202,19 +196,11 @@ def test_the_frozen_pass_runs_the_shared_prefix_once_and_gives_the_plain_pass(bu
     batch = collate(examples, tokenizer.pad_token_id)
     shared = reference.shared_prefix_length(batch.input_ids, batch.attention_mask)
     assert shared >= max(reference.MIN_SHARED_PREFIX, 21)
-    calls, counted = count_decoder_calls(model)
-    model.decoder.forward = counted
-    try:
+    with count_decoder_calls(model) as calls:
         fast = model.frozen_pass(batch)
         fast_calls = list(calls)
-        original_min = reference.MIN_SHARED_PREFIX
-        reference.MIN_SHARED_PREFIX = 10**9
-        try:
+        with mock.patch.object(reference, "MIN_SHARED_PREFIX", 10**9):
             plain = model.frozen_pass(batch)
-        finally:
-            reference.MIN_SHARED_PREFIX = original_min
-    finally:
-        del model.decoder.forward
     B, T = batch.input_ids.shape
     assert fast_calls == [(1, shared), (B, T - shared)] and calls[len(fast_calls) :] == [(B, T)]
     torch.testing.assert_close(fast.zfree_token_nll, plain.zfree_token_nll, **TOL)
@@ -251,16 +237,6 @@ def between_batch():
     return tokenizer, collate(examples, tokenizer.pad_token_id)
 
 
-@contextlib.contextmanager
-def one_pass_over_the_prompt():
-    original = cvae_base.SPLIT_PROMPT
-    cvae_base.SPLIT_PROMPT = False
-    try:
-        yield
-    finally:
-        cvae_base.SPLIT_PROMPT = original
-
-
 @pytest.mark.parametrize("groups", ["one group", "length groups"])
 @pytest.mark.parametrize(
     "training, build",
@@ -288,9 +264,7 @@ def test_the_between_placements_prompt_apart_is_one_pass_over_the_sequence(
     inputs = [vector] + [p for p in model.decoder.parameters() if p.requires_grad]
     assert len(inputs) == (1 if training == "frozen" else 9)  # the latent; with LoRA 2 layers x q, v x A, B too
     kinds = []
-    calls, counted = count_decoder_calls(model, kinds)
-    model.decoder.forward = counted
-    try:
+    with count_decoder_calls(model, kinds) as calls:
         apart = model.decode(batch, vector)
         nll = apart.token_nll()
         grads = torch.autograd.grad(nll.sum(), inputs)
@@ -299,8 +273,6 @@ def test_the_between_placements_prompt_apart_is_one_pass_over_the_sequence(
             plain = model.decode(batch, vector)
             plain_nll = plain.token_nll()
             plain_grads = torch.autograd.grad(plain_nll.sum(), inputs)
-    finally:
-        del model.decoder.forward
     B, X = len(batch), int(batch.prompt_lengths.max())
     shared = reference.shared_prefix_length(batch.input_ids[:, :X], batch.attention_mask[:, :X])
     P, R = model.num_latent_tokens, int(batch.response_lengths.max())
@@ -352,9 +324,7 @@ def test_scoring_runs_the_between_placements_prompt_once_for_every_code(between_
     torch.manual_seed(0)
     model = build_cvae(config, tiny_llama(len(tokenizer))).eval()
     features = model.frozen_pass(batch)
-    calls, counted = count_decoder_calls(model)
-    model.decoder.forward = counted
-    try:
+    with count_decoder_calls(model) as calls:
         torch.manual_seed(0)
         apart = score_batch(model, batch, features)
         apart_calls = list(calls)
@@ -362,8 +332,6 @@ def test_scoring_runs_the_between_placements_prompt_once_for_every_code(between_
         with one_pass_over_the_prompt():
             torch.manual_seed(0)
             plain = score_batch(model, batch, features)
-    finally:
-        del model.decoder.forward
     # the prompt (its shared prefix and the rest: two calls) once, then [z][y] under each of the 4 codes
     assert len(apart_calls) == 2 + 4 and all(shape[1] < batch.input_ids.shape[1] for shape in apart_calls)
     for name in ("posterior_nll", "prior_nll", "zfree_nll", "iw_log_weights", "iw_sequence_nll"):
