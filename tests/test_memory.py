@@ -15,7 +15,7 @@ from disentanglement.config import ConfigError, Scoring, build_config
 from disentanglement.data import Example, collate, tokenize_pairs
 from disentanglement.evaluation import score_batch
 from disentanglement.generation import SamplingOptions, encode_prompts, generate, generation_inputs, memory_generate
-from disentanglement.memory import memory_cache
+from disentanglement.memory import cache_from_layers
 from disentanglement.models import build_cvae
 from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import token_weighting_from_base_nll
@@ -184,7 +184,7 @@ def test_every_layer_reads_its_own_memory(tokenizer, arch):
     real = batch.attention_mask.bool()
 
     def states(v):
-        cache = memory_cache(keys, v, model.decoder)
+        cache = cache_from_layers(zip(keys, v, strict=True), model.decoder)
         with torch.no_grad():
             return model.decoder(
                 inputs_embeds=embeds,

@@ -32,6 +32,7 @@ does; the per-layer map, Optimus's, learns from zero what differs per layer. Its
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -182,21 +183,16 @@ class LatentMemory(nn.Module):
             )
         keys, values = self.keys_values(decoder, latent_embeds)  # [Ly, B, Hkv, P, Dh] each
         return {
-            "cache": memory_cache(keys.to(dtype), values.to(dtype), decoder),
+            "cache": cache_from_layers(zip(keys.to(dtype), values.to(dtype), strict=True), decoder),
             "attention_mask": memory_attention_mask(attention_mask, latent_embeds.shape[1]),
             "position_ids": position_ids,
         }
 
 
-def memory_cache(keys: torch.Tensor, values: torch.Tensor, decoder: nn.Module) -> DynamicCache:
-    """A fresh ``DynamicCache`` whose layer ``l`` holds ``keys[l]``, ``values[l]`` (``[B, Hkv, P, Dh]``) as its
-    ``P`` past positions. The decoder's forward appends its own keys and values to it (a new one per forward)."""
-    return cache_from_layers(list(zip(keys, values, strict=True)), decoder)
-
-
-def cache_from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]], decoder: nn.Module) -> DynamicCache:
+def cache_from_layers(layers: Iterable[tuple[torch.Tensor, torch.Tensor]], decoder: nn.Module) -> DynamicCache:
     """A fresh ``DynamicCache`` of ``decoder`` holding ``(keys, values)`` ``[B, Hkv, S, Dh]`` per layer as its ``S``
-    past positions (a new one per forward: the forward appends to it)."""
+    past positions (a new one per forward: the forward appends its own keys and values to it). The latent
+    memory's: ``cache_from_layers(zip(keys, values, strict=True), decoder)`` of its stacked ``[Ly, ...]``."""
     return DynamicCache(ddp_cache_data=list(layers), config=decoder_text_config(decoder))
 
 
