@@ -11,11 +11,17 @@ response token, prompt and padding included), B = only at the positions that pre
 length groups (``data.length_groups``, ``cvae_base.DECODER_CALL_POSITIONS``). Each repetition runs A and B once on the same batch, the first of them
 alternating, so that load from other work falls on both alike; it prints the median time of each, the
 median of the per-repetition ratios A/B, and the useful-FLOP MFU of each (``step_cost.mfu_table``).
+
+``--encoder-lora-layers N``: A = case (c) with the encoder's own LoRA adapters on the top ``N`` layers
+(``LatentConfig.encoder_lora_layers``: the encoder's features from an adapted pass of the LM every step, which no
+cache can hold), B = case (c), the encoder reading the cached frozen view; ``--change`` is then not used, and no MFU
+is printed (A's extra pass is not in the useful-FLOP count of (c)).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -110,12 +116,22 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--encoder-lora-layers", type=int, default=0, help="A: (c) with the encoder's adapters")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = step_cost.DTYPES[args.dtype]
     setup = step_cost.build_setup(args, max(1, args.repeats), ("c",), dtype=dtype)
-    steps = {"A": CHANGES[args.change](setup.steps["c"]), "B": setup.steps["c"]}
+    if args.encoder_lora_layers:
+        config = setup.config_c
+        config = dataclasses.replace(
+            config, latent=dataclasses.replace(config.latent, encoder_lora_layers=args.encoder_lora_layers)
+        )
+        model = step_cost.seeded_cvae(config, setup.decoder, setup.device)
+        adapted = step_cost.with_autocast(step_cost.cvae_step(model, config, setup.cache), setup.device)
+        steps = {"A": adapted, "B": setup.steps["c"]}
+    else:
+        steps = {"A": CHANGES[args.change](setup.steps["c"]), "B": setup.steps["c"]}
     times = step_cost.time_round_robin(
         steps, lambda name, rep: setup.batches[rep % len(setup.batches)], args.repeats, args.warmup, setup.device
     )
@@ -128,7 +144,8 @@ def main(argv=None) -> int:
         print(f"  {name}: median {1000 * step_cost.median(times[name]):.1f} ms (q1-q3 {1000 * q1:.1f}-{1000 * q3:.1f})")
     ratio = step_cost.median(times["A"]) / step_cost.median(times["B"])
     print(f"  A/B: {ratio:.3f} (ratio of medians), {step_cost.paired_ratio(times['A'], times['B']):.3f} (paired)")
-    step_cost.mfu_table(setup, times, flop_case="c")
+    if not args.encoder_lora_layers:
+        step_cost.mfu_table(setup, times, flop_case="c")
     return 0
 
 

@@ -107,6 +107,17 @@ RECIPES = {
     # once for every code (issue 25); and centered-lora-240 so placed
     "between": [*DEFAULT, "--latent-placement", "between"],
     "centered-lora-240-between": [*CENTERED_LORA, "--max-steps", "240", "--latent-placement", "between"],
+    # item 2 (c): centered with the encoder's own LoRA adapters on all 30 layers of SmolLM2-135M: its features come
+    # from an adapted pass of the LM every step (the pass is not cached), so the encoder can change what it pools
+    "centered-encoder-lora": [*DEFAULT, "--centered-straight-through", "--encoder-lora-layers", "30"],
+    # that on the best recipe for style-in-content (section 7's centered-lora-dynamic)
+    "centered-lora-dynamic-encoder-lora": [*CENTERED_LORA, "--token-weight-source", "dynamic", "--max-steps", "240",
+                                           "--encoder-lora-layers", "30"],
+    # two slots of 4 codes instead of one: on style-in-content the answer among a topic's five is as unexplained by
+    # the prompt as the style (log 5 against log 4 nats); with room for both, does one slot take the style?
+    "centered-2slots": [*DEFAULT, "--centered-straight-through", "--num-slots", "2"],
+    "centered-lora-dynamic-2slots": [*CENTERED_LORA, "--token-weight-source", "dynamic", "--max-steps", "240",
+                                     "--num-slots", "2"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
 }  # fmt: skip
@@ -179,6 +190,10 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-echo", "between", (0, 1, 2)),
     ("two-factor", "centered-lora-240-between", (0,)),
     ("style-in-echo", "centered-lora-240-between", (0,)),
+    ("style-in-content", "centered-encoder-lora", (0, 1, 2)),
+    ("style-in-content", "centered-lora-dynamic-encoder-lora", (0,)),
+    ("style-in-content", "centered-2slots", (0, 1, 2)),
+    ("style-in-content", "centered-lora-dynamic-2slots", (0,)),
 ]
 
 

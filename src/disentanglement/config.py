@@ -438,6 +438,18 @@ class LatentConfig:
         "pre-norm transformer layer (self-attention over the response, then that MLP); both residual, their last "
         "projection zero at the start, so training starts from the view itself; trains at encoder_lr.",
     )
+    encoder_lora_layers: int = option(
+        0,
+        "0 = the encoder pools the frozen pass's cached states. N > 0 = it pools the states of a pass of the "
+        "reference LM over [x][y] with LoRA adapters of its own (encoder_lora_rank, on "
+        "encoder_lora_target_modules) on the top N layers up to encoder_layer, run every step with gradients "
+        "(not cacheable: one more forward and backward of those layers per step); the adapters start at zero, "
+        "so the encoder starts from the cached view, and train at encoder_lr.",
+    )
+    encoder_lora_rank: int = option(8, "Rank of the encoder's LoRA adapters (encoder_lora_layers > 0).")
+    encoder_lora_target_modules: list[str] = option(
+        ["q_proj", "v_proj"], "Module names that get the encoder's LoRA adapters (encoder_lora_layers > 0)."
+    )
     encoder_layer: int = option(
         -1,
         "Which hidden state of the reference the encoder and prior features come from: hidden_states[layer] "
@@ -464,7 +476,15 @@ class LatentConfig:
                 f"{self.encoder_view!r})",
                 field="encoder_block",
             )
-        for name in ("latent_tokens", "num_slots", "codebook_size", "code_dim", "latent_dim", "encoder_hidden"):
+        for name in (
+            "latent_tokens",
+            "num_slots",
+            "codebook_size",
+            "code_dim",
+            "latent_dim",
+            "encoder_hidden",
+            "encoder_lora_rank",
+        ):
             _number(self, name, low=1, integer=True)
         if self.latent == "discrete" and self.codebook_size < 2:
             raise ConfigError(
@@ -472,10 +492,18 @@ class LatentConfig:
             )
         for name in ("posterior_temperature", "gumbel_temperature", "gumbel_temperature_min"):
             _number(self, name, low=0, low_open=True)
-        for name in ("gumbel_anneal_steps", "dead_code_steps", "codebook_refresh_every"):
+        for name in ("gumbel_anneal_steps", "dead_code_steps", "codebook_refresh_every", "encoder_lora_layers"):
             _number(self, name, low=0, integer=True)
         for name in ("codebook_loss_weight", "commitment_weight", "bow_weight"):
             _number(self, name, low=0)
+        if self.encoder_lora_layers and not (
+            self.encoder_lora_target_modules and all(map(str.strip, self.encoder_lora_target_modules))
+        ):
+            raise ConfigError(
+                "LatentConfig.encoder_lora_target_modules must name at least one module for the encoder's adapters, "
+                f"got {self.encoder_lora_target_modules!r}",
+                field="encoder_lora_target_modules",
+            )
 
 
 @dataclass

@@ -35,10 +35,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .attention_backward import fast_attention_backward
 from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, ReconstructionLossConfig
 from .data import Batch, length_groups
+from .encoder_adapters import EncoderAdapters
 from .injection import LatentLayout, latent_memory, latent_projection
 from .losses import apply_head, default_chunk_size, masked_token_nll_per_position, reconstruction_loss_stack
 from .memory import cache_from_layers, plain_cache
-from .reference import ZFreeReference, forward_sharing_prefix, reference_hidden_states, unused_logits
+from .reference import ZFreeReference, eval_mode, forward_sharing_prefix, reference_hidden_states, unused_logits
 from .regularizers import beta_at, kl_objective, next_token_divergence
 from .token_weighting import (
     TokenWeighting,
@@ -79,6 +80,9 @@ class FrozenFeatures:
     # [B, T, H], zero elsewhere, and the [B, T] boolean mask of those positions (target_mask).
     response_hidden: torch.Tensor | None = None
     response_mask: torch.Tensor | None = None
+    # The batch these are the features of (frozen_pass and FeatureCache.features set it): the encoder's adapted
+    # pass (LatentConfig.encoder_lora_layers) runs over its tokens every step.
+    batch: Batch | None = None
 
 
 @dataclass
@@ -232,6 +236,9 @@ def mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
     # tanh-approximated GELU: within 1e-3 of the erf form and half its cost on the CPU.
     return nn.Sequential(nn.Linear(d_in, d_hidden), nn.GELU(approximate="tanh"), nn.Linear(d_hidden, d_out))
 
+
+#: Rows per chunk of the encoder's adapted pass without gradients (:meth:`CVAEBase.adapted_features`).
+ADAPTED_PASS_ROWS = 64
 
 #: The encoder views whose pool is learned over the per-token states (cached per token).
 ATTENTION_VIEWS = ("attention", "token_weighted_attention")
@@ -430,6 +437,25 @@ class CVAEBase(nn.Module):
         self._decode_memo: tuple[Batch, list, dict] | None = None
         # encoder_block: a trainable block over the per-token states before that pool, the identity at the start.
         self.encoder_block = EncoderBlock(latent.encoder_block, H) if latent.encoder_block != "none" else None
+        # encoder_lora_layers: the encoder's own LoRA adapters on the reference's top layers (encoder_adapters.py).
+        self.encoder_adapters = None
+        if latent.encoder_lora_layers:
+            if self.encoder_layer_index is None:
+                raise ConfigError(
+                    f"LatentConfig.encoder_lora_layers needs a model whose config gives num_hidden_layers "
+                    f"({type(decoder).__name__} does not)",
+                    field="encoder_lora_layers",
+                )
+            rank = latent.encoder_lora_rank
+            with self.reference.active() as reference:
+                self.encoder_adapters = EncoderAdapters(
+                    reference,
+                    latent.encoder_lora_layers,
+                    self.encoder_layer_index,
+                    latent.encoder_lora_target_modules,
+                    rank,
+                    alpha=2.0 * rank,
+                )
         # Parameter-free: the first Linear of each head absorbs any affine, and a norm of frozen
         # features without parameters has nothing to differentiate.
         self.encoder_norm = nn.LayerNorm(2 * H, elementwise_affine=False)
@@ -504,7 +530,10 @@ class CVAEBase(nn.Module):
     # -- the encoder's view ----------------------------------------------------------------------
     def encoder_input(self, features: FrozenFeatures) -> torch.Tensor:
         """What the encoder head sees, ``[B, 2H]`` (before its LayerNorm): ``features.encoder_features``,
-        except for the attention views, where the response pool is the learned query's."""
+        except for the attention views, where the response pool is the learned query's; with the encoder's adapters
+        (``encoder_lora_layers``) the states pooled are those of their pass (:meth:`adapted_features`)."""
+        if self.encoder_adapters is not None:
+            features = self.adapted_features(features)
         if self.encoder_pool is None:
             return features.encoder_features
         view = self.latent_cfg.encoder_view
@@ -521,6 +550,71 @@ class CVAEBase(nn.Module):
             hidden = self.encoder_block(hidden.to(dtype), features.response_mask)  # [B, T, H], zero off the response
         pooled = self.encoder_pool(hidden, features.response_mask, log_prior)  # [B, H]
         return torch.cat([pooled, features.encoder_features[:, self.hidden_size :].to(pooled.dtype)], dim=-1)
+
+    def adapted_features(self, features: FrozenFeatures) -> FrozenFeatures:
+        """``features`` with the encoder's view (``encoder_features`` and, for the attention views, the per-token
+        states) taken from a pass of the reference over the batch's ``[x][y]`` with the encoder's adapters on
+        (``encoder_lora_layers``), with gradients where they are enabled; the z-free surprisal, the token
+        weights and the prior's features stay the frozen pass's. Eval mode (no dropout, no checkpointing: a
+        checkpoint's recompute would run without the adapters' hooks)."""
+        batch = features.batch
+        if batch is None:
+            raise ValueError(
+                "LatentConfig.encoder_lora_layers: the encoder's pass needs the batch's tokens, which these "
+                "features do not carry: pass features from frozen_pass or FeatureCache.features"
+            )
+        if not torch.is_grad_enabled() and self.encoder_adapters.is_zero():
+            return features  # adapters at their start: the adapted pass is the frozen one (the codebook's k-means)
+        # Without gradients (k-means of thousands of examples, evaluation) in chunks of rows: every layer's states
+        # of a chunk are held at once.
+        step = len(batch) if torch.is_grad_enabled() else ADAPTED_PASS_ROWS
+        chunks = []
+        with self.reference.active() as reference, self.encoder_adapters.active(reference), eval_mode(reference):
+            for start in range(0, len(batch), step):
+                ids, attention = (t[start : start + step] for t in (batch.input_ids, batch.attention_mask))
+                hidden_states, _ = forward_sharing_prefix(reference, ids, attention, share=plain_cache(reference))
+                chunks.append(hidden_states[self.encoder_layer_index].float())  # [b, T, H]
+        hidden = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+        view = self.view_features(hidden, batch, self.encoder_token_weights(features))
+        return dataclasses.replace(features, **view)
+
+    def encoder_token_weights(self, features: FrozenFeatures) -> torch.Tensor | None:
+        """The ``token_weighted`` views' ``pi_t`` ``[B, T-1]`` on the z-free layout (None for the others): the
+        features' own precomputed weighting where it is the view's, else recomputed from their ``b_t``."""
+        if self.latent_cfg.encoder_view not in ("token_weighted", "token_weighted_attention"):
+            return None
+        w = self.encoder_weighting_params
+        if features.zfree_weighting is not None and features.weighting_params == w:
+            return features.zfree_weighting.token_weights
+        if w.source == "entropy" and features.zfree_token_entropy is None:
+            raise ValueError("the entropy-weighted view needs the features' z-free entropy, which these do not carry")
+        return token_weighting_from_base_nll(
+            features.zfree_token_nll,
+            features.batch.target_mask[:, 1:],
+            w.alpha,
+            w.eps,
+            signal=features.zfree_token_entropy if w.source == "entropy" else None,
+            interpolation=w.interpolation,
+        ).token_weights
+
+    def view_features(
+        self, hidden: torch.Tensor, batch: Batch, token_weights: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """The encoder's view of the ``[B, T, H]`` states of ``[x][y]`` at the features' layer: ``encoder_features``
+        ``[B, 2H]`` (the response's pool, ``token_weights``' sum for the ``token_weighted`` views, else the mean, ++
+        the last token's state) and, for the attention views, ``response_hidden`` (zero off the response) and
+        ``response_mask``."""
+        mask = batch.target_mask.to(hidden.dtype).unsqueeze(-1)  # [B, T, 1]
+        if token_weights is not None:
+            pooled = weighted_pool(hidden, token_weights)  # [B, H]
+        else:
+            pooled = (hidden * mask).sum(1) / mask.sum(1)  # [B, H], the mean
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        last_token = hidden[rows, batch.prompt_lengths + batch.response_lengths - 1]  # [B, H]
+        view = {"encoder_features": torch.cat([pooled, last_token], dim=-1)}
+        if self.latent_cfg.encoder_view in ATTENTION_VIEWS:
+            view.update(response_hidden=hidden * mask, response_mask=batch.target_mask.bool())
+        return view
 
     def encoder_log_token_weights(self, features: FrozenFeatures) -> torch.Tensor:
         """``log pi_t`` of the ``token_weighted`` view (:attr:`encoder_weighting_params`) placed at the response
@@ -632,29 +726,10 @@ class CVAEBase(nn.Module):
         hidden = hidden.float()
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         prior_features = hidden[rows, batch.prompt_lengths - 1]  # [B, H]
-        mask = batch.target_mask.to(hidden.dtype).unsqueeze(-1)  # [B, T, 1]
-        view = self.latent_cfg.encoder_view
-        if view in ("token_weighted", "token_weighted_attention"):  # the latter's pool starts here
-            w = self.encoder_weighting_params
-            source, alpha, eps, interpolation = w.source, w.alpha, w.eps, w.interpolation
-            pi = token_weighting_from_base_nll(
-                zfree_nll,
-                batch.target_mask[:, 1:],
-                alpha,
-                eps,
-                signal=entropy if source == "entropy" else None,
-                interpolation=interpolation,
-            ).token_weights  # [B, T-1], term 3's pi_t on the z-free layout
-            pooled = weighted_pool(hidden, pi)  # [B, H]
-        else:
-            pooled = (hidden * mask).sum(1) / mask.sum(1)  # [B, H], the mean
-        last_token = hidden[rows, batch.prompt_lengths + batch.response_lengths - 1]  # [B, H]
-        encoder_features = torch.cat([pooled, last_token], dim=-1)
-        features = FrozenFeatures(zfree_nll, prior_features, encoder_features, zfree_token_entropy=entropy)
-        if view in ATTENTION_VIEWS:
-            features.response_hidden = hidden * mask  # [B, T, H], zero off the response
-            features.response_mask = batch.target_mask.bool()
-        return features
+        features = FrozenFeatures(zfree_nll, prior_features, None, zfree_token_entropy=entropy, batch=batch)
+        # term 3's pi_t for the token_weighted views (token_weighted_attention's pool starts there)
+        view = self.view_features(hidden, batch, self.encoder_token_weights(features))
+        return dataclasses.replace(features, **view)
 
     # -- injection and decoding ------------------------------------------------------------------
     def latent_embeddings(self, vector: torch.Tensor) -> torch.Tensor:

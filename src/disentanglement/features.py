@@ -199,7 +199,7 @@ class FeatureCache:
                     self._flat_entropy = _flatten(self.response_entropy)
                 entropy = self._place(self._flat_entropy, batch)
             return FrozenFeatures(
-                self._place(self._flat_nll, batch), prior, encoder, zfree_token_entropy=entropy, **hidden
+                self._place(self._flat_nll, batch), prior, encoder, zfree_token_entropy=entropy, batch=batch, **hidden
             )
         tokens, statistics = self.response_weighting(weighting_params)
         per_token = self._place(tokens, batch)  # [B, T-1, 3]: b_t, pi_t, pi_inv_t
@@ -211,7 +211,13 @@ class FeatureCache:
             **{name: stats[:, i] for i, name in enumerate(_WEIGHTING_STATISTICS)},
         )
         return FrozenFeatures(
-            per_token[..., 0], prior, encoder, zfree_weighting=weighting, weighting_params=weighting_params, **hidden
+            per_token[..., 0],
+            prior,
+            encoder,
+            zfree_weighting=weighting,
+            weighting_params=weighting_params,
+            batch=batch,
+            **hidden,
         )
 
 
