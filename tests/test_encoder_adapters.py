@@ -6,7 +6,6 @@ cached and fresh features, chunked and whole passes agree; training moves them a
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -42,27 +41,42 @@ def randomise(model, seed: int = 1) -> None:
             p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
 
 
-def merged_copy(model) -> torch.nn.Module:
-    """A copy of the reference LM with every adapter merged into its projection's weight: ``W + s B A``
-    (``nn.Linear``'s weight is ``[out, in]``), found by the module names the adapters were built for."""
+def merged_copy(model, layers: range) -> torch.nn.Module:
+    """A copy of the tiny Llama with every adapter merged into its projection's weight: ``W + s B A``
+    (``nn.Linear``'s weight is ``[out, in]``), built afresh (tiny_cvae's decoder is ``tiny_llama`` of seed 0, whatever
+    wraps it), the projections named by hand: ``model.layers.i.self_attn.q_proj``
+    and ``v_proj`` for the layers ``layers`` the test expects to be adapted."""
     adapters = model.encoder_adapters
-    with model.reference.active() as reference:
-        merged = copy.deepcopy(reference)
+    merged = tiny_llama(model.decoder.get_input_embeddings().weight.shape[0])  # the reference's weights, built anew
     with torch.no_grad():
-        for key, module in adapted_modules(merged, adapters.targets, adapters.layers).items():
-            name = key.replace(".", "_")
-            module.weight += adapters.scaling * adapters.up[name] @ adapters.down[name]
+        for i in layers:
+            attention = merged.model.layers[i].self_attn
+            for target in ("q_proj", "v_proj"):
+                up, down = adapters.up[f"{i}_{target}"], adapters.down[f"{i}_{target}"]
+                getattr(attention, target).weight += adapters.scaling * up @ down
     return merged
 
 
+def pooled_by_hand(hidden: torch.Tensor, batch) -> torch.Tensor:
+    """``mean_last`` written out: per row, the mean of the response tokens' states ++ the last token's state."""
+    rows = []
+    for b in range(hidden.shape[0]):
+        start, end = int(batch.prompt_lengths[b]), int(batch.prompt_lengths[b] + batch.response_lengths[b])
+        rows.append(torch.cat([hidden[b, start:end].mean(0), hidden[b, end - 1]]))
+    return torch.stack(rows)
+
+
 def view_by_hand(model, merged, batch) -> torch.Tensor:
-    """The encoder's input from ``merged``'s hidden states, pooled as the frozen pass pools."""
-    with torch.no_grad():
-        states = merged(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True
-        ).hidden_states
+    """The encoder's input from ``merged``'s hidden states: pooled by hand for ``mean_last``, as the frozen pass
+    pools for the other views."""
+    states = merged(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True
+    ).hidden_states
+    hidden = states[model.encoder_layer_index].float()
+    if model.latent_cfg.encoder_view == "mean_last":
+        return pooled_by_hand(hidden, batch)
     features = model.frozen_pass(batch)
-    view = model.view_features(states[model.encoder_layer_index].float(), batch, model.encoder_token_weights(features))
+    view = model.view_features(hidden, batch, model.encoder_token_weights(features))
     model_features = type(features)(**{**features.__dict__, **view})
     return model.encoder_input.__func__(_without_adapters(model), model_features)
 
@@ -77,7 +91,7 @@ class _without_adapters:
         return None if name == "encoder_adapters" else getattr(self._model, name)
 
 
-@pytest.mark.parametrize("training", ["frozen", "lora"])
+@pytest.mark.parametrize("training", ["frozen", "lora", "full"])
 @pytest.mark.parametrize("view", VIEWS)
 def test_at_the_start_the_adapted_pass_is_the_frozen_one(tokenizer, pairs, view, training):
     model, examples, _ = tiny_cvae(
@@ -90,7 +104,10 @@ def test_at_the_start_the_adapted_pass_is_the_frozen_one(tokenizer, pairs, view,
     with torch.enable_grad():  # the pass runs (without gradients, zero adapters skip it)
         adapted = model.encoder_input(features)
     torch.testing.assert_close(adapted, plain.encoder_input(features), **TOL)
-    torch.testing.assert_close(model.encoder_input(features), plain.encoder_input(features), rtol=0, atol=0)
+    with torch.no_grad():  # zero adapters, no gradient: the cached view itself, no pass
+        torch.testing.assert_close(model.encoder_input(features), plain.encoder_input(features), rtol=0, atol=0)
+        if view != "token_weighted_attention":
+            assert model.encoder_input(features) is features.encoder_features
 
 
 @pytest.mark.parametrize("layers", [1, 2])
@@ -103,19 +120,20 @@ def test_the_adapted_view_is_a_merged_copys_and_only_its_layers_move(tokenizer, 
     assert sorted(adapters.down.keys()) == sorted(f"{i}_{t}" for i in adapters.layers for t in ("q_proj", "v_proj"))
     batch = collate(examples[:6], 2)
     got = model.encoder_input(model.frozen_pass(batch))
-    torch.testing.assert_close(got, view_by_hand(model, merged_copy(model), batch), **TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(got, view_by_hand(model, merged_copy(model, range(2 - layers, 2)), batch), **TOL)
     plain, _, _ = tiny_cvae(tokenizer, pairs, encoder_view=view)
     assert (got - plain.encoder_input(plain.frozen_pass(batch))).abs().max() > 1e-3  # the adapters changed it
 
 
 def test_an_earlier_feature_layer_adapts_the_layers_below_it(tokenizer, pairs):
-    model, examples, _ = tiny_cvae(tokenizer, pairs, encoder_lora_layers=4, encoder_layer=1)
+    model, examples, _ = tiny_cvae(tokenizer, pairs, encoder_lora_layers=1, encoder_layer=1)
     assert model.encoder_adapters.layers == range(0, 1)  # hidden_states[1] is layer 0's output
     randomise(model)
     batch = collate(examples[:6], 2)
-    torch.testing.assert_close(
-        model.encoder_input(model.frozen_pass(batch)), view_by_hand(model, merged_copy(model), batch), **TOL
-    )
+    with torch.no_grad():
+        by_hand = view_by_hand(model, merged_copy(model, range(0, 1)), batch)
+    torch.testing.assert_close(model.encoder_input(model.frozen_pass(batch)), by_hand, **TOL)
 
 
 @pytest.mark.parametrize("training", ["frozen", "lora"])
@@ -149,6 +167,56 @@ def test_the_gradient_reaches_the_adapters_from_their_zero_start(tokenizer, pair
     assert all(p.grad is None for p in model.decoder.parameters())  # the frozen decoder stays frozen
     encoder_group = model.parameter_groups()["encoder"]
     assert all(any(p is q for q in encoder_group) for p in model.encoder_adapters.parameters())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("training", ["frozen", "lora"])
+def test_the_adapters_gradients_are_the_merged_weights_gradients_through_a_and_b(
+    tokenizer, pairs, training, checkpointing
+):
+    """``W' = W + s B A``: ``dL/dB = s G A^T`` and ``dL/dA = s B^T G`` for ``G = dL/dW'`` of the merged copy; the
+    decoder's activation checkpointing changes nothing (the encoder's pass runs in eval mode, not checkpointed: a
+    checkpoint's recompute would run without the adapters), nor do the decoder's own LoRA adapters (off in it)."""
+    model, examples, _ = tiny_cvae(
+        tokenizer,
+        pairs,
+        encoder_view="mean_last",
+        encoder_lora_layers=2,
+        gradient_checkpointing=checkpointing,
+        decoder_training=training,
+    )
+    randomise(model)
+    batch = collate(examples[:6], 2)  # rows that share a prefix: its row's gradient gathers theirs
+    features = model.frozen_pass(batch)
+    model.train()
+    probe = torch.randn(len(batch), 2 * model.hidden_size, generator=torch.Generator().manual_seed(3))
+    (model.encoder_input(features) * probe).sum().backward()
+    merged = merged_copy(model, range(0, 2))
+    merged.requires_grad_(True)
+    (view_by_hand(model, merged, batch) * probe).sum().backward()
+    adapters = model.encoder_adapters
+    for i in range(2):
+        for target in ("q_proj", "v_proj"):
+            g = getattr(merged.model.layers[i].self_attn, target).weight.grad  # [out, in]
+            up, down = adapters.up[f"{i}_{target}"], adapters.down[f"{i}_{target}"]
+            torch.testing.assert_close(up.grad, adapters.scaling * g @ down.T, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(down.grad, adapters.scaling * up.T @ g, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("source", ["surprisal", "dynamic", "entropy"])
+def test_cached_and_fresh_features_agree_for_every_weight_source(tokenizer, pairs, source):
+    model, examples, _ = tiny_cvae(
+        tokenizer, pairs, encoder_view="token_weighted", encoder_lora_layers=2, token_weight_source=source
+    )
+    randomise(model)
+    batch = collate(examples[:10], 2, indices=list(range(10)))
+    cache = build_feature_cache(model, examples[:10], pad_token_id=2)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.encoder_input(cache.features(batch, model.weighting_params)),
+            model.encoder_input(model.frozen_pass(batch)),
+            **TOL,
+        )
 
 
 def test_cached_and_fresh_features_and_chunked_passes_agree(tokenizer, pairs, monkeypatch):
@@ -227,5 +295,7 @@ def test_the_options_are_checked(tokenizer, pairs):
         build_config({"encoder_lora_layers": 1, "encoder_lora_target_modules": []})
     with pytest.raises(ValueError, match=r"name no linear projection in layers 1\.\.1 of LlamaForCausalLM"):
         tiny_cvae(tokenizer, pairs, encoder_lora_layers=1, encoder_lora_target_modules=["nope"])
+    with pytest.raises(ValueError, match=r"hidden_states\[1\] has 1 transformer layers below it: set at most 1"):
+        tiny_cvae(tokenizer, pairs, encoder_lora_layers=2, encoder_layer=1)
     with pytest.raises(ValueError, match=r"not the token embeddings"):
         tiny_cvae(tokenizer, pairs, encoder_lora_layers=1, encoder_layer=0)

@@ -106,13 +106,15 @@ def _attention(original):
 
 
 @contextlib.contextmanager
-def fast_attention_backward(model: torch.nn.Module) -> Iterator[None]:
+def fast_attention_backward(model: torch.nn.Module, in_eval_mode: bool = False) -> Iterator[None]:
     """Inside the block, ``model``'s SDPA attention (transformers' ``"sdpa"``) runs through
     :class:`SdpaInputGradient` on the CPU with gradients on; outside, and for other models or devices,
-    nothing changes, and so with activation checkpointing. The backward may run after the block: the choice
-    is made at the forward."""
+    nothing changes, and so with activation checkpointing, unless the caller runs the model in eval mode
+    (``in_eval_mode``: transformers checkpoints a layer only in training mode). The backward may run after the
+    block: the choice is made at the forward."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa" or getattr(model, "is_activation_checkpointing", False):
+    checkpointed = getattr(model, "is_activation_checkpointing", False) and not in_eval_mode
+    if getattr(config, "_attn_implementation", None) != "sdpa" or checkpointed:
         # Checkpointed layers run their forward again in the backward, outside this block, with transformers'
         # function, whose saved tensors differ from SdpaInputGradient's: the two must not mix.
         yield

@@ -16,7 +16,8 @@ end-of-sequence token alone), and measure:
   prior mean plus the attribute vector ``a_v = mean(mu | v) - mean(mu)`` of the real responses' posterior
   means; recovered when the re-encoding's ``mu - prior_mu`` is nearest to ``a_v`` among the factor's values.
 - **label accuracy** (labelled data): a scikit-learn ``LogisticRegression`` (on standardised features) is
-  trained per factor on the frozen features the encoder sees (``model.encoder_input``) of the real
+  trained per factor on the features the encoder sees (``model.encoder_input``: the frozen view, or with
+  ``encoder_lora_layers`` that of the encoder's adapted pass) of the real
   responses of the evaluated data, and applied to the same features of the generations. The label a
   target stands for is its attribute's value (continuous) or the most frequent value among the real
   examples assigned to its code in that slot (discrete; codes no real example is assigned to are left

@@ -565,17 +565,27 @@ class CVAEBase(nn.Module):
             )
         if not torch.is_grad_enabled() and self.encoder_adapters.is_zero():
             return features  # adapters at their start: the adapted pass is the frozen one (the codebook's k-means)
-        # Without gradients (k-means of thousands of examples, evaluation) in chunks of rows: every layer's states
-        # of a chunk are held at once.
+        # Without gradients (k-means of thousands of examples, evaluation) in chunks of rows, each pooled before
+        # the next: every layer's states of a chunk are held at once, never those of the whole batch.
         step = len(batch) if torch.is_grad_enabled() else ADAPTED_PASS_ROWS
-        chunks = []
-        with self.reference.active() as reference, self.encoder_adapters.active(reference), eval_mode(reference):
+        weights = self.encoder_token_weights(features)  # [B, T-1] or None
+        views = []
+        with (
+            self.reference.active() as reference,
+            self.encoder_adapters.active(reference),
+            eval_mode(reference),
+            fast_attention_backward(reference, in_eval_mode=True),  # on the CPU in bf16, as decode's
+        ):
             for start in range(0, len(batch), step):
-                ids, attention = (t[start : start + step] for t in (batch.input_ids, batch.attention_mask))
-                hidden_states, _ = forward_sharing_prefix(reference, ids, attention, share=plain_cache(reference))
-                chunks.append(hidden_states[self.encoder_layer_index].float())  # [b, T, H]
-        hidden = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
-        view = self.view_features(hidden, batch, self.encoder_token_weights(features))
+                rows = batch.rows(start, start + step) if step < len(batch) else batch
+                hidden_states, _ = forward_sharing_prefix(
+                    reference, rows.input_ids, rows.attention_mask, share=plain_cache(reference)
+                )
+                hidden = hidden_states[self.encoder_layer_index].float()  # [b, T, H]
+                views.append(
+                    self.view_features(hidden, rows, None if weights is None else weights[start : start + step])
+                )
+        view = {name: torch.cat([v[name] for v in views]) for name in views[0]} if len(views) > 1 else views[0]
         return dataclasses.replace(features, **view)
 
     def encoder_token_weights(self, features: FrozenFeatures) -> torch.Tensor | None:

@@ -811,6 +811,18 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def rows(self, start: int, stop: int) -> Batch:
+        """Rows ``start:stop`` of the batch (at its width)."""
+        return Batch(
+            input_ids=self.input_ids[start:stop],
+            attention_mask=self.attention_mask[start:stop],
+            target_mask=self.target_mask[start:stop],
+            prompt_lengths=self.prompt_lengths[start:stop],
+            response_lengths=self.response_lengths[start:stop],
+            labels=list(self.labels[start:stop]),
+            indices=self.indices[start:stop],
+        )
+
     def to(self, device: torch.device | str) -> Batch:
         """The same batch with its tensors on ``device``."""
         return Batch(

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 #: The layer index in a module's name: ``model.layers.3.self_attn.q_proj`` (Llama), ``transformer.h.3.attn`` (GPT-2).
-_LAYER_INDEX = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 
 
 def _features(module: nn.Module) -> tuple[int, int] | None:
@@ -49,7 +49,13 @@ def adapted_modules(model: nn.Module, targets: list[str], layers: range) -> dict
             continue
         if _features(module) is None:  # a peft wrapper: its base_layer is hooked instead
             continue
-        found[f"{match.group(1)}.{target}"] = module
+        key = f"{match.group(1)}.{target}"
+        if key in found:
+            raise ValueError(
+                f"two modules of {type(model).__name__} are projection {target!r} of layer {match.group(1)} "
+                f"({name} and another): the encoder's adapters need one per layer and name"
+            )
+        found[key] = module
     return found
 
 
@@ -73,7 +79,12 @@ class EncoderAdapters(nn.Module):
                 "LatentConfig.encoder_lora_layers needs features from a transformer layer (encoder_layer >= 1 or "
                 f"negative), not the token embeddings (hidden_states[{last_layer}])"
             )
-        self.layers = range(max(0, last_layer - num_layers), last_layer)
+        if num_layers > last_layer:
+            raise ValueError(
+                f"LatentConfig.encoder_lora_layers is {num_layers}, but the features' layer hidden_states[{last_layer}] "
+                f"has {last_layer} transformer layers below it: set at most {last_layer}"
+            )
+        self.layers = range(last_layer - num_layers, last_layer)
         self.targets = list(targets)
         self.scaling = alpha / rank
         modules = adapted_modules(model, self.targets, self.layers)
@@ -84,10 +95,13 @@ class EncoderAdapters(nn.Module):
             )
         self.down = nn.ParameterDict()  # A: [r, in], Kaiming-uniform as peft starts it
         self.up = nn.ParameterDict()  # B: [out, r], zero: the adapted pass starts as the frozen one
+        # A's random start is drawn from a generator of its own: the rest of the CVAE (the heads, the codebook)
+        # starts from the same draws with and without the adapters, so that a seed's runs compare.
+        generator = torch.Generator().manual_seed(int(torch.initial_seed()) % 2**63)
         for key, module in modules.items():
             d_in, d_out = _features(module)
-            down = torch.empty(rank, d_in)
-            nn.init.kaiming_uniform_(down, a=5**0.5)
+            bound = 1 / d_in**0.5  # peft's start: Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))
+            down = (torch.rand(rank, d_in, generator=generator) * 2 - 1) * bound
             self.down[self._name(key)] = nn.Parameter(down)
             self.up[self._name(key)] = nn.Parameter(torch.zeros(d_out, rank))
 

@@ -131,7 +131,8 @@ def factor_agreements(
     The assignment is the argmax code (tuple) for the discrete model, the same for every factor;
     k-means of the posterior means with as many clusters as the factor has values (at most ``E``)
     for the continuous one. Baselines, with as many clusters as that assignment: ``encoder_kmeans``
-    (k-means of ``cache.encoder_features``, the frozen features the encoder consumes),
+    (k-means of ``cache.encoder_features``, the frozen view the encoder reads, or with ``encoder_lora_layers``
+    starts from),
     ``prior_kmeans`` (of ``cache.prior_features``, the prompt-only features) and ``random``. With
     several slots each factor also gets ``latent_per_slot``, the four numbers of each slot's code.
     """
