@@ -1,0 +1,87 @@
+"""What each slot's codes hold on ``style-in-content``: the style, the topic, or the answer among a topic's five.
+
+    disentangle encode RUN --data HELDOUT.jsonl --output LATENTS.jsonl
+    python benchmarks/cvae-adds/what_codes_hold.py LATENTS.jsonl [...]
+
+In ``style-in-content`` two things in a response are not predicted by its prompt: the hidden style (one of 4
+markers, log 4 = 1.39 nats) and which of its topic's 5 answer sentences it is (log 5 = 1.61 nats; the prompt gives
+the topic, not the answer). The data's labels name the style and the topic only; the answer is read from the
+response itself (the text without its style marker). Per file (an ``encode`` output), per slot and for the code
+tuple of all slots: NMI (scikit-learn's, arithmetic normalisation, as ``eval``) with the style, the topic, the
+answer (40 sentences) and the answer's index within its topic (5 values), and the number of codes used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+from sklearn.metrics import normalized_mutual_info_score  # noqa: E402
+
+from disentanglement.synthetic import STYLE_MARKERS, TOPICS  # noqa: E402
+
+FACTORS = ("style", "topic", "answer", "answer_in_topic")
+
+
+def answer_of(response: str, style: str) -> str:
+    """The response without its style marker."""
+    where, marker = STYLE_MARKERS[style]
+    text = response
+    if where == "prefix" and text.startswith(marker):
+        text = text[len(marker) :]
+    elif where == "suffix" and text.rstrip().endswith(marker.strip()):
+        text = text.rstrip()[: -len(marker.strip())]
+    return text.strip()
+
+
+def factors(row: dict) -> dict[str, object]:
+    label = row["label"]
+    answer = answer_of(row["response"], label["style"])
+    answers = TOPICS[label["topic"]][1]
+    if answer not in answers:
+        raise ValueError(f"{row.get('source')}: response {row['response']!r} is none of its topic's answers")
+    return {
+        "style": label["style"],
+        "topic": label["topic"],
+        "answer": answer,
+        "answer_in_topic": answers.index(answer),
+    }
+
+
+def table(path: Path) -> list[str]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    values = [factors(row) for row in rows]
+    codes = [row["codes"] for row in rows]
+    slots = len(codes[0])
+    columns = {f"slot {m}": [c[m] for c in codes] for m in range(slots)}
+    if slots > 1:
+        columns["all slots"] = [tuple(c) for c in codes]
+    out = []
+    for name, assigned in columns.items():
+        keys = {a: i for i, a in enumerate(sorted(set(assigned), key=str))}
+        ids = [keys[a] for a in assigned]
+        nmi = [normalized_mutual_info_score([v[f] for v in values], ids) for f in FACTORS]
+        out.append(
+            f"| {path.parent.name}/{path.stem} | {name} | {len(keys)} | " + " | ".join(f"{x:.3f}" for x in nmi) + " |"
+        )
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("files", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    print("| latents | codes of | used | " + " | ".join(f"NMI {f}" for f in FACTORS) + " |")
+    print("| --- | --- | --- |" + " --- |" * len(FACTORS))
+    for path in args.files:
+        print("\n".join(table(path)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
