@@ -130,7 +130,7 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "block", (0,)),
     ("dailydialog", "code-table-slow-vk", (0,)),
     ("dailydialog", "default", (0, 1, 2)),
-    ("dailydialog", "seed", (0,)),
+    ("dailydialog", "seed", (0, 1, 2)),
     ("dailydialog", "block", (0,)),
     ("two-factor", "view-kmeans", (0, 1, 2)),
     ("style-in-echo", "view-kmeans", (0, 1, 2)),
