@@ -203,10 +203,11 @@ def test_the_adapters_gradients_are_the_merged_weights_gradients_through_a_and_b
             torch.testing.assert_close(down.grad, adapters.scaling * up.T @ g, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("view", ["token_weighted", "token_weighted_attention"])
 @pytest.mark.parametrize("source", ["surprisal", "dynamic", "entropy"])
-def test_cached_and_fresh_features_agree_for_every_weight_source(tokenizer, pairs, source):
+def test_cached_and_fresh_features_agree_for_every_weight_source(tokenizer, pairs, source, view):
     model, examples, _ = tiny_cvae(
-        tokenizer, pairs, encoder_view="token_weighted", encoder_lora_layers=2, token_weight_source=source
+        tokenizer, pairs, encoder_view=view, encoder_lora_layers=2, token_weight_source=source
     )
     randomise(model)
     batch = collate(examples[:10], 2, indices=list(range(10)))

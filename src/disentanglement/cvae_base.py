@@ -588,9 +588,11 @@ class CVAEBase(nn.Module):
         view = {name: torch.cat([v[name] for v in views]) for name in views[0]} if len(views) > 1 else views[0]
         return dataclasses.replace(features, **view)
 
-    def encoder_token_weights(self, features: FrozenFeatures) -> torch.Tensor | None:
+    def encoder_token_weights(self, features: FrozenFeatures, mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """The ``token_weighted`` views' ``pi_t`` ``[B, T-1]`` on the z-free layout (None for the others): the
-        features' own precomputed weighting where it is the view's, else recomputed from their ``b_t``."""
+        features' own precomputed weighting where it is the view's (cached features carry no entropy to recompute
+        it from), else recomputed from their z-free ``b_t`` (and entropy) on ``mask`` (``[B, T-1]``; default the
+        batch's response positions)."""
         if self.latent_cfg.encoder_view not in ("token_weighted", "token_weighted_attention"):
             return None
         w = self.encoder_weighting_params
@@ -600,7 +602,7 @@ class CVAEBase(nn.Module):
             raise ValueError("the entropy-weighted view needs the features' z-free entropy, which these do not carry")
         return token_weighting_from_base_nll(
             features.zfree_token_nll,
-            features.batch.target_mask[:, 1:],
+            features.batch.target_mask[:, 1:] if mask is None else mask,
             w.alpha,
             w.eps,
             signal=features.zfree_token_entropy if w.source == "entropy" else None,
@@ -629,13 +631,9 @@ class CVAEBase(nn.Module):
     def encoder_log_token_weights(self, features: FrozenFeatures) -> torch.Tensor:
         """``log pi_t`` of the ``token_weighted`` view (:attr:`encoder_weighting_params`) placed at the response
         tokens' own positions, ``[B, T]`` (0 off the response): recomputed from the features' z-free ``b_t``
-        (and entropy), so cached and fresh features give the same."""
-        w = self.encoder_weighting_params
+        (and entropy, :meth:`encoder_token_weights`), so cached and fresh features give the same."""
         mask = features.response_mask[:, 1:]  # [B, T-1]: position t predicts token t + 1
-        signal = features.zfree_token_entropy if w.source == "entropy" else None
-        pi = token_weighting_from_base_nll(
-            features.zfree_token_nll, mask, w.alpha, w.eps, signal=signal, interpolation=w.interpolation
-        ).token_weights.double()  # [B, T-1]
+        pi = self.encoder_token_weights(features, mask).double()  # [B, T-1]
         log_pi = torch.where(mask.bool() & (pi > 0), pi.clamp_min(1e-300).log(), torch.zeros_like(pi))
         return F.pad(log_pi, (1, 0))  # [B, T], token t + 1 at its own position
 
