@@ -34,6 +34,13 @@ _FEATURE_STORE = tempfile.mkdtemp(prefix="disentanglement-feature-cache-")
 os.environ["DISENTANGLEMENT_FEATURE_CACHE"] = _FEATURE_STORE
 atexit.register(shutil.rmtree, _FEATURE_STORE, True)
 
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny tokenizer (``helpers.tiny_tokenizer``), one per test module; a module overrides it for other settings."""
+    return tiny_tokenizer()
+
+
 NUM_FACTORS = 4
 WORDS = ("red", "blue", "cat", "dog", "sun", "moon", "tree", "fish", "car", "box", "hat", "cup", "key", "map", "pen")
 

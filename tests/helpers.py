@@ -276,3 +276,15 @@ def tiny_cvae(tokenizer, pairs, seed: int = 0, **overrides):
     examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
     torch.manual_seed(seed)
     return build_cvae(config, tiny_llama(len(tokenizer))), examples, config
+
+
+def prompt_batch(tokenizer, n: int = 5, chat_template: bool = True):
+    """A collated batch of ``n`` hidden-factor pairs whose prompts grow by a token each (``prompt x.. end``):
+    rows of ``n`` lengths, so every batch has padding."""
+    from disentanglement.config import build_config
+    from disentanglement.data import collate, tokenize_pairs
+    from disentanglement.testing import make_hidden_factor_pairs
+
+    pairs = make_hidden_factor_pairs([f"prompt {'x' * i} end" for i in range(n)], kind="clean", seed=1)
+    examples, _ = tokenize_pairs(pairs, tokenizer, build_config({"chat_template": chat_template}).data)
+    return collate(examples, tokenizer.pad_token_id)

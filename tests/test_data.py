@@ -40,11 +40,6 @@ from helpers import EOS, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def chatterbot():
     return read_chatterbot("english")
 

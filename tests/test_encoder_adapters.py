@@ -18,15 +18,10 @@ from disentanglement.encoder_adapters import adapted_modules
 from disentanglement.features import build_feature_cache
 from disentanglement.models import build_cvae
 from disentanglement.trainer import load_trained
-from helpers import tiny_cvae, tiny_llama, tiny_tokenizer, train_and_read_metrics, view_pairs
+from helpers import tiny_cvae, tiny_llama, train_and_read_metrics, view_pairs
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 VIEWS = ("token_weighted", "mean_last", "token_weighted_attention")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,10 @@ import torch.nn.functional as F
 from disentanglement.config import ConfigError, build_config
 from disentanglement.data import collate
 from disentanglement.trainer import load_trained
-from helpers import tiny_cvae, tiny_llama, tiny_tokenizer, train_and_read_metrics, view_pairs
+from helpers import tiny_cvae, tiny_llama, train_and_read_metrics, view_pairs
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 KINDS = ("mlp", "transformer")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -28,16 +28,11 @@ from disentanglement.models import build_cvae
 from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import token_weighting_from_base_nll
 from disentanglement.trainer import load_trained, make_optimizer, train
-from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer, train_and_read_metrics
+from helpers import tiny_gpt2, tiny_llama, train_and_read_metrics
 from references import loop_attention, reference_nll_and_entropy
 
 VIEWS = ["mean_last", "token_weighted", "attention"]
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,9 @@ from disentanglement.features import build_feature_cache, feature_fingerprint, l
 from disentanglement.models import build_cvae
 from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import TokenWeighting
-from helpers import tiny_llama, tiny_tokenizer, train_and_read_metrics
+from helpers import tiny_llama, train_and_read_metrics
 
 FIELDS = [f.name for f in dataclasses.fields(TokenWeighting)]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -11,28 +11,16 @@ import yaml
 
 from disentanglement.cli import build_parser
 from disentanglement.config import ConfigError, build_config, config_from_namespace, load_run_config, write_run_config
-from disentanglement.data import collate, tokenize_pairs
 from disentanglement.losses import TERM_WEIGHT_FIELDS
 from disentanglement.models import build_cvae, enable_activation_checkpointing
 from disentanglement.resume import check_resume_config
 from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import train
-from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer, trainer_config
+from helpers import prompt_batch, tiny_gpt2, tiny_llama, trainer_config
 
 ALL_TERMS = dict.fromkeys(TERM_WEIGHT_FIELDS.values(), 0.5)
 #: Checkpointing recomputes the same operations on the same inputs (float32): equal to float rounding.
 RTOL, ATOL = 1e-5, 1e-6
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
-def make_batch(tokenizer, n=5):
-    pairs = make_hidden_factor_pairs([f"prompt {'x' * i} end" for i in range(n)], kind="clean", seed=1)
-    examples, _ = tokenize_pairs(pairs, tokenizer, build_config({}).data)
-    return collate(examples, tokenizer.pad_token_id)
 
 
 def checkpoint_calls(decoder) -> list[int]:
@@ -79,7 +67,7 @@ def test_checkpointing_gives_the_same_loss_and_gradients(tokenizer, decoder_trai
         for name, param in model.decoder.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(param, std=0.1)  # B = 0 would leave every lora_A gradient 0
-    batch = make_batch(tokenizer)
+    batch = prompt_batch(tokenizer)
     loss, grads = loss_and_gradients(model, batch)
     assert model.decoder.is_activation_checkpointing is False
 
@@ -110,7 +98,7 @@ def test_a_frozen_gpt2_keeps_its_dropout_off_when_checkpointed(tokenizer):
     torch.manual_seed(0)
     model = build_cvae(config, tiny_gpt2(len(tokenizer))).train()
     assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.decoder.modules())
-    batch = make_batch(tokenizer)
+    batch = prompt_batch(tokenizer)
     loss, grads = loss_and_gradients(model, batch)
     enable_activation_checkpointing(model.decoder)
     calls = checkpoint_calls(model.decoder)

@@ -12,30 +12,22 @@ from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForC
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from disentanglement.config import ConfigError, Scoring, build_config
-from disentanglement.data import Example, collate, tokenize_pairs
+from disentanglement.data import Example, collate
 from disentanglement.evaluation import score_batch
 from disentanglement.generation import SamplingOptions, encode_prompts, generate, generation_inputs, memory_generate
 from disentanglement.memory import cache_from_layers
 from disentanglement.models import build_cvae
 from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import token_weighting_from_base_nll
-from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer
+from helpers import prompt_batch, tiny_gpt2, tiny_llama
 
 ARCHITECTURES = {"llama": tiny_llama, "gpt2": tiny_gpt2}
 LORA_TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
 CASES = [("llama", "frozen"), ("llama", "lora"), ("gpt2", "frozen"), ("gpt2", "lora")]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
 def make_batch(tokenizer, n=4):
-    prompts = [f"prompt {'x' * i} end" for i in range(n)]
-    pairs = make_hidden_factor_pairs(prompts, kind="clean", seed=1)
-    examples, _ = tokenize_pairs(pairs, tokenizer, build_config({"chat_template": False}).data)
-    return collate(examples, tokenizer.pad_token_id)
+    return prompt_batch(tokenizer, n, chat_template=False)
 
 
 def memory_model(tokenizer, arch="llama", training="frozen", **overrides):

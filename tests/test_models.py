@@ -18,24 +18,11 @@ from disentanglement.shared_discrete_cvae import SharedDiscreteCVAE
 from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.token_weighting import align_to_conditioned
 from disentanglement.trainer import make_optimizer
-from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer
+from helpers import prompt_batch, tiny_gpt2, tiny_llama, tiny_tokenizer
 from references import manual_zfree_nll
 
 ARCHITECTURES = {"llama": tiny_llama, "gpt2": tiny_gpt2}
 ALL_TERMS = dict.fromkeys(TERM_WEIGHT_FIELDS.values(), 0.5)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
-def make_batch(tokenizer, n=5, chat_template=True):
-    prompts = [f"prompt {'x' * i} end" for i in range(n)]
-    pairs = make_hidden_factor_pairs(prompts, kind="clean", seed=1)
-    config = build_config({"chat_template": chat_template})
-    examples, _ = tokenize_pairs(pairs, tokenizer, config.data)
-    return collate(examples, tokenizer.pad_token_id)
 
 
 def make_model(tokenizer, arch="llama", **overrides):
@@ -55,7 +42,7 @@ def test_forward_backward_every_combination(tokenizer, arch, latent, placement):
     extra = {"divergence_weight": 0.2} if latent == "discrete" else {}
     model, _ = make_model(tokenizer, arch, latent=latent, latent_placement=placement, **extra)
     model.train()
-    batch = make_batch(tokenizer)
+    batch = prompt_batch(tokenizer)
     out = model(batch, step=3)
     assert torch.isfinite(out.loss)
     assert set(out.reconstruction_terms) == set(TERM_WEIGHT_FIELDS)
@@ -79,7 +66,7 @@ def test_forward_backward_every_combination(tokenizer, arch, latent, placement):
 @pytest.mark.parametrize("placement", ["prefix", "between"])
 def test_conditioned_sequence_places_latent_and_aligns_tokens(tokenizer, placement):
     model, _ = make_model(tokenizer, latent_placement=placement)
-    batch = make_batch(tokenizer)
+    batch = prompt_batch(tokenizer)
     P = model.num_latent_tokens
     latent = torch.randn(len(batch), P, model.hidden_size)
     embeds, ids, attention, target, offsets = model.conditioned_inputs(batch, latent)
@@ -105,7 +92,7 @@ def test_conditioned_sequence_places_latent_and_aligns_tokens(tokenizer, placeme
 
 def test_frozen_features_match_a_manual_pass(tokenizer):
     model, _ = make_model(tokenizer)
-    batch = make_batch(tokenizer)
+    batch = prompt_batch(tokenizer)
     features = model.frozen_pass(batch)
     out = model.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
     hidden = out.hidden_states[-1]
@@ -122,7 +109,7 @@ def test_frozen_features_match_a_manual_pass(tokenizer):
 
 def test_token_weights_follow_the_reference_surprisal(tokenizer):
     model, _ = make_model(tokenizer, latent_placement="between")
-    batch = make_batch(tokenizer)
+    batch = prompt_batch(tokenizer)
     out = model(batch)
     features = model.frozen_pass(batch)
     for b in range(len(batch)):
@@ -138,7 +125,7 @@ def test_token_weights_follow_the_reference_surprisal(tokenizer):
 def test_forward_record_terms_agree_with_the_stack(tokenizer):
     model, config = make_model(tokenizer, latent="continuous", beta=0.5, beta_schedule="constant")
     model.eval()
-    batch = make_batch(tokenizer)
+    batch = prompt_batch(tokenizer)
     out = model(batch)
     weights = {term: getattr(config.reconstruction, field) for term, field in TERM_WEIGHT_FIELDS.items()}
     expected = sum(weights[t] * v for t, v in out.reconstruction_terms.items())
@@ -157,7 +144,7 @@ def test_discrete_nearest_code_posterior_and_straight_through(tokenizer):
     model, _ = make_model(tokenizer, codebook_size=5, num_slots=2, commitment_weight=0.25)
     assert isinstance(model, SharedDiscreteCVAE)
     model.train()
-    batch = make_batch(tokenizer)
+    batch = prompt_batch(tokenizer)
     features = model.frozen_pass(batch)
     sample = model.encode(features, step=0)
     e = model.encoder_outputs(features)
@@ -191,7 +178,7 @@ def test_gumbel_option_kl_and_temperature(tokenizer):
         codebook_size=4,
     )
     model.train()
-    batch = make_batch(tokenizer)
+    batch = prompt_batch(tokenizer)
     features = model.frozen_pass(batch)
     sample = model.encode(features, step=100)
     assert sample.stats["temperature"] == pytest.approx(0.5)
@@ -205,7 +192,7 @@ def test_gumbel_option_kl_and_temperature(tokenizer):
 def test_batch_prior_kl_is_kl_of_the_batch_mean(tokenizer):
     model, _ = make_model(tokenizer, assignment="gumbel", prior="fixed", batch_prior_kl=True)
     model.train()
-    features = model.frozen_pass(make_batch(tokenizer))
+    features = model.frozen_pass(prompt_batch(tokenizer))
     sample = model.encode(features, step=0)
     q_bar = F.softmax(model.posterior_logits(model.encoder_outputs(features)), -1).mean(0)  # [M, K]
     expected = (q_bar * (q_bar.log() + torch.log(torch.tensor(4.0)))).sum(-1)
@@ -216,7 +203,7 @@ def test_batch_prior_kl_is_kl_of_the_batch_mean(tokenizer):
 def test_dead_codes_restart_at_recent_encoder_outputs(tokenizer):
     model, _ = make_model(tokenizer, codebook_size=8, dead_code_steps=3)
     model.train()
-    features = model.frozen_pass(make_batch(tokenizer))
+    features = model.frozen_pass(prompt_batch(tokenizer))
     sample = model.encode(features, step=5)
     used = set(sample.latent.flatten().tolist())
     before = model.codebook.detach().clone()
@@ -234,7 +221,7 @@ def test_continuous_sampling_is_reparameterised(tokenizer):
     model, _ = make_model(tokenizer, latent="continuous", prior="fixed")
     assert isinstance(model, ContinuousCVAE)
     model.train()
-    features = model.frozen_pass(make_batch(tokenizer))
+    features = model.frozen_pass(prompt_batch(tokenizer))
     torch.manual_seed(0)
     a = model.encode(features, 0)
     torch.manual_seed(0)
@@ -258,7 +245,7 @@ def test_optimizer_holds_every_trainable_parameter(tokenizer):
 
 def test_lora_reference_is_the_adapter_free_model(tokenizer):
     base = tiny_llama(len(tokenizer))
-    batch = make_batch(tokenizer)
+    batch = prompt_batch(tokenizer)
     with torch.no_grad():
         expected = base(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     # The LM head carries adapters too, so the entropy (computed through it) must be taken with them off.
@@ -297,7 +284,7 @@ def test_full_training_keeps_a_frozen_reference_copy(tokenizer):
 @pytest.mark.parametrize("placement", ["prefix", "between", "memory"])
 def test_windowed_lm_head_equals_full_logits(tokenizer, placement):
     model, _ = make_model(tokenizer, latent_placement=placement)
-    batch = make_batch(tokenizer)
+    batch = prompt_batch(tokenizer)
     vector = torch.randn(len(batch), model.latent_vector_dim, requires_grad=True)
     decoded = model.decode(batch, vector)
     assert decoded.start > 0 and decoded.hidden.shape[1] < decoded.input_ids.shape[1]
@@ -313,7 +300,7 @@ def test_windowed_lm_head_equals_full_logits(tokenizer, placement):
 def test_divergence_is_the_token_weighted_js_of_two_decodes(tokenizer):
     model, _ = make_model(tokenizer, divergence_weight=1.0)
     model.eval()
-    batch = make_batch(tokenizer)
+    batch = prompt_batch(tokenizer)
     features = model.frozen_pass(batch)
     torch.manual_seed(0)
     out = model(batch, features)
@@ -335,7 +322,7 @@ def test_frozen_pass_surprisal_is_the_reference_models_own_cross_entropy(tokeniz
     from disentanglement.token_weighting import score_zfree_reference
 
     model, _ = make_model(tokenizer, decoder_training=training)
-    batch = make_batch(tokenizer)
+    batch = prompt_batch(tokenizer)
     with torch.no_grad():  # a decoder that has trained away from its reference
         for name, param in model.decoder.named_parameters():
             if param.requires_grad and (training == "full" or "lora_B" in name):
@@ -354,7 +341,7 @@ def test_frozen_pass_surprisal_is_the_reference_models_own_cross_entropy(tokeniz
 def test_logged_unit_kl_is_raw_and_the_objective_has_free_bits(tokenizer):
     model, _ = make_model(tokenizer, latent="continuous", free_bits=5.0, beta=1.0, beta_schedule="constant")
     model.eval()
-    batch = make_batch(tokenizer)
+    batch = prompt_batch(tokenizer)
     out = model(batch)
     mu, logvar = model.posterior(model.frozen_pass(batch))
     mu_p, logvar_p = model.prior(model.frozen_pass(batch))
@@ -368,7 +355,7 @@ def test_logged_unit_kl_is_raw_and_the_objective_has_free_bits(tokenizer):
 
 def test_kmeans_codebook_init_and_identity_keeping_refresh(tokenizer):
     model, _ = make_model(tokenizer, codebook_size=3)
-    batch = make_batch(tokenizer, n=12)
+    batch = prompt_batch(tokenizer, n=12)
     features = model.frozen_pass(batch)
     model.initialize_from_data(features, seed=0)
     e = model.encoder_outputs(features).detach().reshape(-1, model.latent_cfg.code_dim)

@@ -14,12 +14,7 @@ from disentanglement.config import build_config
 from disentanglement.losses import TERM_WEIGHT_FIELDS
 from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import TrainingDiverged, latest_checkpoint, load_trained, train
-from helpers import tiny_llama, tiny_tokenizer, trainer_config
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
+from helpers import tiny_llama, trainer_config
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,11 @@ from disentanglement.config import build_config
 from disentanglement.data import Example, collate
 from disentanglement.features import build_feature_cache, feature_fingerprint
 from disentanglement.token_weighting import token_weighting_from_base_nll
-from helpers import tiny_cvae, tiny_llama, tiny_tokenizer, train_and_read_metrics, view_pairs
+from helpers import tiny_cvae, tiny_llama, train_and_read_metrics, view_pairs
 from references import reference_nll_and_entropy
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 VIEW = "token_weighted_attention"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from disentanglement.token_weighting import (
     TokenWeighting,
     token_weighting_from_base_nll,
 )
-from helpers import tiny_llama, tiny_tokenizer, train_and_read_metrics
+from helpers import tiny_llama, train_and_read_metrics
 from references import loop_entropy, loop_weighting
 
 FIELDS = [f.name for f in dataclasses.fields(TokenWeighting)]
@@ -186,11 +186,6 @@ def test_nll_and_entropy_match_the_loop_and_shifted_nll_chunked_and_through_a_he
 
 
 # -- the models, the cache and training ----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
 @pytest.fixture(scope="module")
 def examples(tokenizer):
     pairs = make_hidden_factor_pairs([f"tell me about item {'z' * (i % 5)} {i}" for i in range(16)], kind="clean")

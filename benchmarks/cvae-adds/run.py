@@ -2,11 +2,12 @@
 once (one thread each), each skipped when its report exists; then the tables (``table.py``).
 
     python benchmarks/cvae-adds/run.py [--out runs/cvae-adds] [--jobs 2] [--dailydialog FILE.jsonl] [--only NAME ...]
-        [--recipes NAME ...] [--seeds N ...]
+        [--recipes NAME ...] [--seeds N ...] [--dtype auto|bfloat16|float32]
 
 Synthetic sets (``disentangle data synth``): 800 training rows of seed 0 and 200 held-out rows of seed 1, the
 thesis base (``benchmarks/thesis/base.yaml``: frozen SmolLM2-135M, K = 4 codes in one slot, 120 steps of 8) in
-bf16; ``chatterbot-style`` (the corpus with a hidden style marker) is evaluated on its run's validation split.
+bf16 (``--dtype auto``: float32 on a CPU without bf16 matmul instructions); ``chatterbot-style`` (the corpus with
+a hidden style marker) is evaluated on its run's validation split.
 DailyDialog (``--dailydialog``, a JSONL of ``disentangle data dailydialog``): trained on the pairs of dialogues
 0-699, evaluated on 700-999, ``dailydialog.yaml`` (K = 8, 200 steps), on the first 600 evaluation pairs after
 eval's seeded choice; its generations are read by the act classifier on the frozen features (no detector reads a
@@ -118,6 +119,13 @@ RECIPES = {
     "centered-2slots": [*DEFAULT, "--centered-straight-through", "--num-slots", "2"],
     "centered-lora-dynamic-2slots": [*CENTERED_LORA, "--token-weight-source", "dynamic", "--max-steps", "240",
                                      "--num-slots", "2"],
+    # the decoder fine-tuned whole (float32 weights, the z-free reference a frozen copy): a decoder that learns the
+    # 40 answer sentences fast, so that the latent need carry only what the prompt does not say (section 7's lever)
+    "centered-full": [*DEFAULT, "--centered-straight-through", "--decoder-training", "full", "--decoder-lr", "5e-5",
+                      "--max-steps", "240"],
+    # that with term 3's weights from the training model's own current NLL
+    "centered-full-dynamic": [*DEFAULT, "--centered-straight-through", "--decoder-training", "full",
+                              "--decoder-lr", "5e-5", "--token-weight-source", "dynamic", "--max-steps", "240"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
 }  # fmt: skip
@@ -194,6 +202,8 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-lora-dynamic-encoder-lora", (0,)),
     ("style-in-content", "centered-2slots", (0, 1, 2)),
     ("style-in-content", "centered-lora-dynamic-2slots", (0,)),
+    ("style-in-content", "centered-full", (0,)),
+    ("style-in-content", "centered-full-dynamic", (0,)),
 ]
 
 
@@ -228,7 +238,7 @@ def data_files(out: Path, name: str, dailydialog: Path | None) -> tuple[Path, st
     return train, str(heldout)
 
 
-def one_run(out: Path, name: str, recipe: str, seed: int, dailydialog: Path | None) -> Path:
+def one_run(out: Path, name: str, recipe: str, seed: int, dailydialog: Path | None, dtype: str) -> Path:
     run = out / "runs" / f"{name}-{recipe}" / f"seed-{seed}"
     report = out / "evals" / f"{name}-{recipe}-seed-{seed}.json"
     if report.exists():
@@ -238,7 +248,7 @@ def one_run(out: Path, name: str, recipe: str, seed: int, dailydialog: Path | No
     run.mkdir(parents=True, exist_ok=True)
     log = run.parent / f"seed-{seed}.log"
     sh([*DISENTANGLE, "train", "--config", str(config), *RECIPES[recipe], "--data", str(train), "--dtype",
-        "bfloat16", "--seed", str(seed), "--output-dir", str(run), "--resume", "auto", "--no-progress"], log)  # fmt: skip
+        dtype, "--seed", str(seed), "--output-dir", str(run), "--resume", "auto", "--no-progress"], log)  # fmt: skip
     generation = ["--max-examples", "600", "--generation"] if name == "dailydialog" else ["--generation"]
     report.parent.mkdir(parents=True, exist_ok=True)
     sh([*DISENTANGLE, "eval", str(run), "--data", evaluate, *generation, "--output", str(report), "--no-progress"], log)
@@ -253,6 +263,13 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="sets to run (default: all of the plan)")
     parser.add_argument("--recipes", nargs="*", default=None, help="recipes to run (default: all of the plan's)")
     parser.add_argument("--seeds", nargs="*", type=int, default=None, help="seeds to run (default: the plan's)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="the decoder's dtype (default auto: bf16 on a CPU with AMX-BF16 or AVX512-BF16, as the tables were "
+        "measured, float32 elsewhere: on an AVX2-only CPU bf16 matmuls measured 80x slower than float32)",
+    )
     args = parser.parse_args(argv)
     todo = [
         (name, recipe, seed)
@@ -266,7 +283,7 @@ def main(argv=None) -> int:
     for name, _, _ in todo:  # data first, once, before the runs share it
         data_files(args.out, name, args.dailydialog)
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(one_run, args.out, *t, args.dailydialog): t for t in todo}
+        futures = {pool.submit(one_run, args.out, *t, args.dailydialog, args.dtype): t for t in todo}
         reports = []
         for future, t in futures.items():
             try:
