@@ -123,9 +123,19 @@ RECIPES = {
     # 40 answer sentences fast, so that the latent need carry only what the prompt does not say (section 7's lever)
     "centered-full": [*DEFAULT, "--centered-straight-through", "--decoder-training", "full", "--decoder-lr", "5e-5",
                       "--max-steps", "240"],
-    # that with term 3's weights from the training model's own current NLL
+    # centered-full trained longer (400 steps instead of 240)
+    "centered-full-400": [*DEFAULT, "--centered-straight-through", "--decoder-training", "full", "--decoder-lr", "5e-5",
+                          "--max-steps", "400"],
+    # centered-full with term 3's weights from the training model's own current NLL
     "centered-full-dynamic": [*DEFAULT, "--centered-straight-through", "--decoder-training", "full",
                               "--decoder-lr", "5e-5", "--token-weight-source", "dynamic", "--max-steps", "240"],
+    # centered-full with two slots of 4 codes: with a decoder that has learnt the content, the style (log 4 nats) and
+    # the answer among a topic's five (log 5) are what is left beyond the prompt; room for both
+    "centered-full-2slots": [*DEFAULT, "--centered-straight-through", "--decoder-training", "full",
+                             "--decoder-lr", "5e-5", "--max-steps", "240", "--num-slots", "2"],
+    "centered-full-dynamic-2slots": [*DEFAULT, "--centered-straight-through", "--decoder-training", "full",
+                                     "--decoder-lr", "5e-5", "--token-weight-source", "dynamic", "--max-steps", "240",
+                                     "--num-slots", "2"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
 }  # fmt: skip
@@ -202,8 +212,11 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-lora-dynamic-encoder-lora", (0,)),
     ("style-in-content", "centered-2slots", (0, 1, 2)),
     ("style-in-content", "centered-lora-dynamic-2slots", (0,)),
-    ("style-in-content", "centered-full", (0,)),
+    ("style-in-content", "centered-full", (0, 1, 2)),
     ("style-in-content", "centered-full-dynamic", (0,)),
+    ("style-in-content", "centered-full-400", (0, 1)),
+    ("style-in-content", "centered-full-2slots", (0,)),
+    ("style-in-content", "centered-full-dynamic-2slots", (0,)),
 ]
 
 
