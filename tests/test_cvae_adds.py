@@ -55,6 +55,12 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
     control = built["centered-lora-240"]  # the dynamic probe's control: the same but the weights' source
     assert control.train.max_steps == 240 and control.reconstruction.token_weight_source == "surprisal"
     assert control.model.decoder_training == "lora" and control.latent.centered_straight_through
+    for recipe in ("centered-full", "centered-full-400", "centered-full-dynamic"):
+        full = built[recipe]  # section 12: the whole decoder at 5e-5, the centred gradient
+        assert full.model.decoder_training == "full" and full.train.decoder_lr == 5e-5, recipe
+        assert full.latent.centered_straight_through, recipe
+    assert built["centered-full"].train.max_steps == 240 and built["centered-full-400"].train.max_steps == 400
+    assert built["centered-full-dynamic"].reconstruction.token_weight_source == "dynamic"
 
 
 def report(tmp_path: Path, controllability: dict | None) -> Path:

@@ -136,6 +136,15 @@ def test_preset_centered_lora_is_the_default_with_the_centred_gradient_and_adapt
     assert flat(by_flags) == flat(build_config({"preset": "centered-lora"}))
 
 
+def test_preset_centered_full_is_the_default_with_the_centred_gradient_and_the_whole_decoder():
+    """The recipe of docs/what-the-cvae-adds.md's section 12 (run.py's centered-full), by flag and by file."""
+    want = dict(MEASURED, centered_straight_through=True, decoder_training="full", decoder_lr=5e-5)
+    assert recipe(train_config(["--preset", "centered-full"])) == want
+    assert recipe(build_config({"preset": "centered-full"})) == want
+    by_flags = train_config(["--centered-straight-through", "--decoder-training", "full", "--decoder-lr", "5e-5"])
+    assert flat(by_flags) == flat(build_config({"preset": "centered-full"}))
+
+
 def test_precedence_defaults_then_preset_then_file_then_flags(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("preset: seed\nreconstruction:\n  token_weight_alpha: 0.5\n")

@@ -34,6 +34,8 @@ DEFAULT = [*TERMS_1_3, "--encoder-view", "token_weighted"]
 LORA = ["--decoder-training", "lora", "--decoder-lr", "1e-3"]
 #: the default with the centred straight-through and LORA (section 6's centered-lora); its variants add to it
 CENTERED_LORA = [*DEFAULT, "--centered-straight-through", *LORA]
+#: the default with the centred straight-through and the whole decoder fine-tuned (section 12's centered-full)
+CENTERED_FULL = [*DEFAULT, "--centered-straight-through", "--decoder-training", "full", "--decoder-lr", "5e-5"]
 #: raw reconstruction (term 1 alone, the mean_last view: preset raw) with LORA: the likelihood to compare with
 RAW_LORA = ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
             "--encoder-view", "mean_last", *LORA]  # fmt: skip
@@ -121,21 +123,11 @@ RECIPES = {
                                      "--num-slots", "2"],
     # the decoder fine-tuned whole (float32 weights, the z-free reference a frozen copy): a decoder that learns the
     # 40 answer sentences fast, so that the latent need carry only what the prompt does not say (section 7's lever)
-    "centered-full": [*DEFAULT, "--centered-straight-through", "--decoder-training", "full", "--decoder-lr", "5e-5",
-                      "--max-steps", "240"],
+    "centered-full": [*CENTERED_FULL, "--max-steps", "240"],
     # centered-full trained longer (400 steps instead of 240)
-    "centered-full-400": [*DEFAULT, "--centered-straight-through", "--decoder-training", "full", "--decoder-lr", "5e-5",
-                          "--max-steps", "400"],
+    "centered-full-400": [*CENTERED_FULL, "--max-steps", "400"],
     # centered-full with term 3's weights from the training model's own current NLL
-    "centered-full-dynamic": [*DEFAULT, "--centered-straight-through", "--decoder-training", "full",
-                              "--decoder-lr", "5e-5", "--token-weight-source", "dynamic", "--max-steps", "240"],
-    # centered-full with two slots of 4 codes: with a decoder that has learnt the content, the style (log 4 nats) and
-    # the answer among a topic's five (log 5) are what is left beyond the prompt; room for both
-    "centered-full-2slots": [*DEFAULT, "--centered-straight-through", "--decoder-training", "full",
-                             "--decoder-lr", "5e-5", "--max-steps", "240", "--num-slots", "2"],
-    "centered-full-dynamic-2slots": [*DEFAULT, "--centered-straight-through", "--decoder-training", "full",
-                                     "--decoder-lr", "5e-5", "--token-weight-source", "dynamic", "--max-steps", "240",
-                                     "--num-slots", "2"],
+    "centered-full-dynamic": [*CENTERED_FULL, "--token-weight-source", "dynamic", "--max-steps", "240"],
     # the attention view trained longer (400 steps instead of 120)
     "attention-400": [*TERMS_1_3, "--encoder-view", "token_weighted_attention", "--max-steps", "400"],
 }  # fmt: skip
@@ -215,8 +207,6 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-full", (0, 1, 2)),
     ("style-in-content", "centered-full-dynamic", (0,)),
     ("style-in-content", "centered-full-400", (0, 1)),
-    ("style-in-content", "centered-full-2slots", (0,)),
-    ("style-in-content", "centered-full-dynamic-2slots", (0,)),
 ]
 
 
