@@ -126,23 +126,16 @@ def test_every_preset_sets_the_whole_recipe_and_validates():
         assert recipe(build_config({"preset": name})) == values
 
 
-def test_preset_centered_lora_is_the_default_with_the_centred_gradient_and_adapters():
-    """The recipe of docs/what-the-cvae-adds.md's section 8 (run.py's centered-lora), by flag and by file."""
-    want = dict(MEASURED, centered_straight_through=True, decoder_training="lora", decoder_lr=1e-3)
-    assert recipe(train_config(["--preset", "centered-lora"])) == want
-    assert recipe(build_config({"preset": "centered-lora"})) == want
+@pytest.mark.parametrize("preset, training, lr", [("centered-lora", "lora", "1e-3"), ("centered-full", "full", "5e-5")])
+def test_preset_centered_is_the_default_with_the_centred_gradient_and_a_trained_decoder(preset, training, lr):
+    """The recipes of docs/what-the-cvae-adds.md's sections 8 and 12 (run.py's centered-lora and centered-full), by
+    flag and by file."""
+    want = dict(MEASURED, centered_straight_through=True, decoder_training=training, decoder_lr=float(lr))
+    assert recipe(train_config(["--preset", preset])) == want
+    assert recipe(build_config({"preset": preset})) == want
     # the flags run.py passes for it give the same config
-    by_flags = train_config(["--centered-straight-through", "--decoder-training", "lora", "--decoder-lr", "1e-3"])
-    assert flat(by_flags) == flat(build_config({"preset": "centered-lora"}))
-
-
-def test_preset_centered_full_is_the_default_with_the_centred_gradient_and_the_whole_decoder():
-    """The recipe of docs/what-the-cvae-adds.md's section 12 (run.py's centered-full), by flag and by file."""
-    want = dict(MEASURED, centered_straight_through=True, decoder_training="full", decoder_lr=5e-5)
-    assert recipe(train_config(["--preset", "centered-full"])) == want
-    assert recipe(build_config({"preset": "centered-full"})) == want
-    by_flags = train_config(["--centered-straight-through", "--decoder-training", "full", "--decoder-lr", "5e-5"])
-    assert flat(by_flags) == flat(build_config({"preset": "centered-full"}))
+    by_flags = train_config(["--centered-straight-through", "--decoder-training", training, "--decoder-lr", lr])
+    assert flat(by_flags) == flat(build_config({"preset": preset}))
 
 
 def test_precedence_defaults_then_preset_then_file_then_flags(tmp_path):
