@@ -29,6 +29,12 @@ from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import load_trained, train
 from helpers import tiny_llama, tiny_tokenizer
 
+# Under pytest-xdist (the README's `pytest -n 2`) each worker runs one thread, and so do the processes it starts:
+# two workers of two threads each on two cores slow each other several-fold.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 # The tests' frozen-pass store (feature_store): a folder of this session's, never the user's cache.
 _FEATURE_STORE = tempfile.mkdtemp(prefix="disentanglement-feature-cache-")
 os.environ["DISENTANGLEMENT_FEATURE_CACHE"] = _FEATURE_STORE

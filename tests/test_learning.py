@@ -1,6 +1,6 @@
 """The latent learns what it should: on the real embedded model (frozen SmolLM2-135M-Instruct) and
 synthetic data whose response form is chosen by a hidden factor that the prompt does not reveal,
-a few hundred CPU steps make the argmax code (discrete) or k-means of the posterior means
+a hundred-odd CPU steps make the argmax code (discrete) or k-means of the posterior means
 (continuous) recover the factor, and the conditioned reconstruction beat the z-free reference.
 
 Also the slow smoke test of the real defaults: the embedded model and the chatterbot corpus, and the
@@ -17,9 +17,10 @@ from conftest import _train, model_and_tokenizer
 from disentanglement.commands import run_eval
 from disentanglement.config import ModelConfig, build_config
 from disentanglement.data import load_chatterbot
-from disentanglement.evaluation import label_recovery
+from disentanglement.evaluation import example_factor_values, label_recovery
 from disentanglement.features import FeatureCache
 from disentanglement.lm import load_model_and_tokenizer
+from disentanglement.metrics import agreement_scores, kmeans_assignments
 from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import train
 
@@ -35,6 +36,9 @@ LEARNING_SETTINGS = dict(
 )
 
 
+NUM_VALUES = 4  # the hidden factor's values
+
+
 @pytest.fixture(scope="module")
 def embedded():
     torch.manual_seed(0)
@@ -44,7 +48,7 @@ def embedded():
 @pytest.fixture(scope="module")
 def hidden_factor_pairs():
     prompts = [pair.prompt for pair in load_chatterbot()]
-    return make_hidden_factor_pairs(prompts, num_factors=4, kind="clean", seed=0)
+    return make_hidden_factor_pairs(prompts, num_factors=NUM_VALUES, kind="clean", seed=0)
 
 
 def validation_cache(result) -> FeatureCache:
@@ -53,17 +57,30 @@ def validation_cache(result) -> FeatureCache:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("latent", "steps"),
-    [("discrete", 200), ("continuous", 150)],
+    ("latent", "steps", "options"),
+    [("discrete", 120, {"centered_straight_through": True}), ("continuous", 80, {})],
+    ids=["discrete-120", "continuous-80"],
 )
-def test_latent_recovers_the_hidden_factor(tmp_path, embedded, hidden_factor_pairs, latent, steps):
+def test_latent_recovers_the_hidden_factor(tmp_path, embedded, hidden_factor_pairs, latent, steps, options):
+    """The discrete latent with the centred straight-through: raw reconstruction's codes collapse onto one code
+    for tens of steps before they part (80 steps without it: NMI 0.49; 200 steps: above the threshold), and
+    with it 100 and 120 steps gave NMI 1.000 and 0.965 (reconstruction 0.05 and 0.02 of the z-free one). The
+    continuous latent: 60 and 80 steps gave 0.98 and 1.000 (0.18 and 0.04). Measured 2026-12-03, float32."""
     decoder, tokenizer = embedded
-    config = build_config(dict(LEARNING_SETTINGS, latent=latent, max_steps=steps, output_dir=str(tmp_path)))
+    settings = dict(LEARNING_SETTINGS, latent=latent, max_steps=steps, output_dir=str(tmp_path), **options)
+    config = build_config(settings)
     result = train(config, (decoder, tokenizer), hidden_factor_pairs)
-    recovery = label_recovery(result.model, result.data.validation, validation_cache(result), tokenizer.pad_token_id)
-    zfree = float(validation_cache(result).example_base_losses().mean())
+    cache = validation_cache(result)
+    recovery = label_recovery(result.model, result.data.validation, cache, tokenizer.pad_token_id)
+    # the trivial baseline: k-means of the frozen features the encoder reads (preset raw's mean_last view)
+    values = next(iter(example_factor_values(result.data.validation).values()))
+    view = agreement_scores(kmeans_assignments(cache.encoder_features.float().numpy(), NUM_VALUES), values)["nmi"]
+    zfree = float(cache.example_base_losses().mean())
     conditioned = result.last_metrics["val_reconstruction_loss"]
-    print(f"{latent}: NMI {recovery['nmi']:.3f}, reconstruction {conditioned:.3f} vs z-free {zfree:.3f} nats/token")
+    print(
+        f"{latent}: NMI {recovery['nmi']:.3f} (k-means of its view {view:.3f}), reconstruction {conditioned:.3f} "
+        f"vs z-free {zfree:.3f} nats/token"
+    )
     assert recovery["nmi"] >= 0.9, recovery["contingency"]
     assert conditioned < 0.25 * zfree
     # The frozen decoder is untouched: the shared model object is reused by the next test.

@@ -207,6 +207,30 @@ def test_train_ends_with_the_verdict_on_its_validation_split(tmp_path, monkeypat
     assert block[-1].startswith("verdict: ") and report["verdict"]["verdict"] in VERDICTS
 
 
+def test_no_verdict_ends_without_scoring_the_validation_split(tmp_path, monkeypatch, capsys):
+    import disentanglement.lm as lm
+    import disentanglement.verdict as verdict
+
+    monkeypatch.setattr(lm, "load_model_and_tokenizer", lambda cfg, device="cpu", dtype=None: model_and_tokenizer())
+
+    def judged(*args, **kwargs):
+        raise AssertionError("--no-verdict scored the validation split")
+
+    monkeypatch.setattr(verdict, "train_verdict", judged)
+    data = tmp_path / "hidden.jsonl"
+    pairs = make_hidden_factor_pairs(hidden_factor_prompts(40), num_factors=NUM_FACTORS, kind="clean", seed=0)
+    data.write_text("".join(json.dumps({"prompt": p.prompt, "response": p.response}) + "\n" for p in pairs))
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(data), "--no-chat-template", "--no-progress", "--output-dir", str(run)]
+    argv += ["--codebook-size", str(NUM_FACTORS), "--code-dim", "16", "--encoder-hidden", "64", "--batch-size", "8"]
+    argv += ["--max-steps", "2", "--validation-fraction", "0.25", "--device", "cpu", "--no-verdict"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1] == f"verdict: not judged (--no-verdict; 'disentangle eval {run}' judges the run)"
+    assert not any(line.startswith("on the validation split") for line in printed)
+    assert (run / "checkpoints" / "step-000002" / "model.safetensors").is_file()  # the run itself is whole
+
+
 # --------------------------------------------------------------------------- the explorer page
 
 

@@ -207,6 +207,7 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-full", (0, 1, 2)),
     ("style-in-content", "centered-full-dynamic", (0,)),
     ("style-in-content", "centered-full-400", (0, 1)),
+    ("dailydialog", "centered-full", (0, 1, 2)),
 ]
 
 
@@ -251,7 +252,8 @@ def one_run(out: Path, name: str, recipe: str, seed: int, dailydialog: Path | No
     run.mkdir(parents=True, exist_ok=True)
     log = run.parent / f"seed-{seed}.log"
     sh([*DISENTANGLE, "train", "--config", str(config), *RECIPES[recipe], "--data", str(train), "--dtype",
-        dtype, "--seed", str(seed), "--output-dir", str(run), "--resume", "auto", "--no-progress"], log)  # fmt: skip
+        dtype, "--seed", str(seed), "--output-dir", str(run), "--resume", "auto", "--no-progress", "--no-verdict"],
+       log)  # fmt: skip
     generation = ["--max-examples", "600", "--generation"] if name == "dailydialog" else ["--generation"]
     report.parent.mkdir(parents=True, exist_ok=True)
     sh([*DISENTANGLE, "eval", str(run), "--data", evaluate, *generation, "--output", str(report), "--no-progress"], log)
