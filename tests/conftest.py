@@ -29,7 +29,8 @@ from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import load_trained, train
 from helpers import tiny_llama, tiny_tokenizer
 
-# Under pytest-xdist (the README's `pytest -n 2`) each worker runs one thread, and so do the processes it starts:
+# Under pytest-xdist (`pytest -n 2`; the README's command runs one process) each worker runs one thread, and so do
+# the processes it starts:
 # two workers of two threads each on two cores slow each other several-fold.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
