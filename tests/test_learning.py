@@ -1,6 +1,6 @@
 """The latent learns what it should: on the real embedded model (frozen SmolLM2-135M-Instruct) and
 synthetic data whose response form is chosen by a hidden factor that the prompt does not reveal,
-a hundred-odd CPU steps make the argmax code (discrete) or k-means of the posterior means
+80-120 CPU steps make the argmax code (discrete) or k-means of the posterior means
 (continuous) recover the factor, and the conditioned reconstruction beat the z-free reference.
 
 Also the slow smoke test of the real defaults: the embedded model and the chatterbot corpus, and the
@@ -41,7 +41,8 @@ NUM_VALUES = 4  # the hidden factor's values
 @pytest.fixture(scope="module")
 def embedded():
     torch.manual_seed(0)
-    return load_model_and_tokenizer(ModelConfig())
+    # float32 on every CPU: the step counts below were measured in float32, and bf16 runs part from them
+    return load_model_and_tokenizer(ModelConfig(dtype="float32"))
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,8 @@ def test_latent_recovers_the_hidden_factor(tmp_path, embedded, hidden_factor_pai
     result = train(config, (decoder, tokenizer), hidden_factor_pairs)
     cache = validation_cache(result)
     # the latent's NMI beside the trivial baseline, as eval scores it: k-means of the frozen view the encoder reads
-    # (preset raw's mean_last view)
+    # (preset raw's mean_last view). It is 1.000 on this data, so it is printed, not asserted: the memory test
+    # below holds the comparison with the baseline
     latents = posterior_latents(result.model, result.data.validation, cache, tokenizer.pad_token_id)
     factors = example_factor_values(result.data.validation)
     (agreement,) = factor_agreements(result.model, latents, factors, cache).values()

@@ -208,7 +208,7 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-full-dynamic", (0,)),
     ("style-in-content", "centered-full-400", (0, 1)),
     ("dailydialog", "centered-full", (0, 1, 2)),
-    ("chatterbot-style", "centered-full", (0, 1, 2)),
+    ("chatterbot-style", "centered-full", (0, 1)),
     ("chatterbot-style", "centered-full-400", (0,)),
 ]
 

@@ -65,8 +65,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         dest="verdict",
         action="store_false",
         help="end without the verdict on the validation split: it scores every validation example under every "
-        "code, which with the whole decoder trained on DailyDialog's 486 took 25 min on one thread; 'disentangle "
-        "eval RUN' prints the same numbers whenever wanted",
+        "code, which with a decoder trained whole takes as long as 'disentangle eval RUN' on that split (which "
+        "prints the same numbers whenever wanted); a flag only, not a config field",
     )
     add_config_arguments(parser)
     parser.set_defaults(func=_run_train)
