@@ -97,15 +97,37 @@ def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
     assert row[4] == "style 0.969 (chance 0.25, none 0.00, n 32)"
     assert row[5] == "0.90"
     labels = {
-        "act": {"accuracy": 0.5, "chance": 0.25, "real_accuracy": 0.6, "generations_scored": 64},
+        "act": {"accuracy": 0.5, "chance": 0.25, "one_value": 0.625, "real_accuracy": 0.6, "generations_scored": 64},
         "emotion": {"accuracy": 0.25, "chance": 0.14, "real_accuracy": None, "generations_scored": 64},
     }
     row = cells(table.row(report(tmp_path, {"labels": labels, **fluency})))  # no detector: no factor_accuracy
     assert row[4] == (
-        "act 0.500 by the classifier (chance 0.25, on real responses 0.60, n 64); "
+        "act 0.500 by the classifier (chance 0.25, one value 0.62, on real responses 0.60, n 64); "
         "emotion 0.250 by the classifier (chance 0.14, on real responses n/a, n 64)"
     )
     assert cells(table.row(report(tmp_path, None)))[4:] == ["-", "-"]
+    guided = {"factor_accuracy": detected, "guidance": {"scale": 2.0, "plausibility": 0.1}, **fluency}
+    assert cells(table.row(report(tmp_path, guided)))[0] == "set-recipe/seed-0 @120, guided 2"
+
+
+def test_guided_evals_follow_the_plain_one(run, tmp_path, monkeypatch):
+    """``--guidance G``: each run's plain report, then one eval per scale with --generation-guidance, each skipped
+    once its report exists."""
+    calls = []
+    monkeypatch.setattr(run, "sh", lambda args, log: calls.append(args))
+    monkeypatch.setattr(run, "data_files", lambda out, name, dd: (tmp_path / "train.jsonl", "validation"))
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    (evals / "two-factor-default-seed-0.json").write_text("{}")  # trained and scored before
+    (evals / "two-factor-default-seed-0-guided-5.json").write_text("{}")
+    reports = run.one_run(tmp_path, "two-factor", "default", 0, None, "float32", [2.0, 5.0])
+    assert [p.name for p in reports] == [
+        "two-factor-default-seed-0.json",
+        "two-factor-default-seed-0-guided-2.json",
+        "two-factor-default-seed-0-guided-5.json",
+    ]
+    assert len(calls) == 1 and calls[0][calls[0].index("--generation-guidance") + 1] == "2"
+    assert calls[0][calls[0].index("--output") + 1].endswith("seed-0-guided-2.json")
 
 
 @pytest.mark.parametrize(

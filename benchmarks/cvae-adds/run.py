@@ -2,7 +2,7 @@
 once (one thread each), each skipped when its report exists; then the tables (``table.py``).
 
     python benchmarks/cvae-adds/run.py [--out runs/cvae-adds] [--jobs 2] [--dailydialog FILE.jsonl] [--only NAME ...]
-        [--recipes NAME ...] [--seeds N ...] [--dtype auto|bfloat16|float32]
+        [--recipes NAME ...] [--seeds N ...] [--dtype auto|bfloat16|float32] [--guidance G ...]
 
 Synthetic sets (``disentangle data synth``): 800 training rows of seed 0 and 200 held-out rows of seed 1, the
 thesis base (``benchmarks/thesis/base.yaml``: frozen SmolLM2-135M, K = 4 codes in one slot, 120 steps of 8) in
@@ -244,7 +244,28 @@ def data_files(out: Path, name: str, dailydialog: Path | None) -> tuple[Path, st
     return train, str(heldout)
 
 
-def one_run(out: Path, name: str, recipe: str, seed: int, dailydialog: Path | None, dtype: str) -> Path:
+def one_run(
+    out: Path, name: str, recipe: str, seed: int, dailydialog: Path | None, dtype: str, guidance: list[float]
+) -> list[Path]:
+    """Train and evaluate one (set, recipe, seed), then evaluate it again at each ``guidance`` scale; the reports."""
+    report = plain_run(out, name, recipe, seed, dailydialog, dtype)
+    run = out / "runs" / f"{name}-{recipe}" / f"seed-{seed}"
+    reports = [report]
+    for scale in guidance:
+        guided = report.with_name(f"{report.stem}-guided-{scale:g}.json")
+        if not guided.exists():
+            sh([*DISENTANGLE, "eval", str(run), "--data", data_files(out, name, dailydialog)[1], *generation_options(name),
+                "--generation-guidance", f"{scale:g}", "--output", str(guided), "--no-progress"],
+               run.parent / f"seed-{seed}.log")  # fmt: skip
+        reports.append(guided)
+    return reports
+
+
+def generation_options(name: str) -> list[str]:
+    return ["--max-examples", "600", "--generation"] if name == "dailydialog" else ["--generation"]
+
+
+def plain_run(out: Path, name: str, recipe: str, seed: int, dailydialog: Path | None, dtype: str) -> Path:
     run = out / "runs" / f"{name}-{recipe}" / f"seed-{seed}"
     report = out / "evals" / f"{name}-{recipe}-seed-{seed}.json"
     if report.exists():
@@ -256,9 +277,9 @@ def one_run(out: Path, name: str, recipe: str, seed: int, dailydialog: Path | No
     sh([*DISENTANGLE, "train", "--config", str(config), *RECIPES[recipe], "--data", str(train), "--dtype",
         dtype, "--seed", str(seed), "--output-dir", str(run), "--resume", "auto", "--no-progress", "--no-verdict"],
        log)  # fmt: skip
-    generation = ["--max-examples", "600", "--generation"] if name == "dailydialog" else ["--generation"]
     report.parent.mkdir(parents=True, exist_ok=True)
-    sh([*DISENTANGLE, "eval", str(run), "--data", evaluate, *generation, "--output", str(report), "--no-progress"], log)
+    sh([*DISENTANGLE, "eval", str(run), "--data", evaluate, *generation_options(name), "--output", str(report),
+        "--no-progress"], log)  # fmt: skip
     return report
 
 
@@ -277,6 +298,13 @@ def main(argv=None) -> int:
         help="the decoder's dtype (default auto: bf16 on a CPU with AMX-BF16 or AVX512-BF16, as the tables were "
         "measured, float32 elsewhere: on an AVX2-only CPU bf16 matmuls measured 80x slower than float32)",
     )
+    parser.add_argument(
+        "--guidance",
+        nargs="*",
+        type=float,
+        default=[],
+        help="also evaluate each run with eval --generation-guidance at these scales (reports NAME-guided-G.json)",
+    )
     args = parser.parse_args(argv)
     todo = [
         (name, recipe, seed)
@@ -290,11 +318,11 @@ def main(argv=None) -> int:
     for name, _, _ in todo:  # data first, once, before the runs share it
         data_files(args.out, name, args.dailydialog)
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(one_run, args.out, *t, args.dailydialog, args.dtype): t for t in todo}
+        futures = {pool.submit(one_run, args.out, *t, args.dailydialog, args.dtype, args.guidance): t for t in todo}
         reports = []
         for future, t in futures.items():
             try:
-                reports.append(future.result())
+                reports += future.result()
                 print("done", *t, flush=True)
             except subprocess.CalledProcessError as error:
                 print("FAILED", *t, error, flush=True)

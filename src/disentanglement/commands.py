@@ -157,6 +157,7 @@ def _eval_controllability(model, tokenizer, config, examples, cache, options: Ev
     """``eval --generation``'s ``controllability`` section (:func:`controllability.controllability`)."""
     from .controllability import controllability
     from .encode import raw_pairs
+    from .guidance import Guidance
 
     return controllability(
         model,
@@ -169,6 +170,7 @@ def _eval_controllability(model, tokenizer, config, examples, cache, options: Ev
         max_new_tokens=options.generation_max_new_tokens,
         temperature=options.generation_temperature,
         prior_latents=options.generation_latents,
+        guidance=Guidance(options.generation_guidance, options.generation_guidance_plausibility),
         seed=options.seed,
         batch_size=options.batch_size,
         progress=options.progress,

@@ -28,6 +28,9 @@ end-of-sequence token alone), and measure:
   per factor, ``accuracy`` is the share of the generations standing for a value (as for label accuracy) whose
   detected value is that value, ``none_share`` the share where the detector finds no single value, and
   ``chance`` one over the factor's number of values among the real examples.
+  Both read-backs also give ``one_value``: the share of the scored generations whose wanted value is the most
+  common one among them, the accuracy of one answer for every generation (a decoder that writes the same value
+  under every latent can score this much; with skewed labels it is well above ``chance``).
 - **diversity**: distinct-1/2 over all generations, and the mean over prompts of distinct-1/2 across one
   prompt's generations.
 - **fluency**: the z-free reference's NLL of the generations, nats per response token (the
@@ -42,7 +45,9 @@ from __future__ import annotations
 import math
 import random
 import re
+from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -54,6 +59,7 @@ from .data import Example, PromptResponse, collate, tokenize_pairs
 from .evaluation import example_factor_values, posterior_latents
 from .features import FeatureCache
 from .generation import SamplingOptions, encode_prompts, generate_texts, prompt_features
+from .guidance import Guidance
 from .latent_space import LatentSpace
 from .metrics import distinct_n
 from .reference import eval_mode
@@ -168,6 +174,13 @@ def synthetic_detector(
     return "/".join(candidates), detector
 
 
+def one_value_share(wanted: Sequence[Any]) -> float | None:
+    """The share of ``wanted`` equal to its most common value: the accuracy of one answer for all (None if empty)."""
+    if not wanted:
+        return None
+    return max(Counter(wanted).values()) / len(wanted)
+
+
 def factor_accuracy(
     texts: Sequence[str],
     expected: Sequence[dict[str, str]],
@@ -176,8 +189,9 @@ def factor_accuracy(
 ) -> dict[str, dict[str, Any]]:
     """Per factor of ``values`` (each real example's value), the factor read back from the generated ``texts``
     by ``detector`` against ``expected[i][factor]``, the value generation ``i`` stands for (generations
-    without one for the factor are not scored): ``{"accuracy", "none_share", "chance", "generations_scored",
-    "per_value": {value: accuracy}}``; accuracy and none_share are None when nothing is scored."""
+    without one for the factor are not scored): ``{"accuracy", "none_share", "chance", "one_value",
+    "generations_scored", "per_value": {value: accuracy}}`` (:func:`one_value_share`); accuracy, none_share and
+    one_value are None when nothing is scored."""
     if len(texts) != len(expected):
         raise ValueError(f"{len(texts)} texts for {len(expected)} expected values")
     out: dict[str, dict[str, Any]] = {}
@@ -193,6 +207,7 @@ def factor_accuracy(
             "accuracy": recovery_accuracy(detected, wanted) if scored else None,
             "none_share": float(np.mean([d is None for d in detected])) if scored else None,
             "chance": 1 / len(set(real)),
+            "one_value": one_value_share(wanted),
             "generations_scored": len(scored),
             "per_value": per_value,
         }
@@ -278,6 +293,7 @@ def controllability(
     batch_size: int = 16,
     progress: bool = False,
     temperature: float = 0.0,
+    guidance: Guidance | None = None,
     detector: Detector | None = None,
     detector_name: str | None = None,
 ) -> dict[str, Any]:
@@ -315,18 +331,22 @@ def controllability(
     else:
         sampling = SamplingOptions(greedy=True, max_new_tokens=max_new_tokens, seed=seed)
         decoding = f"greedy, at most {max_new_tokens} new tokens"
+    guidance = guidance if guidance is not None and guidance.scale > 0 else None
+    if guidance is not None:
+        decoding += f", guided at {guidance.scale:g} (plausibility {guidance.plausibility:g})"
     space = model.latent_space
     prompts = choose_prompts([p.prompt for p in pairs], num_prompts, seed)
     factors = example_factor_values(examples)
     targets, texts, encoded, recovered, real_features = _generate_and_reencode(
-        model, tokenizer, config, examples, cache, prompts, factors, sampling, prior_latents, seed, batch_size,
-        progress,
+        model, tokenizer, config, examples, cache, prompts, factors, sampling, guidance, prior_latents, seed,
+        batch_size, progress,
     )  # fmt: skip
     report: dict[str, Any] = {
         "prompts": len(prompts),
         "generations": len(targets),
         "decoding": decoding,
         "temperature": float(temperature),
+        "guidance": asdict(guidance) if guidance is not None else None,
         "seed": seed,
     }
 
@@ -385,6 +405,7 @@ def _generate_and_reencode(
     prompts: list[str],
     factors: dict[str, list[str]] | None,
     sampling: SamplingOptions,
+    guidance: Guidance | None,
     prior_latents: int,
     seed: int,
     batch_size: int,
@@ -404,7 +425,8 @@ def _generate_and_reencode(
         targets = space.control_targets(features, latents, factors, prior_latents)
         vectors = torch.stack([t["vector"] for t in targets])  # [G, L]
         rows = [prompt_ids[t["prompt"]] for t in targets]
-        texts = generate_texts(model, tokenizer, rows, vectors, sampling, batch_size, progress)
+        keys = [(t["prompt"], t["group"]) for t in targets]  # guidance: against the prompt's others of the group
+        texts = generate_texts(model, tokenizer, rows, vectors, sampling, batch_size, progress, guidance, keys)
         generated = generated_examples(tokenizer, config, [prompts[t["prompt"]] for t in targets], texts)
         encoded = reencode(model, generated, pad, batch_size)
         recovered = space.recovered(targets, encoded, features)
@@ -420,7 +442,8 @@ def _labels_report(
     seed: int,
 ) -> dict[str, Any]:
     """Per factor: a classifier fitted on the real examples' encoder inputs, its accuracy on the generations
-    that have a label for the factor, chance and its held-out accuracy on real examples."""
+    that have a label for the factor, chance, one value's share (:func:`one_value_share`) and its held-out
+    accuracy on real examples."""
     labels_report = {}
     generation_features = encoded["features"].numpy()
     for name, values in factors.items():
@@ -433,6 +456,7 @@ def _labels_report(
         else:
             entry["accuracy"] = None
         entry["chance"] = 1 / len(set(values))
+        entry["one_value"] = one_value_share([targets[i]["labels"][name] for i in scored])
         entry["real_accuracy"] = held_out_accuracy(real_features, values, seed)
         labels_report[name] = entry
     return labels_report
@@ -458,14 +482,15 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         real = "n/a" if entry["real_accuracy"] is None else f"{entry['real_accuracy']:.3f}"
         lines.append(
             f"  label {name}: classifier accuracy on generations {accuracy} (real held-out {real}, chance "
-            f"{entry['chance']:.3f})"
+            f"{entry['chance']:.3f}{_one_value(entry)})"
         )
     for name, entry in report.get("factor_accuracy", {}).get("factors", {}).items():
         if entry["accuracy"] is None:
             continue
         lines.append(
-            f"  factor {name} read from the text: accuracy {entry['accuracy']:.3f} (chance {entry['chance']:.3f}; "
-            f"no value found {entry['none_share']:.3f}) over {entry['generations_scored']} generations"
+            f"  factor {name} read from the text: accuracy {entry['accuracy']:.3f} (chance {entry['chance']:.3f}"
+            f"{_one_value(entry)}; no value found {entry['none_share']:.3f}) over {entry['generations_scored']} "
+            "generations"
         )
     if report.get("real_zfree_nll_per_token"):
         lines.append(
@@ -473,3 +498,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"{report['zfree_nll_per_token'] / report['real_zfree_nll_per_token']:.3f}"
         )
     return lines
+
+
+def _one_value(entry: dict[str, Any]) -> str:
+    """``, one value for all X`` (reports written before the field have none)."""
+    return "" if entry.get("one_value") is None else f", one value for all {entry['one_value']:.3f}"

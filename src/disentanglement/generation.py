@@ -60,6 +60,7 @@ from . import latent_file
 from .config import DataConfig, RunConfig
 from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary
 from .data import PromptResponse, collate, prompt_text_for_generation, tokenize_pairs
+from .guidance import Guidance, contrast_sets, guided_generate
 from .latent_space import STEERING_MODES, LatentChoice, LatentSpace, SteeringRequest
 from .memory import memory_attention_mask, positions_from_mask
 from .metrics import distinct_n
@@ -202,16 +203,24 @@ def generate_texts(
     sampling: SamplingOptions,
     batch_size: int = 16,
     progress: bool = False,
+    guidance: Guidance | None = None,
+    contrast_keys: Sequence[Any] | None = None,
 ) -> list[str]:
     """One response per row (``prompt_ids[r]`` under latent ``vectors[r]``), new tokens only; with ``progress``
     a progress bar (stderr) counts the responses.
 
-    Uses the global torch generator for sampling (the caller seeds it).
+    With a ``guidance`` scale above 0, each row is guided against the rows of its own key in
+    ``contrast_keys`` (one key per row, e.g. ``(prompt, slot)``: :mod:`.guidance`); the rows of a key are
+    generated together, about ``batch_size`` rows at a time. Uses the global torch generator for sampling
+    (the caller seeds it).
     """
     from tqdm.auto import tqdm
 
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
+    if guidance is not None and guidance.scale > 0:
+        return _guided_texts(model, tokenizer, prompt_ids, vectors, sampling, guidance, contrast_keys, eos, pad,
+                             batch_size, progress)  # fmt: skip
     texts: list[str] = []
     bar = tqdm(total=len(prompt_ids), desc="generate", unit="response", disable=not progress)
     with eval_mode(model), bar:
@@ -234,6 +243,50 @@ def generate_texts(
                 texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
             bar.update(len(chunk))
     return texts
+
+
+def _guided_texts(
+    model: CVAEBase,
+    tokenizer: Any,
+    prompt_ids: Sequence[list[int]],
+    vectors: torch.Tensor,
+    sampling: SamplingOptions,
+    guidance: Guidance,
+    contrast_keys: Sequence[Any] | None,
+    eos: set[int],
+    pad: int,
+    batch_size: int,
+    progress: bool,
+) -> list[str]:
+    """:func:`generate_texts` under contrastive guidance: whole contrast sets, about ``batch_size`` rows at a time."""
+    from tqdm.auto import tqdm
+
+    if contrast_keys is None or len(contrast_keys) != len(prompt_ids):
+        raise ValueError("guided generation needs one contrast key per row")
+    sets = contrast_sets(contrast_keys)
+    if all(len(members) < 2 for members in sets):
+        raise ValueError("guidance contrasts a latent with the prompt's others: every prompt here has one latent")
+    groups = list(dict.fromkeys(tuple(members) for members in sets))  # each set once, in row order
+    texts: dict[int, str] = {}
+    bar = tqdm(total=len(prompt_ids), desc="generate (guided)", unit="response", disable=not progress)
+    with eval_mode(model), bar:
+        chunk: list[int] = []
+        for g, members in enumerate(groups):
+            chunk += members
+            if len(chunk) < batch_size and g + 1 < len(groups):
+                continue
+            local = {r: i for i, r in enumerate(chunk)}
+            contrast = [[local[j] for j in sets[r]] for r in chunk]
+            out = guided_generate(
+                model, [prompt_ids[r] for r in chunk], vectors[chunk].to(_device(model)), contrast, sampling,
+                guidance, eos, pad,
+            )  # fmt: skip
+            for r, row in zip(chunk, out.tolist(), strict=True):
+                cut = next((i for i, t in enumerate(row) if t in eos), len(row))
+                texts[r] = tokenizer.decode(row[:cut], skip_special_tokens=True)
+            bar.update(len(chunk))
+            chunk = []
+    return [texts[r] for r in range(len(prompt_ids))]
 
 
 @torch.no_grad()
@@ -501,6 +554,7 @@ def generate(
     traverse_range: str | Sequence[float] = (-3.0, 3.0),
     code_examples: int = 0,
     sampling: SamplingOptions | None = None,
+    guidance: Guidance | None = None,
     batch_size: int = 16,
     progress: bool = False,
 ) -> dict[str, Any]:
@@ -514,7 +568,9 @@ def generate(
         generate(model, tokenizer, config, ["Hi"], traverse=0, traverse_range="-3:3", steps=7)
 
     ``num_samples`` is the number of responses per latent, except in ``prior`` mode where it is
-    the number of latents drawn (one response each). Returns a JSON-able dict: ``latent``,
+    the number of latents drawn (one response each). With ``guidance`` (scale above 0) each response is
+    guided against the prompt's other latents of the call (:mod:`.guidance`; the same sample index), so
+    every prompt needs two latents or more; the result's ``guidance`` says how. Returns a JSON-able dict: ``latent``,
     ``mode``, ``sampling``, ``prompts``, ``generations`` (one record per response: ``prompt_index``,
     ``prompt``, ``latent`` label, ``latent_description``, ``sample``, ``text``) and ``diversity``
     (``distinct_1``, ``distinct_2`` averaged over prompts, and ``per_prompt``). Deterministic given
@@ -527,9 +583,10 @@ def generate(
         reference_response_b, steps, latents, row, list(attributes or []), traverse, traverse_range, code_examples,
     )  # fmt: skip
     mode = request.mode
+    guidance = guidance if guidance is not None and guidance.scale > 0 else None
     choices, rows, texts = _generate_choices(
-        model, tokenizer, config, prompts, request, reference_response, reference_response_b, sampling, batch_size,
-        progress,
+        model, tokenizer, config, prompts, request, reference_response, reference_response_b, sampling, guidance,
+        batch_size, progress,
     )  # fmt: skip
     generations = [
         {
@@ -546,6 +603,7 @@ def generate(
         "latent": space.kind,
         "mode": mode,
         "sampling": asdict(sampling),
+        "guidance": asdict(guidance) if guidance is not None else None,
         "prompts": list(prompts),
         "generations": generations,
         "diversity": diversity(prompts, generations),
@@ -615,6 +673,7 @@ def _generate_choices(
     reference_response: str | None,
     reference_response_b: str | None,
     sampling: SamplingOptions,
+    guidance: Guidance | None,
     batch_size: int,
     progress: bool,
 ) -> tuple[list[LatentChoice], list[tuple[LatentChoice, int]], list[str]]:
@@ -640,8 +699,9 @@ def _generate_choices(
         rows = [(c, s) for c in choices for s in range(repeats)]
         vectors = torch.stack([c.vector for c, _ in rows])
         texts = generate_texts(
-            model, tokenizer, [prompt_ids[c.prompt_index] for c, _ in rows], vectors, sampling, batch_size, progress
-        )
+            model, tokenizer, [prompt_ids[c.prompt_index] for c, _ in rows], vectors, sampling, batch_size, progress,
+            guidance, [(c.prompt_index, s) for c, s in rows],
+        )  # fmt: skip
     return choices, rows, texts
 
 

@@ -237,6 +237,19 @@ class EvalOptions(ScoringOptions):
     generation_latents: int = ranged(
         8, "continuous: prior draws per prompt (recovery targets)", Range(2), group=_STEERING
     )
+    generation_guidance: float = ranged(
+        0.0,
+        "contrastive guidance of the generations: amplify by this factor what each code (draw, attribute vector) "
+        "adds over the mixture of the prompt's others of its slot (group); 0: none (docs/steering.md)",
+        Range(0, integer=False),
+        group=_STEERING,
+    )
+    generation_guidance_plausibility: float = ranged(
+        0.1,
+        "with --generation-guidance: only tokens at least this share of the latent's most likely token's probability",
+        Range(0, 1, integer=False, low_open=True),
+        group=_STEERING,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -346,6 +359,19 @@ class GenerateOptions(CheckpointOptions):
     temperature: float = ranged(0.7, "sampling temperature", Range(0, integer=False, low_open=True), group=_SAMPLING)
     top_p: float = ranged(0.9, "nucleus sampling mass", Range(0, 1, integer=False, low_open=True), group=_SAMPLING)
     max_new_tokens: int = ranged(64, "new tokens per response at most", Range(1), group=_SAMPLING)
+    guidance: float = ranged(
+        0.0,
+        "contrastive guidance: amplify by this factor what each latent adds over the mixture of the prompt's "
+        "latents (the codes swept, the draws, the traversal's points); 0: none (docs/steering.md)",
+        Range(0, integer=False),
+        group=_SAMPLING,
+    )
+    guidance_plausibility: float = ranged(
+        0.1,
+        "with --guidance: only tokens at least this share of the latent's most likely token's probability",
+        Range(0, 1, integer=False, low_open=True),
+        group=_SAMPLING,
+    )
     batch_size: int = ranged(16, "rows per generate call (left-padded)", Range(1))
     progress: bool = option(True, "a progress bar over the responses")
     output: str | None = option(None, "write the generations and diversity as JSON here")
@@ -383,7 +409,10 @@ class GenerateOptions(CheckpointOptions):
             "code_examples",
             "progress",
         )
-        return {**{name: getattr(self, name) for name in names}, "sampling": self.sampling()}
+        from .guidance import Guidance
+
+        guidance = Guidance(self.guidance, self.guidance_plausibility) if self.guidance > 0 else None
+        return {**{name: getattr(self, name) for name in names}, "sampling": self.sampling(), "guidance": guidance}
 
 
 #: The options dataclass of each subcommand built here.
