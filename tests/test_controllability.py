@@ -288,14 +288,14 @@ def test_factor_accuracy_by_hand():
         "accuracy": 2 / 5,
         "none_share": 1 / 5,
         "chance": 1 / 3,
-        "one_value": 2 / 5,  # red and blue are each wanted by 2 of the 5: one answer for all is right for 2
+        "majority_share": 2 / 5,  # red and blue are each wanted by 2 of the 5: one answer for all is right for 2
         "generations_scored": 5,
         "per_value": {"blue": 1 / 2, "green": 0.0, "red": 1 / 2},
     }
     assert got["d"]["generations_scored"] == 1 and got["d"]["accuracy"] == 0.0 and got["d"]["chance"] == 1 / 2
-    assert got["d"]["one_value"] == 1.0
+    assert got["d"]["majority_share"] == 1.0
     empty = factor_accuracy([], [], {"c": ["a", "b"]}, detector)["c"]
-    assert empty["accuracy"] is None and empty["one_value"] is None
+    assert empty["accuracy"] is None and empty["majority_share"] is None
     with pytest.raises(ValueError, match="2 texts for 1 expected"):
         factor_accuracy(["a", "b"], [{}], values, detector)
 
@@ -339,9 +339,9 @@ def test_trained_codes_generate_their_factor_as_read_from_the_text(discrete):
     assert report["factor_accuracy"]["detector"] == "clean phrases"
     assert entry["accuracy"] == 1.0 and entry["none_share"] == 0.0 and entry["chance"] == 1 / NUM_FACTORS
     assert entry["generations_scored"] == 4 * NUM_FACTORS
-    assert entry["one_value"] == 0.25  # the four codes stand for four values
+    assert entry["majority_share"] == 0.25  # the four codes stand for four values
     assert (
-        "  factor label read from the text: accuracy 1.000 (chance 0.250, one value for all 0.250; no value found "
+        "  factor label read from the text: accuracy 1.000 (chance 0.250, majority 0.250; no value found "
         "0.000) over 16" in ("\n".join(summary_lines(report)))
     )
     # a detector that finds nothing: every scored generation is 'no value', none right

@@ -97,12 +97,18 @@ def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
     assert row[4] == "style 0.969 (chance 0.25, none 0.00, n 32)"
     assert row[5] == "0.90"
     labels = {
-        "act": {"accuracy": 0.5, "chance": 0.25, "one_value": 0.625, "real_accuracy": 0.6, "generations_scored": 64},
+        "act": {
+            "accuracy": 0.5,
+            "chance": 0.25,
+            "majority_share": 0.625,
+            "real_accuracy": 0.6,
+            "generations_scored": 64,
+        },
         "emotion": {"accuracy": 0.25, "chance": 0.14, "real_accuracy": None, "generations_scored": 64},
     }
     row = cells(table.row(report(tmp_path, {"labels": labels, **fluency})))  # no detector: no factor_accuracy
     assert row[4] == (
-        "act 0.500 by the classifier (chance 0.25, one value 0.62, on real responses 0.60, n 64); "
+        "act 0.500 by the classifier (chance 0.25, majority 0.62, on real responses 0.60, n 64); "
         "emotion 0.250 by the classifier (chance 0.14, on real responses n/a, n 64)"
     )
     assert cells(table.row(report(tmp_path, None)))[4:] == ["-", "-"]

@@ -18,7 +18,10 @@ PLACEMENTS = [("llama", "frozen", "prefix"), ("gpt2", "lora", "between"), ("llam
 
 
 def scores_by_hand(own, set_logprobs, weights, scale, plausibility):
-    """One row: the mixture's probabilities summed term by term in float64, the log-ratio, the plausible set."""
+    """One row: the mixture's probabilities summed term by term in float64, the log-ratio, the plausible set
+    (scale 0: the own log-probabilities, no cut)."""
+    if scale == 0:
+        return np.asarray(own, dtype=np.float64)
     own = np.exp(np.asarray(own, dtype=np.float64))
     probs = np.exp(np.asarray(set_logprobs, dtype=np.float64))
     mixture = sum(w * p for w, p in zip(weights, probs, strict=True))
@@ -75,16 +78,21 @@ def test_guidance_options_are_checked(value, field):
         Guidance(**{field: value})
 
 
-def setup(tokenizer, arch, training, placement):
+def setup(tokenizer, arch, training, placement, uneven=False):
+    """Two prompts, each under every code (with ``uneven``, the second under codes 0 and 1 only): the rows,
+    their latents and their contrast keys (the prompt)."""
     model, config = memory_model(tokenizer, arch, training, latent_placement=placement)
     prompts = ["ab", "a longer prompt"]
     ids = encode_prompts(prompts, tokenizer, config.data)
     K = config.latent.codebook_size
-    codes = torch.arange(K).repeat(len(prompts)).view(-1, 1)  # [R, 1]: every code for each prompt
-    vectors = model.codes_to_vector(codes).detach()
-    rows = [ids[p] for p in range(len(prompts)) for _ in range(K)]
-    keys = [p for p in range(len(prompts)) for _ in range(K)]
-    return model, rows, vectors, keys
+    pairs = [(p, k) for p in range(len(prompts)) for k in range(K) if not (uneven and p == 1 and k >= 2)]
+    vectors = model.codes_to_vector(torch.tensor([[k] for _, k in pairs])).detach()
+    return model, [ids[p] for p, _ in pairs], vectors, [p for p, _ in pairs]
+
+
+def sets_of(vectors, keys):
+    sets = contrast_sets(keys)
+    return sets, [vectors[members] for members in sets], [members.index(r) for r, members in enumerate(sets)]
 
 
 @pytest.mark.parametrize(("arch", "training", "placement"), PLACEMENTS)
@@ -93,7 +101,8 @@ def test_scale_zero_is_plain_decoding(tokenizer, arch, training, placement):
     greedy = SamplingOptions(greedy=True, max_new_tokens=10)
     plain = generate_texts(model, tokenizer, rows, vectors, greedy)
     eos, pad = {tokenizer.eos_token_id}, tokenizer.pad_token_id
-    tokens = guided_generate(model, rows, vectors, contrast_sets(keys), greedy, Guidance(0.0), eos, pad)
+    _, latent_sets, own = sets_of(vectors, keys)
+    tokens = guided_generate(model, rows, latent_sets, own, greedy, Guidance(0.0), eos, pad)
     for text, row in zip(plain, tokens.tolist(), strict=True):
         cut = next((i for i, t in enumerate(row) if t in eos), len(row))
         assert tokenizer.decode(row[:cut], skip_special_tokens=True) == text
@@ -103,15 +112,26 @@ def test_scale_zero_is_plain_decoding(tokenizer, arch, training, placement):
 def test_every_guided_token_is_the_argmax_of_a_full_recompute(tokenizer, arch, training, placement):
     """Each token of the cached, batched loop is the argmax of the scores computed by hand from full
     decodes (the training layout) of prompt + the tokens before it under every latent of the set, with the
-    set's weights from the log-probabilities of the tokens taken so far."""
-    model, rows, vectors, keys = setup(tokenizer, arch, training, placement)
+    set's weights from the log-probabilities of the tokens taken so far. Sets of two sizes in one batch, and
+    an end-of-sequence token that ends some rows early (the others go on as they would)."""
+    model, rows, vectors, keys = setup(tokenizer, arch, training, placement, uneven=True)
     greedy = SamplingOptions(greedy=True, max_new_tokens=8)
     guidance = Guidance(3.0, 0.05)
-    sets = contrast_sets(keys)
-    tokens = guided_generate(model, rows, vectors, sets, greedy, guidance, set(), tokenizer.pad_token_id)
+    sets, latent_sets, own = sets_of(vectors, keys)
+    pad = tokenizer.pad_token_id
+    free = guided_generate(model, rows, latent_sets, own, greedy, guidance, set(), pad)
+    eos = {int(free[0, 2])}  # row 0 ends by its third token
+    tokens = guided_generate(model, rows, latent_sets, own, greedy, guidance, eos, pad)
+    ended = 0
     for r, prompt_ids in enumerate(rows):
         response = tokens[r].tolist()
-        batch = collate([Example(prompt_ids, response, None, "test")], tokenizer.pad_token_id)
+        cut = next((i + 1 for i, t in enumerate(response) if t in eos), len(response))
+        ended += cut < len(response) or response[-1] in eos
+        assert all(t == pad for t in response[cut:])
+        if cut == len(response) and response[-1] not in eos:
+            assert response == free[r, : len(response)].tolist(), "a row that did not end is as without the eos"
+        response = response[:cut]
+        batch = collate([Example(prompt_ids, response, None, "test")], pad)
         per_latent = []
         for j in sets[r]:
             with torch.no_grad():
@@ -125,19 +145,41 @@ def test_every_guided_token_is_the_argmax_of_a_full_recompute(tokenizer, arch, t
             expected = scores_by_hand(step[sets[r].index(r)], step, weights, guidance.scale, guidance.plausibility)
             assert int(np.argmax(expected)) == token, (r, t)
             taken_so_far += np.array([s[token] for s in step])
+    assert ended >= 1
+
+
+def test_sampled_guided_generation_is_seeded_and_keeps_to_the_plausible_tokens(tokenizer):
+    model, rows, vectors, keys = setup(tokenizer, "llama", "frozen", "prefix", uneven=True)
+    _, latent_sets, own = sets_of(vectors, keys)
+    sampled = SamplingOptions(temperature=1.0, top_p=1.0, max_new_tokens=6)
+    guidance, pad = Guidance(2.0, 0.3), tokenizer.pad_token_id
+    torch.manual_seed(0)
+    first = guided_generate(model, rows, latent_sets, own, sampled, guidance, set(), pad)
+    torch.manual_seed(0)
+    assert torch.equal(first, guided_generate(model, rows, latent_sets, own, sampled, guidance, set(), pad))
+    assert first.shape == (len(rows), 6)
+    # every sampled token is one the row's own latent finds plausible (p >= 0.3 of its most likely token's)
+    for r, prompt_ids in enumerate(rows):
+        batch = collate([Example(prompt_ids, first[r].tolist(), None, "test")], pad)
+        with torch.no_grad():
+            logits, _, _, offsets = model.decode_logits(batch, latent_sets[r][own[r] : own[r] + 1])
+        start = int(offsets[0]) + len(prompt_ids) - 1
+        probs = torch.softmax(logits[0, start : start + 6].double(), dim=-1)
+        chosen = probs.gather(1, first[r].view(-1, 1)).squeeze(1)
+        assert (chosen >= 0.3 * probs.max(-1).values - 1e-9).all()
 
 
 def test_guided_texts_need_two_latents_per_key(tokenizer):
     model, rows, vectors, keys = setup(tokenizer, "llama", "frozen", "prefix")
     greedy = SamplingOptions(greedy=True, max_new_tokens=4)
-    with pytest.raises(ValueError, match="one latent"):
+    with pytest.raises(ValueError, match="every prompt here has one"):
         generate_texts(model, tokenizer, rows, vectors, greedy, guidance=Guidance(1.0), contrast_keys=range(len(rows)))
     with pytest.raises(ValueError, match="one contrast key per row"):
         generate_texts(model, tokenizer, rows, vectors, greedy, guidance=Guidance(1.0))
 
 
-def test_guided_texts_batch_whole_sets(tokenizer):
-    """The texts do not depend on how many rows go through at a time: sets are never split."""
+def test_guided_texts_do_not_depend_on_the_batch_size(tokenizer):
+    """The texts do not depend on how many streams go through at a time (one row's at least)."""
     model, rows, vectors, keys = setup(tokenizer, "llama", "frozen", "prefix")
     greedy = SamplingOptions(greedy=True, max_new_tokens=6)
     kwargs = dict(guidance=Guidance(2.0), contrast_keys=keys)
@@ -158,22 +200,23 @@ def discrete(discrete_run):
 
 
 def test_guidance_steers_a_weak_code_as_read_from_the_text(discrete):
-    """The trained tiny model's codes, their latent embeddings shrunk towards zero so that greedy decoding
-    writes the code's phrase for about half of them: guided against the prompt's other codes, more do."""
+    """The trained tiny model's codes, their latent embeddings shrunk to a fifth, so that greedy decoding writes the
+    code's phrase in about 70 % of 32 generations (8 prompts x 4 codes): guided against the prompt's codes, 90 %
+    (measured: 23 and 29 of 32, on one and two threads alike)."""
     from disentanglement.controllability import controllability
     from test_controllability import OPTIONS, clean_detector
 
     model = discrete[0]
     weight = model.latent_projection.weight.data.clone()
-    options = dict(OPTIONS, max_new_tokens=64, detector=clean_detector)
+    options = dict(OPTIONS, num_prompts=8, max_new_tokens=64, detector=clean_detector)
     try:
-        model.latent_projection.weight.data.mul_(0.15)
+        model.latent_projection.weight.data.mul_(0.2)
         plain = controllability(*discrete, **options)
         guided = controllability(*discrete, **options, guidance=Guidance(3.0))
     finally:
         model.latent_projection.weight.data.copy_(weight)
     accuracy = [r["factor_accuracy"]["factors"]["label"]["accuracy"] for r in (plain, guided)]
-    assert accuracy[0] <= 0.6 and accuracy[1] >= accuracy[0] + 0.15, accuracy
+    assert accuracy[0] <= 0.8 and accuracy[1] >= accuracy[0] + 0.125, accuracy  # 4 generations of 32 or more
     assert plain["guidance"] is None and guided["guidance"] == {"scale": 3.0, "plausibility": 0.1}
     assert guided["decoding"] == "greedy, at most 64 new tokens, guided at 3 (plausibility 0.1)"
     # scale 0 is no guidance: the same report as without it
@@ -196,3 +239,6 @@ def test_cli_eval_and_generate_take_guidance(discrete_run, tmp_path, injected_lo
     assert result["guidance"] == {"scale": 2.0, "plausibility": 0.1} and len(result["generations"]) == 4
     assert cli.main([*generate, "--guidance", "-1"]) == 2
     assert "--guidance" in capsys.readouterr().err
+    one_latent = ["--mode", "posterior", "--reference-response", "sun", "--guidance", "2"]
+    assert cli.main([*generate, *one_latent]) == 2
+    assert "mode 'posterior' gives one latent per prompt" in capsys.readouterr().err

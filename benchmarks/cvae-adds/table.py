@@ -5,9 +5,9 @@
 One row per report: its run and step, per factor the latent's NMI beside k-means of the encoder's view and of
 the prior features, the posterior and z-free NLL (nats/token), the latent gain, and (with --generation) per
 factor the share of generations whose factor, read back from the text, is the one their code stands for, with
-chance, one value's share (the accuracy of one answer for all) and the share where no value was found (where no
+chance, the majority share (the accuracy of one answer for all) and the share where no value was found (where no
 detector reads the text, as for DailyDialog's act and emotion: per factor, the share that the classifier on the
-frozen features gives the code's value, beside chance, one value's share and the classifier's accuracy on
+frozen features gives the code's value, beside chance, the majority share and the classifier's accuracy on
 held-out real responses), and the generations' z-free NLL over the real responses'. A report of
 ``eval --generation-guidance`` is named by its run and ", guided G".
 """
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 
-def one_value(entry: dict) -> str:
-    """``, one value X``: the accuracy of one answer for every generation (reports written before it have none)."""
-    return "" if entry.get("one_value") is None else f", one value {entry['one_value']:.2f}"
+def majority(entry: dict) -> str:
+    """``, majority X``: the accuracy of one answer for every generation (reports written before it have none)."""
+    return "" if entry.get("majority_share") is None else f", majority {entry['majority_share']:.2f}"
 
 
 def row(path: Path) -> str:
@@ -46,14 +46,14 @@ def row(path: Path) -> str:
     if control:
         accuracy = (control.get("factor_accuracy") or {}).get("factors", {})
         text = "; ".join(
-            f"{n} {e['accuracy']:.3f} (chance {e['chance']:.2f}{one_value(e)}, none {e['none_share']:.2f}, "
+            f"{n} {e['accuracy']:.3f} (chance {e['chance']:.2f}{majority(e)}, none {e['none_share']:.2f}, "
             f"n {e['generations_scored']})"
             for n, e in accuracy.items()
             if e["accuracy"] is not None
         )
         if not text:  # no detector reads the factor from text (DailyDialog): the classifier on the frozen features
             text = "; ".join(
-                f"{n} {e['accuracy']:.3f} by the classifier (chance {e['chance']:.2f}{one_value(e)}, on real responses "
+                f"{n} {e['accuracy']:.3f} by the classifier (chance {e['chance']:.2f}{majority(e)}, on real responses "
                 f"{'n/a' if e.get('real_accuracy') is None else format(e['real_accuracy'], '.2f')}, "
                 f"n {e['generations_scored']})"
                 for n, e in (control.get("labels") or {}).items()
@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
         return 2
     print(
         "| run @step | NMI per factor (k-means of the view, of the prior) | posterior / z-free NLL | latent gain "
-        "| factor read from the generations (chance, one value for all, no value, generations; or by the classifier) "
+        "| factor read from the generations (chance, majority share, no value, generations; or by the classifier) "
         "| generations' / real z-free NLL |"
     )
     print("| --- | --- | --- | --- | --- | --- |")

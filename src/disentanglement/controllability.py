@@ -28,7 +28,7 @@ end-of-sequence token alone), and measure:
   per factor, ``accuracy`` is the share of the generations standing for a value (as for label accuracy) whose
   detected value is that value, ``none_share`` the share where the detector finds no single value, and
   ``chance`` one over the factor's number of values among the real examples.
-  Both read-backs also give ``one_value``: the share of the scored generations whose wanted value is the most
+  Both read-backs also give ``majority_share``: the share of the scored generations whose wanted value is the most
   common one among them, the accuracy of one answer for every generation (a decoder that writes the same value
   under every latent can score this much; with skewed labels it is well above ``chance``).
 - **diversity**: distinct-1/2 over all generations, and the mean over prompts of distinct-1/2 across one
@@ -174,7 +174,7 @@ def synthetic_detector(
     return "/".join(candidates), detector
 
 
-def one_value_share(wanted: Sequence[Any]) -> float | None:
+def majority_share_of(wanted: Sequence[Any]) -> float | None:
     """The share of ``wanted`` equal to its most common value: the accuracy of one answer for all (None if empty)."""
     if not wanted:
         return None
@@ -189,9 +189,9 @@ def factor_accuracy(
 ) -> dict[str, dict[str, Any]]:
     """Per factor of ``values`` (each real example's value), the factor read back from the generated ``texts``
     by ``detector`` against ``expected[i][factor]``, the value generation ``i`` stands for (generations
-    without one for the factor are not scored): ``{"accuracy", "none_share", "chance", "one_value",
-    "generations_scored", "per_value": {value: accuracy}}`` (:func:`one_value_share`); accuracy, none_share and
-    one_value are None when nothing is scored."""
+    without one for the factor are not scored): ``{"accuracy", "none_share", "chance", "majority_share",
+    "generations_scored", "per_value": {value: accuracy}}`` (:func:`majority_share_of`); accuracy, none_share and
+    majority_share are None when nothing is scored."""
     if len(texts) != len(expected):
         raise ValueError(f"{len(texts)} texts for {len(expected)} expected values")
     out: dict[str, dict[str, Any]] = {}
@@ -207,7 +207,7 @@ def factor_accuracy(
             "accuracy": recovery_accuracy(detected, wanted) if scored else None,
             "none_share": float(np.mean([d is None for d in detected])) if scored else None,
             "chance": 1 / len(set(real)),
-            "one_value": one_value_share(wanted),
+            "majority_share": majority_share_of(wanted),
             "generations_scored": len(scored),
             "per_value": per_value,
         }
@@ -442,7 +442,7 @@ def _labels_report(
     seed: int,
 ) -> dict[str, Any]:
     """Per factor: a classifier fitted on the real examples' encoder inputs, its accuracy on the generations
-    that have a label for the factor, chance, one value's share (:func:`one_value_share`) and its held-out
+    that have a label for the factor, chance, the majority share (:func:`majority_share_of`) and its held-out
     accuracy on real examples."""
     labels_report = {}
     generation_features = encoded["features"].numpy()
@@ -456,7 +456,7 @@ def _labels_report(
         else:
             entry["accuracy"] = None
         entry["chance"] = 1 / len(set(values))
-        entry["one_value"] = one_value_share([targets[i]["labels"][name] for i in scored])
+        entry["majority_share"] = majority_share_of([targets[i]["labels"][name] for i in scored])
         entry["real_accuracy"] = held_out_accuracy(real_features, values, seed)
         labels_report[name] = entry
     return labels_report
@@ -482,14 +482,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         real = "n/a" if entry["real_accuracy"] is None else f"{entry['real_accuracy']:.3f}"
         lines.append(
             f"  label {name}: classifier accuracy on generations {accuracy} (real held-out {real}, chance "
-            f"{entry['chance']:.3f}{_one_value(entry)})"
+            f"{entry['chance']:.3f}{_majority(entry)})"
         )
     for name, entry in report.get("factor_accuracy", {}).get("factors", {}).items():
         if entry["accuracy"] is None:
             continue
         lines.append(
             f"  factor {name} read from the text: accuracy {entry['accuracy']:.3f} (chance {entry['chance']:.3f}"
-            f"{_one_value(entry)}; no value found {entry['none_share']:.3f}) over {entry['generations_scored']} "
+            f"{_majority(entry)}; no value found {entry['none_share']:.3f}) over {entry['generations_scored']} "
             "generations"
         )
     if report.get("real_zfree_nll_per_token"):
@@ -500,6 +500,6 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _one_value(entry: dict[str, Any]) -> str:
-    """``, one value for all X`` (reports written before the field have none)."""
-    return "" if entry.get("one_value") is None else f", one value for all {entry['one_value']:.3f}"
+def _majority(entry: dict[str, Any]) -> str:
+    """``, majority X`` (reports written before the field have none)."""
+    return "" if entry.get("majority_share") is None else f", majority {entry['majority_share']:.3f}"

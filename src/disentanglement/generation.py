@@ -209,9 +209,9 @@ def generate_texts(
     """One response per row (``prompt_ids[r]`` under latent ``vectors[r]``), new tokens only; with ``progress``
     a progress bar (stderr) counts the responses.
 
-    With a ``guidance`` scale above 0, each row is guided against the rows of its own key in
-    ``contrast_keys`` (one key per row, e.g. ``(prompt, slot)``: :mod:`.guidance`); the rows of a key are
-    generated together, about ``batch_size`` rows at a time. Uses the global torch generator for sampling
+    With a ``guidance`` scale above 0, each row is guided against the latents of the rows of its own key in
+    ``contrast_keys`` (one key per row, e.g. ``(prompt, slot)``; :mod:`.guidance`): a guided row decodes one
+    stream per latent of its set, and ``batch_size`` counts streams. Uses the global torch generator for sampling
     (the caller seeds it).
     """
     from tqdm.auto import tqdm
@@ -258,35 +258,35 @@ def _guided_texts(
     batch_size: int,
     progress: bool,
 ) -> list[str]:
-    """:func:`generate_texts` under contrastive guidance: whole contrast sets, about ``batch_size`` rows at a time."""
+    """:func:`generate_texts` under contrastive guidance: a guided row decodes one stream per latent of its
+    set, and about ``batch_size`` streams go through at a time (at least one row)."""
     from tqdm.auto import tqdm
 
     if contrast_keys is None or len(contrast_keys) != len(prompt_ids):
         raise ValueError("guided generation needs one contrast key per row")
     sets = contrast_sets(contrast_keys)
     if all(len(members) < 2 for members in sets):
-        raise ValueError("guidance contrasts a latent with the prompt's others: every prompt here has one latent")
-    groups = list(dict.fromkeys(tuple(members) for members in sets))  # each set once, in row order
-    texts: dict[int, str] = {}
+        raise ValueError("guidance contrasts each latent with the prompt's others, and every prompt here has one")
+    texts: list[str] = []
     bar = tqdm(total=len(prompt_ids), desc="generate (guided)", unit="response", disable=not progress)
     with eval_mode(model), bar:
-        chunk: list[int] = []
-        for g, members in enumerate(groups):
-            chunk += members
-            if len(chunk) < batch_size and g + 1 < len(groups):
-                continue
-            local = {r: i for i, r in enumerate(chunk)}
-            contrast = [[local[j] for j in sets[r]] for r in chunk]
+        start = 0
+        while start < len(prompt_ids):
+            end, streams = start + 1, len(sets[start])
+            while end < len(prompt_ids) and streams + len(sets[end]) <= batch_size:
+                streams += len(sets[end])
+                end += 1
+            chunk = range(start, end)
             out = guided_generate(
-                model, [prompt_ids[r] for r in chunk], vectors[chunk].to(_device(model)), contrast, sampling,
-                guidance, eos, pad,
+                model, [prompt_ids[r] for r in chunk], [vectors[sets[r]] for r in chunk],
+                [sets[r].index(r) for r in chunk], sampling, guidance, eos, pad,
             )  # fmt: skip
-            for r, row in zip(chunk, out.tolist(), strict=True):
+            for row in out.tolist():
                 cut = next((i for i, t in enumerate(row) if t in eos), len(row))
-                texts[r] = tokenizer.decode(row[:cut], skip_special_tokens=True)
+                texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
             bar.update(len(chunk))
-            chunk = []
-    return [texts[r] for r in range(len(prompt_ids))]
+            start = end
+    return texts
 
 
 @torch.no_grad()
@@ -698,9 +698,15 @@ def _generate_choices(
         repeats = 1 if mode == "prior" else request.num_samples
         rows = [(c, s) for c in choices for s in range(repeats)]
         vectors = torch.stack([c.vector for c, _ in rows])
+        keys = [(c.prompt_index, s) for c, s in rows]
+        if guidance is not None and len(set(keys)) == len(keys):
+            raise ValueError(
+                f"--guidance contrasts each latent with the prompt's other latents, and mode {mode!r} gives one "
+                "latent per prompt here: sweep codes, draw several prior latents or traverse"
+            )
         texts = generate_texts(
             model, tokenizer, [prompt_ids[c.prompt_index] for c, _ in rows], vectors, sampling, batch_size, progress,
-            guidance, [(c.prompt_index, s) for c, s in rows],
+            guidance, keys,
         )  # fmt: skip
     return choices, rows, texts
 

@@ -1,12 +1,13 @@
-"""Contrastive guidance: generate under a latent, amplifying what that latent adds over the prompt's others.
+"""Contrastive guidance: generate under a latent, amplifying what it adds over the mixture of the prompt's latents.
 
 Notation: ``R`` generated rows; row ``r`` is generated under latent ``z_r`` and contrasted with its set
-``C_r`` of latents (``z_r`` among them: the other codes of its slot, a prompt's prior draws, a factor's
-attribute vectors); ``V`` vocabulary size.
+``C_r`` of latents, ``z_r`` among them (the codes swept for a slot, or the combinations swept; a prompt's
+prior draws; a factor's attribute vectors; a traversal's points); ``V`` vocabulary size.
 
-Every row is decoded under each latent of its set, on its own prefix ``y_<t`` (one stream per latent).
-With equal prior weights over ``C_r``, the set's mixture is the model's marginal given the prefix,
-exactly (Bayes' rule on the tokens generated so far)::
+Every row is decoded under each latent of its set, on its own prefix ``y_<t`` (one stream per latent). The
+set's mixture, equally weighted at the start and updated by Bayes' rule on the tokens generated so far, is
+the model's marginal given the prefix under a uniform prior over the set (over a slot's codes: the uniform
+prior over the codes, not the learnt ``p(k | x)``; over prior draws: a Monte Carlo estimate of the marginal)::
 
     w_j(t)   ∝ prod_{s < t} p(y_s | x, z_j, y_<s)                  (w_j(0) = 1 / |C_r|)
     m(v)     = sum_j w_j(t) p(v | x, z_j, y_<t)                    the mixture, [V]
@@ -17,19 +18,19 @@ own latent finds plausible: ``p(v | z_r) >= plausibility * max_u p(u | z_r)`` (t
 constraint of contrastive decoding, Li et al. 2023), so the amplified log-ratio never promotes a token
 the latent itself finds unlikely. ``log p(v | z_r) - log m(v) = log w_r(t + 1) - log w_r(t)`` when ``v``
 is taken: the pointwise information the token carries about the row's latent. ``gamma = 0`` is plain
-decoding. Once the prefix has told the set's latents apart (``w_r -> 1``), ``m -> p(. | z_r)`` and the
+decoding (no plausibility cut either). Once the prefix has told the set's latents apart (``w_r -> 1``), ``m -> p(. | z_r)`` and the
 guidance fades: it acts where the latents disagree and the text has not yet chosen.
 
 This is classifier-free guidance (Ho & Salimans 2022; for language models Sanchez et al. 2023) with the
-model's own marginal over its latents as the unconditional model, which the decoder needs no training
-for: with a decoder fine-tuned with the latent, the z-free reference is not that marginal (it lacks what
+model's own mixture over its latents as the unconditional model, which the decoder needs no training
+for: with a decoder fine-tuned with the latent, the z-free reference is not that mixture (it lacks what
 the decoder learnt of the corpus, e.g. a marker's share), the mixture is.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,14 +63,16 @@ def guided_scores(
 ) -> torch.Tensor:
     """The guided scores ``g [R, V]`` (``-inf`` outside the plausible tokens) from the row's own latent's
     log-probabilities ``[R, V]``, its set's ``[R, C, V]`` and the set's log-weights ``[R, C]`` (``-inf`` for a
-    padded entry of a smaller set; each row's weights sum to one)."""
+    padded entry of a smaller set; each row's weights sum to one). Scale 0: the own log-probabilities, as they are."""
+    if guidance.scale == 0:  # plain decoding, no plausibility cut
+        return own_logprobs
     mixture = torch.logsumexp(log_weights.unsqueeze(-1) + set_logprobs, dim=1)  # [R, V]
     scores = own_logprobs + guidance.scale * (own_logprobs - mixture)
     floor = own_logprobs.max(dim=-1, keepdim=True).values + math.log(guidance.plausibility)
     return scores.masked_fill(own_logprobs < floor, -math.inf)
 
 
-def contrast_sets(keys: Sequence[object]) -> list[list[int]]:
+def contrast_sets(keys: Sequence[Hashable]) -> list[list[int]]:
     """Each row's contrast set: the rows (itself among them) whose key equals its key, in row order."""
     members: dict[object, list[int]] = {}
     for r, key in enumerate(keys):
@@ -81,46 +84,44 @@ def contrast_sets(keys: Sequence[object]) -> list[list[int]]:
 def guided_generate(
     model: CVAEBase,
     prompt_ids: Sequence[list[int]],
-    vectors: torch.Tensor,
-    contrast: Sequence[Sequence[int]],
+    latent_sets: Sequence[torch.Tensor],
+    own: Sequence[int],
     sampling: SamplingOptions,
     guidance: Guidance,
     eos: set[int],
     pad: int,
 ) -> torch.Tensor:
     """New token ids ``[R, S]`` (``S <= max_new_tokens``; ``pad`` after a row's end-of-sequence token) of row
-    ``r``'s prompt ``prompt_ids[r]`` under latent ``vectors[r]`` (``[R, L]``), guided against the latents
-    ``vectors[contrast[r]]`` (row ``r`` among them), as the module docstring says. A KV-cached loop over
-    ``sum_r |contrast[r]|`` streams, every placement (the memory placement's latent in the cache's first
-    ``P`` entries); sampling as ``generate`` does it (temperature, then top-p, no top-k) on the guided scores.
+    ``r``'s prompt ``prompt_ids[r]`` under latent ``latent_sets[r][own[r]]``, guided against the latents of its
+    set ``latent_sets[r]`` (``[C_r, L]``), as the module docstring says. A KV-cached loop over ``sum_r C_r``
+    streams (row ``r``'s prefix under each latent of its set), every placement (the memory placement's latent
+    in the cache's first ``P`` entries); sampling as ``generate`` does it (temperature, then top-p, no top-k) on
+    the guided scores. A row that has ended keeps its weights.
     """
     from .generation import generation_inputs
 
     R = len(prompt_ids)
-    if len(contrast) != R or vectors.shape[0] != R:
-        raise ValueError(f"{R} prompts, {len(contrast)} contrast sets and {vectors.shape[0]} latents")
-    for r, members in enumerate(contrast):
-        if r not in members or any(not 0 <= j < R for j in members):
-            raise ValueError(f"row {r}'s contrast set {list(members)} must hold the row itself and rows of 0..{R - 1}")
+    if len(latent_sets) != R or len(own) != R:
+        raise ValueError(f"{R} prompts, {len(latent_sets)} latent sets and {len(own)} own indices")
+    for r, (latents, k) in enumerate(zip(latent_sets, own, strict=True)):
+        if latents.dim() != 2 or not 0 <= k < latents.shape[0]:
+            raise ValueError(f"row {r}: its own latent {k} is not one of its set's {tuple(latents.shape)}")
     decoder = model.decoder
-    device = vectors.device
-    # streams: row r under each latent of its set; index [R, C] -> stream (padded entries point at stream 0)
-    stream_rows = [r for r in range(R) for _ in contrast[r]]
-    stream_latents = [j for r in range(R) for j in contrast[r]]
-    C = max(len(members) for members in contrast)
-    index = torch.zeros(R, C, dtype=torch.long, device=device)
-    log_weights = torch.full((R, C), -math.inf, device=device)
-    own = torch.zeros(R, dtype=torch.long, device=device)
-    start = 0
-    for r, members in enumerate(contrast):
-        index[r, : len(members)] = torch.arange(start, start + len(members), device=device)
-        log_weights[r, : len(members)] = -math.log(len(members))
-        own[r] = members.index(r)
-        start += len(members)
+    device = next(model.parameters()).device
+    sizes = [latents.shape[0] for latents in latent_sets]
+    C = max(sizes)
+    # index [R, C]: row r's streams (padded entries point at stream 0 and weigh nothing)
+    starts = [sum(sizes[:r]) for r in range(R)]
+    index = torch.tensor([[starts[r] + min(j, sizes[r] - 1) for j in range(C)] for r in range(R)], device=device)
+    log_weights = torch.tensor(
+        [[-math.log(sizes[r]) if j < sizes[r] else -math.inf for j in range(C)] for r in range(R)], device=device
+    )
+    own_index = torch.tensor(list(own), device=device)
     rows = torch.arange(R, device=device)
+    stream_rows = torch.tensor([r for r in range(R) for _ in range(sizes[r])], device=device)
 
-    stream_vectors = vectors[stream_latents]
-    inputs, mask = generation_inputs(model, [prompt_ids[r] for r in stream_rows], stream_vectors, pad)
+    stream_vectors = torch.cat([latents.to(device) for latents in latent_sets])  # [S, L]
+    inputs, mask = generation_inputs(model, [prompt_ids[r] for r in stream_rows.tolist()], stream_vectors, pad)
     memory = model.latent_memory is not None
     latent = model.latent_embeddings(stream_vectors) if memory else None
     P = model.num_latent_tokens
@@ -129,7 +130,6 @@ def guided_generate(
     warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature), TopPLogitsWarper(sampling.top_p)])
     eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
     unfinished = torch.ones(R, dtype=torch.bool, device=device)
-    stream_row_ids = torch.tensor(stream_rows, device=device)
     tokens: list[torch.Tensor] = []
     for _ in range(sampling.max_new_tokens):
         positions = positions_from_mask(mask)
@@ -140,15 +140,13 @@ def guided_generate(
             cache = DynamicCache(config=decoder_text_config(decoder))
             extra = {"cache": cache, "attention_mask": mask, "position_ids": positions}
             step_inputs = inputs
-        else:
+        else:  # the cache holds every earlier position: feed the last token only
             step_mask = memory_attention_mask(mask, P) if memory else mask
             extra = {"cache": cache, "attention_mask": step_mask, "position_ids": positions[:, -1:]}
             step_inputs = inputs[:, -1:]
         logits = decoder(inputs_embeds=step_inputs, use_cache=True, logits_to_keep=1, **extra).logits[:, -1]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [S, V]
-        set_logprobs = logprobs[index]  # [R, C, V]
-        own_logprobs = set_logprobs[rows, own]  # [R, V]
-        scores = guided_scores(own_logprobs, set_logprobs, log_weights, guidance)
+        set_logprobs = torch.log_softmax(logits.float(), dim=-1)[index]  # [R, C, V]
+        scores = guided_scores(set_logprobs[rows, own_index], set_logprobs, log_weights, guidance)
         if sampling.greedy:
             next_tokens = scores.argmax(-1)
         else:
@@ -158,11 +156,11 @@ def guided_generate(
         tokens.append(next_tokens)
         # Bayes' rule on the token taken: w_j <- w_j p(y_t | z_j), renormalised (padded entries stay -inf)
         taken = set_logprobs.gather(2, next_tokens.view(R, 1, 1).expand(R, C, 1)).squeeze(2)  # [R, C]
-        log_weights = torch.log_softmax(log_weights + taken, dim=1)
+        updated = torch.log_softmax(log_weights + taken, dim=1)
+        log_weights = torch.where(unfinished.unsqueeze(1), updated, log_weights)
         unfinished &= ~torch.isin(next_tokens, eos_ids)
         if not unfinished.any():
             break
-        stream_tokens = next_tokens[stream_row_ids]  # [S]
-        inputs = torch.cat([inputs, embed(stream_tokens).unsqueeze(1).to(inputs.dtype)], dim=1)
+        inputs = torch.cat([inputs, embed(next_tokens[stream_rows]).unsqueeze(1).to(inputs.dtype)], dim=1)
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
     return torch.stack(tokens, dim=1)

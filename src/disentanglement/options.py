@@ -240,7 +240,7 @@ class EvalOptions(ScoringOptions):
     generation_guidance: float = ranged(
         0.0,
         "contrastive guidance of the generations: amplify by this factor what each code (draw, attribute vector) "
-        "adds over the mixture of the prompt's others of its slot (group); 0: none (docs/steering.md)",
+        "adds over the mixture of the prompt's latents of its slot (group); 0: none (docs/steering.md)",
         Range(0, integer=False),
         group=_STEERING,
     )
@@ -372,7 +372,9 @@ class GenerateOptions(CheckpointOptions):
         Range(0, 1, integer=False, low_open=True),
         group=_SAMPLING,
     )
-    batch_size: int = ranged(16, "rows per generate call (left-padded)", Range(1))
+    batch_size: int = ranged(
+        16, "rows per generate call (left-padded); with --guidance, streams: a row takes one per latent", Range(1)
+    )
     progress: bool = option(True, "a progress bar over the responses")
     output: str | None = option(None, "write the generations and diversity as JSON here")
     json: bool = option(False, "print JSON instead of the text table")
