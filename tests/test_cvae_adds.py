@@ -1,5 +1,6 @@
 """``benchmarks/cvae-adds/`` (docs/what-the-cvae-adds.md's runs): every recipe is a valid training config, the
-table reads eval reports with and without a text detector, and marker_share.py splits a response's tokens."""
+table reads eval reports with and without a text detector, marker_share.py splits a response's tokens, and
+first_tokens.py computes each code's first-token distribution as training lays the sequence out."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from disentanglement.cli import _train_config, build_parser
 
@@ -154,3 +156,40 @@ def test_marker_share_splits_marker_end_and_content(marker_share, style, tokens,
 def test_marker_share_leaves_out_a_response_cut_off_before_its_end(marker_share):
     # a signoff response cut at max_response_tokens: no end-of-sequence token, and no marker either
     assert marker_share.token_parts(["Salt", " the", " pasta", " water"], {"<|im_end|>"}, "signoff") is None
+
+
+@pytest.fixture(scope="module")
+def first_tokens():
+    return load("first_tokens")
+
+
+def test_total_variation_by_hand(first_tokens):
+    p = torch.tensor([[[0.5, 0.5, 0.0], [0.0, 0.5, 0.5], [0.5, 0.5, 0.0]]])  # one prompt, three codes
+    tv = first_tokens.total_variation(torch.cat([p, p.flip(1)]))  # two prompts, the second's codes reversed
+    assert torch.allclose(tv, torch.tensor([[0.0, 0.5, 0.0], [0.5, 0.0, 0.5], [0.0, 0.5, 0.0]]))
+
+
+@pytest.mark.parametrize("placement", ["prefix", "memory"])
+def test_first_token_distributions_are_the_training_layouts(first_tokens, placement):
+    """Each code's first-token distribution equals the training layout's (``decode_logits``, right-padded) at the
+    position that predicts the first response token, the other slot at the prompt's given code."""
+    from disentanglement.data import Example, collate
+    from disentanglement.generation import encode_prompts
+    from helpers import tiny_tokenizer
+    from test_memory import memory_model
+
+    tokenizer = tiny_tokenizer()
+    model, config = memory_model(tokenizer, latent_placement=placement, num_slots=2)
+    ids = encode_prompts(["ab", "a longer prompt"], tokenizer, config.data)
+    codes = torch.tensor([[1, 2], [0, 3]])
+    got = first_tokens.first_token_distributions(model, ids, codes, tokenizer.pad_token_id)
+    K = config.latent.codebook_size
+    assert got.shape == (2, K, len(tokenizer))
+    for p, prompt_ids in enumerate(ids):
+        for k in range(K):
+            vector = model.codes_to_vector(torch.tensor([[k, int(codes[p, 1])]]))
+            batch = collate([Example(prompt_ids, [5], None, "test")], tokenizer.pad_token_id)
+            with torch.no_grad():
+                logits, _, _, offsets = model.decode_logits(batch, vector)
+            expected = torch.softmax(logits[0, int(offsets[0]) + len(prompt_ids) - 1].float(), dim=-1)
+            assert torch.allclose(got[p, k], expected, atol=1e-5), (p, k)
