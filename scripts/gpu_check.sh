@@ -5,7 +5,7 @@
 #   2. the device: torch sees CUDA, its name, CUDA version and bf16 support
 #   3. the test suite (pytest -q; the tests build their tiny models on the CPU)
 #   4. CUDA smoke runs of the trainer: a few steps of the main job's config, frozen decoder, then LoRA with
-#      --gradient-checkpointing
+#      --gradient-checkpointing; generation from the first one's checkpoint, plain and guided (--guidance 2)
 #   5. benchmarks/step_cost.py in bf16: the embedded SmolLM2-135M (with case (g), activation checkpointing, and the
 #      useful-FLOP MFU and --profile breakdown; on CUDA the matmul rate is torch.matmul's on the GPU),
 #      and the decoder-size table of real shapes with random weights (MODELS, config:smollm2-1.7b among them);
@@ -111,6 +111,11 @@ run_step smoke_frozen_again "$PY" -m disentanglement.cli train --config configs/
     --output-dir "$LOG_DIR/smoke_frozen_again" --model-cache-dir "$SMOKE_CACHE" "${EXAMPLES[@]}"
 grep -qE ", 0 computed$" "$LOG_DIR/smoke_frozen_again.log" || { echo "gpu_check: the second run ran the frozen pass" >&2; exit 1; }
 run_step cache_list "$PY" -m disentanglement.cli cache list
+# generation on the device from the smoke run's checkpoint: plain, then guided (4 codes, 4 streams a prompt)
+run_step generate_plain "$PY" -m disentanglement.cli generate "$LOG_DIR/smoke_frozen" --device "$DEVICE" \
+    --prompt "What is your favourite colour?" --greedy --max-new-tokens 24 --no-progress
+run_step generate_guided "$PY" -m disentanglement.cli generate "$LOG_DIR/smoke_frozen" --device "$DEVICE" \
+    --prompt "What is your favourite colour?" --greedy --max-new-tokens 24 --guidance 2 --no-progress
 
 # 5. step cost in bf16
 run_step step_cost_embedded "$PY" benchmarks/step_cost.py --model embedded --device "$DEVICE" --dtype bfloat16 \
