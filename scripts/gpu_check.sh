@@ -111,7 +111,8 @@ run_step smoke_frozen_again "$PY" -m disentanglement.cli train --config configs/
     --output-dir "$LOG_DIR/smoke_frozen_again" --model-cache-dir "$SMOKE_CACHE" "${EXAMPLES[@]}"
 grep -qE ", 0 computed$" "$LOG_DIR/smoke_frozen_again.log" || { echo "gpu_check: the second run ran the frozen pass" >&2; exit 1; }
 run_step cache_list "$PY" -m disentanglement.cli cache list
-# generation on the device from the smoke run's checkpoint: plain, then guided (4 codes, 4 streams a prompt)
+# generation on the device from the smoke run's checkpoint: plain, then guided (the default's 8 codes, 8 streams a
+# prompt); generate loads the model through the user's model cache (~/.cache/disentanglement), as a user's would
 run_step generate_plain "$PY" -m disentanglement.cli generate "$LOG_DIR/smoke_frozen" --device "$DEVICE" \
     --prompt "What is your favourite colour?" --greedy --max-new-tokens 24 --no-progress
 run_step generate_guided "$PY" -m disentanglement.cli generate "$LOG_DIR/smoke_frozen" --device "$DEVICE" \
