@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from . import latent_file
 from .config import DataConfig, RunConfig
@@ -62,7 +62,7 @@ from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary
 from .data import PromptResponse, collate, prompt_text_for_generation, tokenize_pairs
 from .guidance import Guidance, contrast_sets, guided_generate
 from .latent_space import STEERING_MODES, LatentChoice, LatentSpace, SteeringRequest
-from .memory import memory_attention_mask, positions_from_mask
+from .memory import decoder_text_config, memory_attention_mask, positions_from_mask
 from .metrics import distinct_n
 from .reference import eval_mode, reference_hidden_states
 
@@ -290,6 +290,44 @@ def _guided_texts(
 
 
 @torch.no_grad()
+def decode_step(
+    model: CVAEBase,
+    inputs: torch.Tensor,
+    mask: torch.Tensor,
+    cache: DynamicCache | None,
+    latent: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, DynamicCache]:
+    """One step of a KV-cached decoding loop: the next-token logits ``[R, V]`` (float32) after the left-padded
+    ``inputs [R, T, H]`` (mask ``[R, T]``), and the cache. With ``cache`` None the whole sequence runs (the
+    memory placement's latent ``latent [R, P, H]`` put in the cache's first ``P`` entries; without one a fresh
+    cache); with a cache that holds every earlier position, the last input alone, its mask then carrying the
+    memory's ``P`` leading ones and its position id continuing the sequence's own."""
+    decoder = model.decoder
+    positions = positions_from_mask(mask)  # [R, T], the sequence's own positions
+    if cache is None and latent is not None:
+        extra = model.memory_inputs(latent, mask, positions, inputs.dtype)
+        cache, step_inputs = extra["cache"], inputs
+    elif cache is None:
+        cache = DynamicCache(config=decoder_text_config(decoder))
+        extra = {"cache": cache, "attention_mask": mask, "position_ids": positions}
+        step_inputs = inputs
+    else:  # the cache holds every earlier position: feed the last token only
+        step_mask = memory_attention_mask(mask, model.num_latent_tokens) if latent is not None else mask
+        extra = {"cache": cache, "attention_mask": step_mask, "position_ids": positions[:, -1:]}
+        step_inputs = inputs[:, -1:]
+    logits = decoder(inputs_embeds=step_inputs, use_cache=True, logits_to_keep=1, **extra).logits[:, -1]
+    return logits.float(), cache
+
+
+def choose_tokens(scores: torch.Tensor, sampling: SamplingOptions) -> torch.Tensor:
+    """The next token of each row of ``scores [R, V]`` (logits or log-probabilities): the argmax when greedy,
+    else a draw after temperature, then top-p (no top-k), as ``generate`` samples."""
+    if sampling.greedy:
+        return scores.argmax(-1)
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature), TopPLogitsWarper(sampling.top_p)])
+    return torch.multinomial(torch.softmax(warpers(None, scores), dim=-1), 1).squeeze(1)
+
+
 def memory_generate(
     model: CVAEBase,
     embeds: torch.Tensor,
@@ -305,41 +343,19 @@ def memory_generate(
     latents ``vectors [R, L]``.
 
     With ``use_cache`` the memory cache (``P`` slots per layer) is built once and the decoder's own keys
-    and values are appended to it: the first step runs the prompt, each later step the last token alone,
-    with ``P`` leading ones on the mask and position ids continuing from the sequence's length. Without it
-    every step recomputes the whole sequence under a fresh memory cache (the plain version, for tests).
-    Sampling as ``generate`` does it for :class:`SamplingOptions` (temperature, then top-p; no top-k).
+    and values are appended to it (:func:`decode_step`): the first step runs the prompt, each later step the
+    last token alone. Without it every step recomputes the whole sequence under a fresh memory cache (the
+    plain version, for tests). Sampling as :func:`choose_tokens`.
     """
-    decoder = model.decoder
-    embed = decoder.get_input_embeddings()
+    embed = model.decoder.get_input_embeddings()
     latent = model.latent_embeddings(vectors.to(embeds.device))  # [R, P, H]
-    P = model.num_latent_tokens
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature), TopPLogitsWarper(sampling.top_p)])
     eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=embeds.device)
     unfinished = torch.ones(embeds.shape[0], dtype=torch.bool, device=embeds.device)
     inputs, mask, cache = embeds, attention, None
     tokens: list[torch.Tensor] = []
     for _ in range(sampling.max_new_tokens):
-        positions = positions_from_mask(mask)  # [R, W + s], the sequence's own positions
-        if cache is None:
-            extra = model.memory_inputs(latent, mask, positions, inputs.dtype)
-            cache = extra["cache"]
-            step_inputs = inputs
-        else:  # the cache holds the memory and every earlier position: feed the last token only
-            extra = {
-                "cache": cache,
-                "attention_mask": memory_attention_mask(mask, P),
-                "position_ids": positions[:, -1:],
-            }
-            step_inputs = inputs[:, -1:]
-        logits = decoder(inputs_embeds=step_inputs, use_cache=True, logits_to_keep=1, **extra).logits[:, -1].float()
-        if not use_cache:
-            cache = None
-        if sampling.greedy:
-            next_tokens = logits.argmax(-1)
-        else:
-            probs = torch.softmax(warpers(None, logits), dim=-1)
-            next_tokens = torch.multinomial(probs, 1).squeeze(1)
+        logits, cache = decode_step(model, inputs, mask, cache if use_cache else None, latent)
+        next_tokens = choose_tokens(logits, sampling)
         next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad))
         tokens.append(next_tokens)
         unfinished &= ~torch.isin(next_tokens, eos_ids)

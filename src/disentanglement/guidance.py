@@ -35,9 +35,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
-
-from .memory import decoder_text_config, memory_attention_mask, positions_from_mask
 
 if TYPE_CHECKING:
     from .cvae_base import CVAEBase
@@ -98,7 +95,7 @@ def guided_generate(
     in the cache's first ``P`` entries); sampling as ``generate`` does it (temperature, then top-p, no top-k) on
     the guided scores. A row that has ended keeps its weights.
     """
-    from .generation import generation_inputs
+    from .generation import choose_tokens, decode_step, generation_inputs
 
     R = len(prompt_ids)
     if len(latent_sets) != R or len(own) != R:
@@ -106,7 +103,6 @@ def guided_generate(
     for r, (latents, k) in enumerate(zip(latent_sets, own, strict=True)):
         if latents.dim() != 2 or not 0 <= k < latents.shape[0]:
             raise ValueError(f"row {r}: its own latent {k} is not one of its set's {tuple(latents.shape)}")
-    decoder = model.decoder
     device = next(model.parameters()).device
     sizes = [latents.shape[0] for latents in latent_sets]
     C = max(sizes)
@@ -122,36 +118,17 @@ def guided_generate(
 
     stream_vectors = torch.cat([latents.to(device) for latents in latent_sets])  # [S, L]
     inputs, mask = generation_inputs(model, [prompt_ids[r] for r in stream_rows.tolist()], stream_vectors, pad)
-    memory = model.latent_memory is not None
-    latent = model.latent_embeddings(stream_vectors) if memory else None
-    P = model.num_latent_tokens
-    cache = None
-    embed = decoder.get_input_embeddings()
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature), TopPLogitsWarper(sampling.top_p)])
+    latent = model.latent_embeddings(stream_vectors) if model.latent_memory is not None else None
+    embed = model.decoder.get_input_embeddings()
     eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
     unfinished = torch.ones(R, dtype=torch.bool, device=device)
+    cache = None
     tokens: list[torch.Tensor] = []
     for _ in range(sampling.max_new_tokens):
-        positions = positions_from_mask(mask)
-        if cache is None and memory:
-            extra = model.memory_inputs(latent, mask, positions, inputs.dtype)
-            cache, step_inputs = extra["cache"], inputs
-        elif cache is None:
-            cache = DynamicCache(config=decoder_text_config(decoder))
-            extra = {"cache": cache, "attention_mask": mask, "position_ids": positions}
-            step_inputs = inputs
-        else:  # the cache holds every earlier position: feed the last token only
-            step_mask = memory_attention_mask(mask, P) if memory else mask
-            extra = {"cache": cache, "attention_mask": step_mask, "position_ids": positions[:, -1:]}
-            step_inputs = inputs[:, -1:]
-        logits = decoder(inputs_embeds=step_inputs, use_cache=True, logits_to_keep=1, **extra).logits[:, -1]
-        set_logprobs = torch.log_softmax(logits.float(), dim=-1)[index]  # [R, C, V]
+        logits, cache = decode_step(model, inputs, mask, cache, latent)
+        set_logprobs = torch.log_softmax(logits, dim=-1)[index]  # [R, C, V]
         scores = guided_scores(set_logprobs[rows, own_index], set_logprobs, log_weights, guidance)
-        if sampling.greedy:
-            next_tokens = scores.argmax(-1)
-        else:
-            probs = torch.softmax(warpers(None, scores), dim=-1)
-            next_tokens = torch.multinomial(probs, 1).squeeze(1)
+        next_tokens = choose_tokens(scores, sampling)
         next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad))
         tokens.append(next_tokens)
         # Bayes' rule on the token taken: w_j <- w_j p(y_t | z_j), renormalised (padded entries stay -inf)
