@@ -126,6 +126,10 @@ RECIPES = {
     "centered-full": [*CENTERED_FULL, "--max-steps", "240"],
     # centered-full trained longer (400 steps instead of 240)
     "centered-full-400": [*CENTERED_FULL, "--max-steps", "400"],
+    # centered-full with the latent between prompt and response ([x][z][y]): the code next to the first response
+    # token, where chatterbot-style's marker is decided (section 14: under the prefix placement the decoder barely
+    # reads the code there)
+    "centered-full-between": [*CENTERED_FULL, "--max-steps", "240", "--latent-placement", "between"],
     # centered-full with term 3's weights from the training model's own current NLL
     "centered-full-dynamic": [*CENTERED_FULL, "--token-weight-source", "dynamic", "--max-steps", "240"],
     # the attention view trained longer (400 steps instead of 120)
@@ -210,6 +214,7 @@ PLAN = [  # (set, recipe, seeds)
     ("dailydialog", "centered-full", (0, 1, 2)),
     ("chatterbot-style", "centered-full", (0, 1)),
     ("chatterbot-style", "centered-full-400", (0,)),
+    ("chatterbot-style", "centered-full-between", (0, 1)),
 ]
 
 
