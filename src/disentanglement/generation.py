@@ -328,6 +328,7 @@ def choose_tokens(scores: torch.Tensor, sampling: SamplingOptions) -> torch.Tens
     return torch.multinomial(torch.softmax(warpers(None, scores), dim=-1), 1).squeeze(1)
 
 
+@torch.no_grad()
 def memory_generate(
     model: CVAEBase,
     embeds: torch.Tensor,
