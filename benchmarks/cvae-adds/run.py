@@ -219,7 +219,7 @@ PLAN = [  # (set, recipe, seeds)
     ("chatterbot-style", "centered-full", (0, 1)),
     ("chatterbot-style", "centered-full-400", (0,)),
     ("chatterbot-style", "centered-full-between", (0, 1, 2)),
-    ("dailydialog", "centered-full-between", (0, 1, 2)),
+    ("dailydialog", "centered-full-between", (0,)),
     ("chatterbot-style", "centered-full-between-random", (0, 1, 2, 3, 4)),
 ]
 
