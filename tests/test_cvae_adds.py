@@ -1,6 +1,7 @@
 """``benchmarks/cvae-adds/`` (docs/what-the-cvae-adds.md's runs): every recipe is a valid training config, the
-table reads eval reports with and without a text detector, marker_share.py splits a response's tokens, and
-first_tokens.py computes each code's first-token distribution as training lays the sequence out."""
+table reads eval reports with and without a text detector, marker_share.py splits a response's tokens,
+first_tokens.py computes each code's first-token distribution as training lays the sequence out, and
+what_codes_hold.py counts each code's label values."""
 
 from __future__ import annotations
 
@@ -63,6 +64,15 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
         assert full.latent.centered_straight_through, recipe
     assert built["centered-full"].train.max_steps == 240 and built["centered-full-400"].train.max_steps == 400
     assert built["centered-full-dynamic"].reconstruction.token_weight_source == "dynamic"
+    for recipe in ("centered-full-between", "centered-full-between-random", "centered-full-between-random-attention"):
+        between = built[recipe]  # sections 14-16: the whole decoder, the code between prompt and response
+        assert between.model.decoder_training == "full" and between.latent.centered_straight_through, recipe
+        assert between.latent.latent_placement == "between" and between.train.max_steps == 240, recipe
+    assert built["centered-full-between"].latent.codebook_init != "random"
+    assert built["centered-full-between-random"].latent.codebook_init == "random"
+    attention = built["centered-full-between-random-attention"]  # section 16: that, with the attention pool
+    assert attention.latent.codebook_init == "random" and attention.latent.encoder_view == "token_weighted_attention"
+    assert built["centered-full-between-random"].latent.encoder_view == "token_weighted"
 
 
 def report(tmp_path: Path, controllability: dict | None) -> Path:
@@ -193,3 +203,18 @@ def test_first_token_distributions_are_the_training_layouts(first_tokens, placem
                 logits, _, _, offsets = model.decode_logits(batch, vector)
             expected = torch.softmax(logits[0, int(offsets[0]) + len(prompt_ids) - 1].float(), dim=-1)
             assert torch.allclose(got[p, k], expected, atol=1e-5), (p, k)
+
+
+def test_what_codes_hold_counts_each_codes_values(tmp_path, capsys):
+    what = load("what_codes_hold")
+    rows = [({"style": "ahoy"}, 2), ({"style": "plain"}, 0), ({"style": "ahoy"}, 2), ({"style": "signoff"}, 0)]
+    latents = tmp_path / "latents.jsonl"
+    latents.write_text("".join(json.dumps({"label": label, "codes": [code]}) + "\n" for label, code in rows) + "\n")
+    assert what.main(["--per-code", "style", str(latents)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("| code | ahoy | plain | signoff | examples |")
+    assert lines[1] == "| --- | --- | --- | --- | --- | --- |"
+    assert lines[2:] == ["| | 0 | 0 | 1 | 1 | 2 |", "| | 2 | 2 | 0 | 0 | 2 |"]
+    latents.write_text(json.dumps({"label": {"topic": "x"}, "codes": [1]}) + "\n")
+    with pytest.raises(ValueError, match=r"latents.jsonl:1: no label 'style'"):
+        what.per_code(latents, "style")

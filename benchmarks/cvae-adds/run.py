@@ -134,6 +134,11 @@ RECIPES = {
     # centered-full-between kept the corpus's category, which k-means of the view (the start) separates
     "centered-full-between-random": [*CENTERED_FULL, "--max-steps", "240", "--latent-placement", "between",
                                      "--codebook-init", "random"],
+    # that with the attention pool (item 2 (a)): its logits start at the surprisal shares and can learn to look at
+    # the style's tokens, where the fixed shares put 72 % of the pool on style-in-content's content (section 7)
+    "centered-full-between-random-attention": [*CENTERED_FULL, "--max-steps", "240", "--latent-placement", "between",
+                                               "--codebook-init", "random",
+                                               "--encoder-view", "token_weighted_attention"],
     # centered-full with term 3's weights from the training model's own current NLL
     "centered-full-dynamic": [*CENTERED_FULL, "--token-weight-source", "dynamic", "--max-steps", "240"],
     # the attention view trained longer (400 steps instead of 120)
@@ -221,6 +226,11 @@ PLAN = [  # (set, recipe, seeds)
     ("chatterbot-style", "centered-full-between", (0, 1, 2)),
     ("dailydialog", "centered-full-between", (0,)),
     ("chatterbot-style", "centered-full-between-random", (0, 1, 2, 3, 4)),
+    # section 16: the same recipe on the synthetic sets, to see whether it can be one recipe
+    ("style-in-content", "centered-full-between-random", (0, 1, 2)),
+    ("two-factor", "centered-full-between-random", (0, 1)),
+    ("style-in-echo", "centered-full-between-random", (0, 1)),
+    ("style-in-content", "centered-full-between-random-attention", (0,)),
 ]
 
 

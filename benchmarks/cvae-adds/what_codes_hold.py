@@ -9,6 +9,11 @@ the topic, not the answer). The data's labels name the style and the topic only;
 response itself (the text without its style marker). Per file (an ``encode`` output), per slot and for the code
 tuple of all slots: NMI (scikit-learn's, arithmetic normalisation, as ``eval``) with the style, the topic, the
 answer (40 sentences) and the answer's index within its topic (5 values), and the number of codes used.
+
+    python benchmarks/cvae-adds/what_codes_hold.py --per-code style LATENTS.jsonl [...]
+
+instead counts, per code of the first slot, the examples of each value of the label ``style`` (any label of the
+rows, so any set's latents file): which values a code holds, and how many of each.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,10 +78,35 @@ def table(path: Path) -> list[str]:
     return out
 
 
+def per_code(path: Path, factor: str) -> list[str]:
+    """Per code of the first slot, how many of its examples have each value of label ``factor``: table rows."""
+    counts: dict[int, Counter] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        label = row.get("label")
+        if not isinstance(label, dict) or factor not in label:
+            raise ValueError(f"{path}:{number}: no label {factor!r} (labels: {sorted(label or {})})")
+        counts.setdefault(row["codes"][0], Counter())[str(label[factor])] += 1
+    values = sorted({value for count in counts.values() for value in count})
+    header = f"| {path.parent.name}/{path.stem} | code | " + " | ".join(values) + " | examples |"
+    rows = [header, "| --- | --- |" + " --- |" * (len(values) + 1)]
+    for code in sorted(counts):
+        count = counts[code]
+        rows.append(f"| | {code} | " + " | ".join(str(count[v]) for v in values) + f" | {sum(count.values())} |")
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--per-code", metavar="FACTOR", help="count each code's examples per value of this label")
     args = parser.parse_args(argv)
+    if args.per_code:
+        for path in args.files:
+            print("\n".join(per_code(path, args.per_code)))
+        return 0
     print("| latents | codes of | used | " + " | ".join(f"NMI {f}" for f in FACTORS) + " |")
     print("| --- | --- | --- |" + " --- |" * len(FACTORS))
     for path in args.files:
