@@ -210,11 +210,22 @@ def test_what_codes_hold_counts_each_codes_values(tmp_path, capsys):
     rows = [({"style": "ahoy"}, 2), ({"style": "plain"}, 0), ({"style": "ahoy"}, 2), ({"style": "signoff"}, 0)]
     latents = tmp_path / "latents.jsonl"
     latents.write_text("".join(json.dumps({"label": label, "codes": [code]}) + "\n" for label, code in rows) + "\n")
-    assert what.main(["--per-code", "style", str(latents)]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    other = tmp_path / "other.jsonl"  # two slots: the first slot's code counts
+    other.write_text(json.dumps({"label": {"style": "plain"}, "codes": [1, 3]}) + "\n")
+    assert what.main(["--per-code", "style", str(latents), str(other)]) == 0
+    first, second = capsys.readouterr().out.rstrip("\n").split("\n\n")  # a table per file, a blank line apart
+    lines = first.splitlines()
     assert lines[0].endswith("| code | ahoy | plain | signoff | examples |")
     assert lines[1] == "| --- | --- | --- | --- | --- | --- |"
     assert lines[2:] == ["| | 0 | 0 | 1 | 1 | 2 |", "| | 2 | 2 | 0 | 0 | 2 |"]
-    latents.write_text(json.dumps({"label": {"topic": "x"}, "codes": [1]}) + "\n")
-    with pytest.raises(ValueError, match=r"latents.jsonl:1: no label 'style'"):
+    assert second.splitlines()[1:] == ["| --- | --- | --- | --- |", "| | 1 | 1 | 1 |"]
+    for row, error in (
+        ({"label": {"topic": "x"}, "codes": [1]}, r"latents.jsonl:1: no label 'style'"),
+        ({"label": {"style": "ahoy"}, "z": [0.1]}, r"latents.jsonl:1: no 'codes'"),
+    ):
+        latents.write_text(json.dumps(row) + "\n")
+        with pytest.raises(ValueError, match=error):
+            what.per_code(latents, "style")
+    latents.write_text("\n")
+    with pytest.raises(ValueError, match="latents.jsonl: no rows"):
         what.per_code(latents, "style")

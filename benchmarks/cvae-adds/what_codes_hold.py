@@ -84,11 +84,18 @@ def per_code(path: Path, factor: str) -> list[str]:
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        label = row.get("label")
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number}: not a JSON row of an encode output (JSONL): {error}") from None
+        label, codes = row.get("label"), row.get("codes")
         if not isinstance(label, dict) or factor not in label:
             raise ValueError(f"{path}:{number}: no label {factor!r} (labels: {sorted(label or {})})")
-        counts.setdefault(row["codes"][0], Counter())[str(label[factor])] += 1
+        if not isinstance(codes, list) or not codes:
+            raise ValueError(f"{path}:{number}: no 'codes' (a discrete CVAE's encode output has them)")
+        counts.setdefault(codes[0], Counter())[str(label[factor])] += 1
+    if not counts:
+        raise ValueError(f"{path}: no rows")
     values = sorted({value for count in counts.values() for value in count})
     header = f"| {path.parent.name}/{path.stem} | code | " + " | ".join(values) + " | examples |"
     rows = [header, "| --- | --- |" + " --- |" * (len(values) + 1)]
@@ -103,9 +110,8 @@ def main(argv=None) -> int:
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--per-code", metavar="FACTOR", help="count each code's examples per value of this label")
     args = parser.parse_args(argv)
-    if args.per_code:
-        for path in args.files:
-            print("\n".join(per_code(path, args.per_code)))
+    if args.per_code is not None:
+        print("\n\n".join("\n".join(per_code(path, args.per_code)) for path in args.files))
         return 0
     print("| latents | codes of | used | " + " | ".join(f"NMI {f}" for f in FACTORS) + " |")
     print("| --- | --- | --- |" + " --- |" * len(FACTORS))
