@@ -220,12 +220,12 @@ def test_what_codes_hold_counts_each_codes_values(tmp_path, capsys):
     assert lines[2:] == ["| | 0 | 0 | 1 | 1 | 2 |", "| | 2 | 2 | 0 | 0 | 2 |"]
     assert second.splitlines()[1:] == ["| --- | --- | --- | --- |", "| | 1 | 1 | 1 |"]
     for row, error in (
-        ({"label": {"topic": "x"}, "codes": [1]}, r"latents.jsonl:1: no label 'style'"),
-        ({"label": {"style": "ahoy"}, "z": [0.1]}, r"latents.jsonl:1: no 'codes'"),
+        ({"label": {"topic": "x"}, "codes": [1]}, r"latents.jsonl row 1: no label 'style'"),
+        ({"label": {"style": "ahoy"}, "z": [0.1]}, r"latents.jsonl row 1: no 'codes'"),
     ):
         latents.write_text(json.dumps(row) + "\n")
         with pytest.raises(ValueError, match=error):
             what.per_code(latents, "style")
     latents.write_text("\n")
-    with pytest.raises(ValueError, match="latents.jsonl: no rows"):
+    with pytest.raises(ValueError, match="latents.jsonl holds no rows"):
         what.per_code(latents, "style")

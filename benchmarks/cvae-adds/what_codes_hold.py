@@ -13,7 +13,7 @@ answer (40 sentences) and the answer's index within its topic (5 values), and th
     python benchmarks/cvae-adds/what_codes_hold.py --per-code style LATENTS.jsonl [...]
 
 instead counts, per code of the first slot, the examples of each value of the label ``style`` (any label of the
-rows, so any set's latents file): which values a code holds, and how many of each.
+rows, so any set's latents file, ``.jsonl`` or ``.parquet``): which values a code holds, and how many of each.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from sklearn.metrics import normalized_mutual_info_score  # noqa: E402
 
+from disentanglement.data import label_factors  # noqa: E402
+from disentanglement.latent_file import read_latents  # noqa: E402
 from disentanglement.synthetic import STYLE_MARKERS, TOPICS  # noqa: E402
 
 FACTORS = ("style", "topic", "answer", "answer_in_topic")
@@ -81,21 +83,13 @@ def table(path: Path) -> list[str]:
 def per_code(path: Path, factor: str) -> list[str]:
     """Per code of the first slot, how many of its examples have each value of label ``factor``: table rows."""
     counts: dict[int, Counter] = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: not a JSON row of an encode output (JSONL): {error}") from None
-        label, codes = row.get("label"), row.get("codes")
-        if not isinstance(label, dict) or factor not in label:
-            raise ValueError(f"{path}:{number}: no label {factor!r} (labels: {sorted(label or {})})")
+    for number, row in enumerate(read_latents(path).rows, 1):  # JSONL or Parquet, checked as generate's --latents
+        label, codes = label_factors(row.get("label")) or {}, row.get("codes")
+        if factor not in label:
+            raise ValueError(f"{path} row {number}: no label {factor!r} (labels: {sorted(label)})")
         if not isinstance(codes, list) or not codes:
-            raise ValueError(f"{path}:{number}: no 'codes' (a discrete CVAE's encode output has them)")
+            raise ValueError(f"{path} row {number}: no 'codes' (a discrete CVAE's encode output has them)")
         counts.setdefault(codes[0], Counter())[str(label[factor])] += 1
-    if not counts:
-        raise ValueError(f"{path}: no rows")
     values = sorted({value for count in counts.values() for value in count})
     header = f"| {path.parent.name}/{path.stem} | code | " + " | ".join(values) + " | examples |"
     rows = [header, "| --- | --- |" + " --- |" * (len(values) + 1)]
