@@ -36,6 +36,8 @@ LORA = ["--decoder-training", "lora", "--decoder-lr", "1e-3"]
 CENTERED_LORA = [*DEFAULT, "--centered-straight-through", *LORA]
 #: the default with the centred straight-through and the whole decoder fine-tuned (section 12's centered-full)
 CENTERED_FULL = [*DEFAULT, "--centered-straight-through", "--decoder-training", "full", "--decoder-lr", "5e-5"]
+#: CENTERED_FULL with the latent between prompt and response, 240 steps (sections 14-16's centered-full-between*)
+CENTERED_FULL_BETWEEN = [*CENTERED_FULL, "--max-steps", "240", "--latent-placement", "between"]
 #: raw reconstruction (term 1 alone, the mean_last view: preset raw) with LORA: the likelihood to compare with
 RAW_LORA = ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
             "--encoder-view", "mean_last", *LORA]  # fmt: skip
@@ -129,15 +131,13 @@ RECIPES = {
     # centered-full with the latent between prompt and response ([x][z][y]): the code next to the first response
     # token, where chatterbot-style's marker is decided (section 14: under the prefix placement the decoder barely
     # reads the code there)
-    "centered-full-between": [*CENTERED_FULL, "--max-steps", "240", "--latent-placement", "between"],
+    "centered-full-between": CENTERED_FULL_BETWEEN,
     # that from a random codebook (no k-means start, so no refresh either): on chatterbot-style seed 1 the codes of
     # centered-full-between kept the corpus's category, which k-means of the view (the start) separates
-    "centered-full-between-random": [*CENTERED_FULL, "--max-steps", "240", "--latent-placement", "between",
-                                     "--codebook-init", "random"],
+    "centered-full-between-random": [*CENTERED_FULL_BETWEEN, "--codebook-init", "random"],
     # that with the attention pool (item 2 (a)): its logits start at the surprisal shares and can learn to look at
     # the style's tokens, where the fixed shares put 72 % of the pool on style-in-content's content (section 7)
-    "centered-full-between-random-attention": [*CENTERED_FULL, "--max-steps", "240", "--latent-placement", "between",
-                                               "--codebook-init", "random",
+    "centered-full-between-random-attention": [*CENTERED_FULL_BETWEEN, "--codebook-init", "random",
                                                "--encoder-view", "token_weighted_attention"],
     # centered-full with term 3's weights from the training model's own current NLL
     "centered-full-dynamic": [*CENTERED_FULL, "--token-weight-source", "dynamic", "--max-steps", "240"],
