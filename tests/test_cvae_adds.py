@@ -73,6 +73,15 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
     attention = built["centered-full-between-random-attention"]  # section 16: that, with the attention pool
     assert attention.latent.codebook_init == "random" and attention.latent.encoder_view == "token_weighted_attention"
     assert built["centered-full-between-random"].latent.encoder_view == "token_weighted"
+    longer = built["centered-full-between-random-400"]  # section 17: the same, 400 steps
+    assert longer.train.max_steps == 400 and longer.latent.latent_placement == "between"
+    assert longer.latent.codebook_init == "random" and longer.model.decoder_training == "full"
+    assert longer.latent.centered_straight_through and longer.latent.encoder_view == "token_weighted"
+    raw = built["raw-full-between-random"]  # section 17: raw reconstruction with the same decoder and placement
+    assert (raw.reconstruction.reconstruction_weight, raw.reconstruction.token_weighted_weight) == (1.0, 0.0)
+    assert raw.latent.encoder_view == "mean_last" and not raw.latent.centered_straight_through
+    assert raw.model.decoder_training == "full" and raw.train.decoder_lr == 5e-5 and raw.train.max_steps == 240
+    assert raw.latent.latent_placement == "between" and raw.latent.codebook_init == "random"
 
 
 def report(tmp_path: Path, controllability: dict | None) -> Path:
@@ -229,3 +238,27 @@ def test_what_codes_hold_counts_each_codes_values(tmp_path, capsys):
     latents.write_text("\n")
     with pytest.raises(ValueError, match="latents.jsonl holds no rows"):
         what.per_code(latents, "style")
+
+
+def test_seed_choice_keeps_the_highest_gain_and_compares_it_with_the_best_nmi(tmp_path, capsys):
+    choice = load("seed_choice")
+    for seed, gain, style, topic in ((0, 0.05, 0.56, 0.07), (1, 0.06, 0.74, 0.04), (2, 0.01, 0.80, 0.02)):
+        body = {
+            "latent_gain_nats_per_token": gain,
+            "factors": {"style": {"latent": {"nmi": style}}, "topic": {"latent": {"nmi": topic}}},
+        }
+        (tmp_path / f"set-recipe-seed-{seed}.json").write_text(json.dumps(body))
+    (tmp_path / "set-recipe-seed-0-guided-5.json").write_text("not read")  # guided re-evaluations are left out
+    (tmp_path / "alone-seed-0.json").write_text(json.dumps(body))  # one seed: nothing to choose
+    assert choice.main([str(p) for p in sorted(tmp_path.iterdir())]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "set-recipe: keeps seed 1 of 3",
+        "  style: gain / NMI by gain: s1 +0.0600 / 0.740, s0 +0.0500 / 0.560, s2 +0.0100 / 0.800; kept 0.740, "
+        "best 0.800 (seed 2), Spearman -0.50",
+        "  topic: gain / NMI by gain: s1 +0.0600 / 0.040, s0 +0.0500 / 0.070, s2 +0.0100 / 0.020; kept 0.040, "
+        "best 0.070 (seed 0), Spearman +0.50",
+    ]
+    (tmp_path / "badly-named.json").write_text("{}")
+    with pytest.raises(SystemExit, match="badly-named.json: expected a report named NAME-seed-S.json"):
+        choice.main([str(tmp_path / "badly-named.json")])

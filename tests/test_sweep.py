@@ -119,6 +119,29 @@ def test_plot_summary_draws_each_cells_mean_and_interval(tmp_path):
         assert ends == pytest.approx([x for m, h in zip(means, half, strict=True) for x in (m - h, m + h)])
 
 
+def test_the_seed_to_keep_is_the_highest_latent_gain_and_needs_no_labels():
+    gain, nmi = sweep.KEEP_BY, "factors.style.latent.nmi"
+    rows = [
+        {"cell": "a", "seed": 0, gain: 0.010, nmi: 0.30, "label_nmi": 0.2},
+        {"cell": "a", "seed": 1, gain: 0.050, nmi: 0.70, "label_nmi": 0.6},
+        {"cell": "a", "seed": 2, gain: 0.030, nmi: 0.90, "label_nmi": 0.1},
+        {"cell": "b", "seed": 3, gain: 0.020},  # a tie: the lower seed; no labels: no NMI
+        {"cell": "b", "seed": 1, gain: 0.020},
+        {"cell": "c", "seed": 0, gain: math.nan, nmi: 0.5},  # no finite gain: no seed to keep
+    ]
+    kept = sweep.kept_seeds(rows, ["a", "b", "c"])
+    assert kept == {
+        "a": {"seed": 1, "run_dir": "runs/a/seed-1", gain: 0.05, "seeds": 3, nmi: 0.70, "label_nmi": 0.6},
+        "b": {"seed": 1, "run_dir": "runs/b/seed-1", gain: 0.02, "seeds": 2},
+    }
+    md = sweep.kept_markdown(kept, rows)
+    assert "## The seed to keep" in md
+    assert f"| cell | seed to keep | latent gain | {nmi} (best, seed) | label_nmi (best, seed) |" in md
+    assert "| a | 1 of 3 | 0.0500 | 0.700 (0.900, seed 2) | 0.600 (0.600, seed 1) |" in md
+    assert "| b | 1 of 2 | 0.0200 | - | - |" in md and "| c |" not in md
+    assert sweep.kept_markdown({}, rows) == ""
+
+
 def test_sweep_runs_every_cell_and_seed_resumes_and_skips_what_is_done(tmp_path, data_file, monkeypatch):
     spec = spec_for(data_file)
     with capture_figures() as figures:
@@ -143,6 +166,14 @@ def test_sweep_runs_every_cell_and_seed_resumes_and_skips_what_is_done(tmp_path,
         assert list(points.get_xdata()) == pytest.approx(means) and list(points.get_ydata()) == [0, 1]
     report = json.loads((tmp_path / "runs" / "raw" / "seed-1" / "eval" / "sweep_eval.json").read_text())
     assert rows[1]["label_nmi"] == report["label_nmi"]
+    # the seed to keep per cell: the run of the highest latent gain, its directory, its NMI; sweep.md says so
+    kept = json.loads((tmp_path / "kept.json").read_text())
+    for cell in ("raw", "term3"):
+        runs = [r for r in rows if r["cell"] == cell]
+        best = max(runs, key=lambda r: (r[sweep.KEEP_BY], -r["seed"]))
+        assert kept[cell]["seed"] == best["seed"] and kept[cell]["label_nmi"] == best["label_nmi"]
+        assert (tmp_path / kept[cell]["run_dir"] / "eval" / "sweep_eval.json").is_file()
+        assert f"| {cell} | {best['seed']} of 2 | {best[sweep.KEEP_BY]:.4f} |" in md
     # front.png: one point per run (4), NMI against the posterior NLL of each run's report
     (front_panel,) = visible_axes(figures["front.png"])
     drawn = sorted(tuple(p) for c in front_panel.collections for p in c.get_offsets().tolist())
@@ -197,6 +228,7 @@ def test_sweep_command_line(tmp_path, data_file, monkeypatch, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "2 cells x 1 seeds = 2 runs" in printed and "| base,beta=0.01 |" in printed
+    assert "## The seed to keep" in printed and f"seed to keep per cell: {out / 'kept.json'}" in printed
     assert cli.main(["sweep", "--output-dir", str(out), "--set", "betta=1"]) == 2
     assert "unknown config field 'betta'" in capsys.readouterr().err
     # issue 23: a base config that sets seed or output_dir (configs/default.yaml does) is accepted, and the sweep

@@ -38,9 +38,11 @@ CENTERED_LORA = [*DEFAULT, "--centered-straight-through", *LORA]
 CENTERED_FULL = [*DEFAULT, "--centered-straight-through", "--decoder-training", "full", "--decoder-lr", "5e-5"]
 #: CENTERED_FULL with the latent between prompt and response, 240 steps (sections 14-16's centered-full-between*)
 CENTERED_FULL_BETWEEN = [*CENTERED_FULL, "--max-steps", "240", "--latent-placement", "between"]
-#: raw reconstruction (term 1 alone, the mean_last view: preset raw) with LORA: the likelihood to compare with
-RAW_LORA = ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
-            "--encoder-view", "mean_last", *LORA]  # fmt: skip
+#: raw reconstruction (term 1 alone, the mean_last view: preset raw)
+RAW = ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
+       "--encoder-view", "mean_last"]  # fmt: skip
+#: RAW with LORA: the likelihood to compare the LoRA recipes with
+RAW_LORA = [*RAW, *LORA]
 RECIPES = {
     "default": DEFAULT,
     "term3": ["--reconstruction-weight", "0", "--token-weighted-weight", "1", "--token-weight-alpha", "2",
@@ -139,6 +141,15 @@ RECIPES = {
     # the style's tokens, where the fixed shares put 72 % of the pool on style-in-content's content (section 7)
     "centered-full-between-random-attention": [*CENTERED_FULL_BETWEEN, "--codebook-init", "random",
                                                "--encoder-view", "token_weighted_attention"],
+    # centered-full-between-random trained longer (400 steps instead of 240): does the suffix that stays mixed
+    # (section 16) part with more steps?
+    "centered-full-between-random-400": [*CENTERED_FULL, "--max-steps", "400", "--latent-placement", "between",
+                                         "--codebook-init", "random"],
+    # raw reconstruction (term 1 alone, the mean_last view) with the whole decoder, the code between prompt and
+    # response from a random codebook: the likelihood to compare centered-full-between-random with, and whether
+    # term 3 and its view matter once the decoder can learn the content
+    "raw-full-between-random": [*RAW, "--decoder-training", "full", "--decoder-lr", "5e-5", "--max-steps", "240",
+                                "--latent-placement", "between", "--codebook-init", "random"],
     # centered-full with term 3's weights from the training model's own current NLL
     "centered-full-dynamic": [*CENTERED_FULL, "--token-weight-source", "dynamic", "--max-steps", "240"],
     # the attention view trained longer (400 steps instead of 120)
@@ -231,6 +242,11 @@ PLAN = [  # (set, recipe, seeds)
     ("two-factor", "centered-full-between-random", (0, 1)),
     ("style-in-echo", "centered-full-between-random", (0, 1)),
     ("style-in-content", "centered-full-between-random-attention", (0,)),
+    # section 17: longer training on the best seed, and raw reconstruction with the same decoder and placement
+    ("style-in-content", "centered-full-between-random-400", (1,)),
+    ("style-in-content", "raw-full-between-random", (1,)),
+    ("two-factor", "raw-full-between-random", (0,)),
+    ("style-in-echo", "raw-full-between-random", (0,)),
 ]
 
 

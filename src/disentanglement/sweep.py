@@ -19,6 +19,13 @@ Layout of the output directory::
     OUT/sweep.csv                       one row per (cell, seed): the cell's settings and every metric
     OUT/sweep.md, OUT/sweep.png         per cell: mean and 95% CI over seeds (Student t) of the headline metrics
     OUT/front.png                       NMI per factor against posterior NLL, one point per run (front.py)
+    OUT/kept.json                       per cell, the seed to keep: the highest latent gain (no labels needed)
+
+The seed to keep: seeds of one recipe can end on different partitions (a random start decides which factors two
+codes share), and a user without labels cannot read NMI. Per cell, ``sweep.md`` and ``kept.json`` name the seed
+whose latent gains most on the evaluation data (``latent_gain_nats_per_token``: the prior mixture's NLL minus the
+posterior's, what the codes tell the decoder beyond the prompt), with its NMI beside the cell's best where the data
+has labels (docs/what-the-cvae-adds.md, section 17, measured how often that is the best seed).
 
 Resumable: a (cell, seed) whose evaluation report exists is skipped; one whose training was
 interrupted resumes from its last checkpoint. The frozen pass is shared by every cell and seed (and
@@ -74,6 +81,8 @@ HEADLINE_METRICS = (
     "kl.total",
     "mutual_information",
 )
+#: The label-free measure a sweep keeps one seed of each cell by (the latent gain on the evaluation data).
+KEEP_BY = "latent_gain_nats_per_token"
 #: Fields a sweep sets itself.
 RESERVED = ("seed", "output_dir", "resume", "overwrite")
 #: What to do instead of setting a reserved field.
@@ -346,7 +355,9 @@ def run_sweep(
         rows.append(row)
     write_csv(rows, output_dir / "sweep.csv")
     summary = summarise(rows, list(spec.cells))
-    atomic_write(output_dir / "sweep.md", summary_markdown(summary, spec))
+    kept = kept_seeds(rows, list(spec.cells))
+    atomic_write(output_dir / "sweep.md", summary_markdown(summary, spec) + kept_markdown(kept, rows))
+    atomic_write(output_dir / "kept.json", json.dumps(kept, indent=2) + "\n")
     plot_summary(summary, output_dir / "sweep.png", rows)
     from .front import plot_front
 
@@ -471,6 +482,72 @@ def summary_markdown(summary: dict[str, dict[str, tuple[float, float, int]]], sp
     for cell, metrics in summary.items():
         settings = ", ".join(f"{k}={v}" for k, v in spec.cells[cell].items()) or "base"
         lines.append(f"| {cell} | {settings} | " + " | ".join(_format(*metrics[k]) for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def nmi_keys(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The latent's NMI keys the rows score (``factors.F.latent.nmi``, ``label_nmi``), in first-seen order."""
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row if (k == "label_nmi" or re.fullmatch(r"factors\..+\.latent\.nmi", k)) and k not in keys]
+    return keys
+
+
+def _finite(value: Any) -> float | None:
+    return value if isinstance(value, float) and math.isfinite(value) else None
+
+
+def kept_seeds(rows: Sequence[dict[str, Any]], cells: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per cell, the seed to keep: the one whose :data:`KEEP_BY` (latent gain on the evaluation data) is highest,
+    the lowest seed on a tie; a cell none of whose runs has a finite gain is left out. ``{cell: {"seed": S,
+    "run_dir": "runs/CELL/seed-S" (relative to the sweep's directory), KEEP_BY: gain, "seeds": n compared,
+    NMI key: that seed's NMI, for each NMI key its runs score}}``."""
+    kept: dict[str, dict[str, Any]] = {}
+    for cell in cells:
+        scored = [(_finite(r.get(KEEP_BY)), r) for r in rows if r["cell"] == cell]
+        scored = [(gain, r) for gain, r in scored if gain is not None]
+        if not scored:
+            continue
+        gain, row = max(scored, key=lambda pair: (pair[0], -pair[1]["seed"]))
+        kept[cell] = {
+            "seed": row["seed"],
+            "run_dir": spec_run_dir(Path(), cell, row["seed"]).as_posix(),
+            KEEP_BY: gain,
+            "seeds": len(scored),
+            **{k: row[k] for k in nmi_keys([row]) if _finite(row[k]) is not None},
+        }
+    return kept
+
+
+def kept_markdown(kept: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]]) -> str:
+    """sweep.md's section on the seed to keep: per cell, the seed, its latent gain and, per NMI key, its NMI beside
+    the cell's best seed's."""
+    if not kept:
+        return ""
+    keys = nmi_keys(rows)
+    lines = [
+        "",
+        "## The seed to keep",
+        "",
+        f"Per cell, the seed whose latent gains most on the evaluation data ({KEEP_BY}: the prior mixture's NLL "
+        "minus the posterior's), which needs no labels; where the data has labels, its NMI beside the cell's best "
+        "seed's. Its run directory is in kept.json.",
+        "",
+        "| cell | seed to keep | latent gain | " + " | ".join(f"{k} (best, seed)" for k in keys) + " |",
+        "| --- | ---: | ---: | " + " | ".join("---" for _ in keys) + " |",
+    ]
+    for cell, pick in kept.items():
+        entries = []
+        for key in keys:
+            scored = [(v, r["seed"]) for r in rows if r["cell"] == cell and (v := _finite(r.get(key))) is not None]
+            if key not in pick or not scored:
+                entries.append("-")
+                continue
+            best, seed = max(scored, key=lambda pair: (pair[0], -pair[1]))
+            entries.append(f"{pick[key]:.3f} ({best:.3f}, seed {seed})")
+        lines.append(
+            f"| {cell} | {pick['seed']} of {pick['seeds']} | {pick[KEEP_BY]:.4f} | " + " | ".join(entries) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -637,4 +714,5 @@ def _sweep_main(args: argparse.Namespace) -> int:
     print(f"table: {out / 'sweep.csv'}\nsummary: {out / 'sweep.md'}\nplot: {out / 'sweep.png'}")
     if (out / "front.png").is_file():
         print(f"front: {out / 'front.png'}")
+    print(f"seed to keep per cell: {out / 'kept.json'}")
     return 0
