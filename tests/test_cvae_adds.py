@@ -262,3 +262,42 @@ def test_seed_choice_keeps_the_highest_gain_and_compares_it_with_the_best_nmi(tm
     (tmp_path / "badly-named.json").write_text("{}")
     with pytest.raises(SystemExit, match="badly-named.json: expected a report named NAME-seed-S.json"):
         choice.main([str(tmp_path / "badly-named.json")])
+
+
+def test_view_probe_reads_the_view_the_encoder_and_its_codes(discrete_run, injected_loader, capsys):
+    """view_probe.py's encoder outputs are the model's on a fresh frozen pass, its codes the model's argmax codes;
+    a probe on separable rows scores 1; ``--values`` restricts the rows; a missing factor is named."""
+    import numpy as np
+    from sklearn.metrics import normalized_mutual_info_score
+
+    from disentanglement.data import collate
+    from disentanglement.runs import load_checkpoint, load_examples
+
+    probe = load("view_probe")
+    x = np.array([[0.0, 1.0], [0.1, 0.9], [1.0, 0.0], [0.9, 0.1]] * 3)
+    y = np.array(["a", "a", "b", "b"] * 3)
+    assert probe.probe_accuracy(x, y, x[:4], y[:4]) == 1.0 and probe.kmeans_nmi(x, y, 2) == pytest.approx(1.0)
+    model, tokenizer, config, *_ = load_checkpoint(discrete_run.run_dir, device="cpu")
+    examples, _ = load_examples(str(discrete_run.data_path), config, tokenizer, max_examples=40)
+    view, outputs = probe.view_and_outputs(model, examples, tokenizer.pad_token_id, batch_size=16)
+    with torch.no_grad():
+        fresh = model.frozen_pass(collate(examples, tokenizer.pad_token_id))
+        assert np.allclose(view, fresh.encoder_features.float().numpy(), atol=1e-5)
+        assert np.allclose(outputs, model.encoder_outputs(fresh)[:, 0].float().numpy(), atol=1e-5)
+        codes = model.posterior_summary(fresh).codes[:, 0].numpy()
+    labels = probe.labels(examples, "label", "--data")
+    lines = probe.report(model, examples, examples, "label", None, tokenizer.pad_token_id)
+    assert lines[0] == f"label: {len(examples)} held-out examples, probes fitted on {len(examples)}"
+    assert [line.split(" probe")[0].strip() for line in lines[1:5]] == [
+        "view: pool", "view: last token", "view: both", "encoder outputs e"
+    ]  # fmt: skip
+    assert lines[5] == f"  {'the codes':18s} NMI {normalized_mutual_info_score(labels, codes):.3f}"
+    two = sorted(set(labels))[:2]
+    assert probe.report(model, examples, examples, "label", two, tokenizer.pad_token_id)[0].startswith(
+        f"label ({two[0]} vs {two[1]}): {int(np.isin(labels, two).sum())} held-out examples"
+    )
+    with pytest.raises(SystemExit, match="--data example 1: no label 'style'"):
+        probe.labels(examples, "style", "--data")
+    assert probe.main([str(discrete_run.run_dir), "--train", str(discrete_run.data_path), "--data",
+                       str(discrete_run.data_path), "--factor", "label"]) == 0  # fmt: skip
+    assert "encoder outputs e" in capsys.readouterr().out

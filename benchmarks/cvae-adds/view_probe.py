@@ -1,0 +1,128 @@
+"""Where is a factor lost: in the encoder's view, in the trained encoder, or in the codebook? Section 17.
+
+    python benchmarks/cvae-adds/view_probe.py RUN --train TRAIN.jsonl --data HELDOUT.jsonl --factor style \
+        [--values signoff plain]
+
+For a factor of labelled data, the held-out accuracy of a linear probe (standardised logistic regression fitted on
+``--train``, scored on ``--data``) that reads the factor from:
+
+- the encoder's view, the frozen features the encoder reads (its pool of the response's states, then the last
+  token's state, then both: ``encoder_features``, from the run's frozen pass through the feature store);
+- the trained encoder's outputs ``e`` (before the codebook);
+
+beside the NMI with the factor of k-means of each (K = the codebook's size) and of the run's own codes (the nearest
+code to ``e``). A factor the view holds (probe near 1) but whose k-means NMI is low is one the view mixes with
+others, which only training can separate; a probe on ``e`` below the view's says the encoder did not learn to keep
+it apart; k-means of ``e`` above the codes' NMI says the codebook, not the encoder, mixes it. ``--values A B``
+restricts the probes to the examples of those values (e.g. the two styles the codes mix). A discrete run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+from disentanglement.data import collate, label_factors  # noqa: E402
+from disentanglement.runs import load_checkpoint, load_examples, stored_features  # noqa: E402
+
+
+def probe_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray) -> float:
+    """Held-out accuracy of standardised logistic regression (L2, C = 0.1) fitted on the training rows."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    classifier = make_pipeline(StandardScaler(), LogisticRegression(C=0.1, max_iter=3000, random_state=0))
+    return float(classifier.fit(train_x, train_y).score(test_x, test_y))
+
+
+def kmeans_nmi(x: np.ndarray, y: np.ndarray, k: int) -> float:
+    """NMI of ``y`` with k-means (``k`` clusters, 10 starts, seed 0) of the rows of ``x``."""
+    from sklearn.cluster import KMeans
+    from sklearn.metrics import normalized_mutual_info_score
+
+    return float(normalized_mutual_info_score(y, KMeans(k, n_init=10, random_state=0).fit_predict(x)))
+
+
+@torch.no_grad()
+def view_and_outputs(model, examples, pad_token_id: int, batch_size: int = 50) -> tuple[np.ndarray, np.ndarray]:
+    """``(view [E, 2H], encoder outputs of slot 0 [E, C])``: the frozen features the encoder reads (through the
+    feature store) and what the trained encoder makes of them."""
+    cache = stored_features(model, examples, pad_token_id, batch_size=16, progress=False)
+    outputs = []
+    for start in range(0, len(examples), batch_size):
+        stop = min(start + batch_size, len(examples))
+        batch = collate(examples[start:stop], pad_token_id, indices=list(range(start, stop)))
+        outputs.append(model.encoder_outputs(cache.features(batch))[:, 0].float().cpu())
+    return cache.encoder_features.float().cpu().numpy(), torch.cat(outputs).numpy()
+
+
+def labels(examples, factor: str, where: str) -> np.ndarray:
+    values = []
+    for i, example in enumerate(examples):
+        factors = label_factors(example.label) or {}
+        if factor not in factors:
+            raise SystemExit(f"{where} example {i + 1}: no label {factor!r} (its label: {example.label!r})")
+        values.append(str(factors[factor]))
+    return np.array(values)
+
+
+def report(model, train, test, factor: str, values: list[str] | None, pad_token_id: int) -> list[str]:
+    """The lines printed: per representation, the probe's held-out accuracy and k-means' NMI; the codes' NMI."""
+    from sklearn.metrics import normalized_mutual_info_score
+
+    (train_view, train_e), (test_view, test_e) = (view_and_outputs(model, ex, pad_token_id) for ex in (train, test))
+    train_y, test_y = labels(train, factor, "--train"), labels(test, factor, "--data")
+    codebook = model.codebook.detach().float().cpu().numpy()
+    codes = ((test_e[:, None, :] - codebook[None]) ** 2).sum(-1).argmin(1)
+    keep_train = np.ones(len(train_y), bool) if values is None else np.isin(train_y, values)
+    keep_test = np.ones(len(test_y), bool) if values is None else np.isin(test_y, values)
+    if not keep_test.any() or len(set(train_y[keep_train])) < 2:
+        raise SystemExit(f"--values {values}: too few examples of those values of {factor!r} to probe")
+    half = train_view.shape[1] // 2
+    parts = {
+        "view: pool": (slice(0, half), train_view, test_view),
+        "view: last token": (slice(half, None), train_view, test_view),
+        "view: both": (slice(None), train_view, test_view),
+        "encoder outputs e": (slice(None), train_e, test_e),
+    }
+    k = model.codebook_size
+    which = f"{factor}" + ("" if values is None else f" ({' vs '.join(values)})")
+    lines = [f"{which}: {keep_test.sum()} held-out examples, probes fitted on {keep_train.sum()}"]
+    for name, (columns, train_x, test_x) in parts.items():
+        accuracy = probe_accuracy(
+            train_x[keep_train][:, columns], train_y[keep_train], test_x[keep_test][:, columns], test_y[keep_test]
+        )
+        nmi = kmeans_nmi(test_x[keep_test][:, columns], test_y[keep_test], k)
+        lines.append(f"  {name:18s} probe accuracy {accuracy:.3f}, k-means ({k}) NMI {nmi:.3f}")
+    codes_nmi = normalized_mutual_info_score(test_y[keep_test], codes[keep_test])
+    lines.append(f"  {'the codes':18s} NMI {codes_nmi:.3f}")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run", help="a discrete run directory or checkpoint")
+    parser.add_argument("--train", required=True, help="labelled rows to fit the probes on (a JSONL file)")
+    parser.add_argument("--data", required=True, help="labelled held-out rows to score them on (a JSONL file)")
+    parser.add_argument("--factor", required=True, help="the label's factor to probe")
+    parser.add_argument("--values", nargs="+", default=None, help="only the examples of these values")
+    args = parser.parse_args(argv)
+    model, tokenizer, config, *_ = load_checkpoint(args.run, device="cpu")
+    if not hasattr(model, "codebook"):
+        raise SystemExit(f"{args.run}: a discrete run is needed (this one's latent has no codebook)")
+    train, _ = load_examples(args.train, config, tokenizer)
+    test, _ = load_examples(args.data, config, tokenizer)
+    print("\n".join(report(model, train, test, args.factor, args.values, tokenizer.pad_token_id)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
