@@ -249,10 +249,19 @@ def test_seed_choice_keeps_the_highest_gain_and_compares_it_with_the_best_nmi(tm
         }
         (tmp_path / f"set-recipe-seed-{seed}.json").write_text(json.dumps(body))
     (tmp_path / "set-recipe-seed-0-guided-5.json").write_text("not read")  # guided re-evaluations are left out
+    (tmp_path / "set-recipe-seed-7.json").write_text(json.dumps({"factors": body["factors"]}))  # no gain: left out
     (tmp_path / "alone-seed-0.json").write_text(json.dumps(body))  # one seed: nothing to choose
+    for seed, gain in ((0, 0.02), (1, 0.03)):  # two seeds of equal NMI: the kept one is the best; no Spearman
+        tie = {"latent_gain_nats_per_token": gain, "factors": {"word": {"latent": {"nmi": 1.0}}}}
+        (tmp_path / f"tie-seed-{seed}.json").write_text(json.dumps(tie))
     assert choice.main([str(p) for p in sorted(tmp_path.iterdir())]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines == [
+    assert lines[-2:] == [
+        "tie: keeps seed 1 of 2",
+        "  word: gain / NMI by gain: s1 +0.0300 / 1.000, s0 +0.0200 / 1.000; kept 1.000, best 1.000 (seed 0) = kept, "
+        "Spearman -",
+    ]
+    assert lines[:-2] == [
         "set-recipe: keeps seed 1 of 3",
         "  style: gain / NMI by gain: s1 +0.0600 / 0.740, s0 +0.0500 / 0.560, s2 +0.0100 / 0.800; kept 0.740, "
         "best 0.800 (seed 2), Spearman -0.50",
@@ -298,6 +307,8 @@ def test_view_probe_reads_the_view_the_encoder_and_its_codes(discrete_run, injec
     )
     with pytest.raises(SystemExit, match="--data example 1: no label 'style'"):
         probe.labels(examples, "style", "--data")
+    with pytest.raises(SystemExit, match="--train: fewer than two values of 'label' to probe among"):
+        probe.report(model, examples, examples, "label", two[:1], tokenizer.pad_token_id)
     assert probe.main([str(discrete_run.run_dir), "--train", str(discrete_run.data_path), "--data",
                        str(discrete_run.data_path), "--factor", "label"]) == 0  # fmt: skip
     assert "encoder outputs e" in capsys.readouterr().out

@@ -125,21 +125,29 @@ def test_the_seed_to_keep_is_the_highest_latent_gain_and_needs_no_labels():
         {"cell": "a", "seed": 0, gain: 0.010, nmi: 0.30, "label_nmi": 0.2},
         {"cell": "a", "seed": 1, gain: 0.050, nmi: 0.70, "label_nmi": 0.6},
         {"cell": "a", "seed": 2, gain: 0.030, nmi: 0.90, "label_nmi": 0.1},
+        {"cell": "a", "seed": 4, nmi: 0.99},  # no gain (a run whose report has none): neither kept nor the best
         {"cell": "b", "seed": 3, gain: 0.020},  # a tie: the lower seed; no labels: no NMI
         {"cell": "b", "seed": 1, gain: 0.020},
         {"cell": "c", "seed": 0, gain: math.nan, nmi: 0.5},  # no finite gain: no seed to keep
     ]
     kept = sweep.kept_seeds(rows, ["a", "b", "c"])
-    assert kept == {
-        "a": {"seed": 1, "run_dir": "runs/a/seed-1", gain: 0.05, "seeds": 3, nmi: 0.70, "label_nmi": 0.6},
+    assert kept == {  # label_nmi is factors.label.latent.nmi's twin: the named factors' NMI is kept
+        "a": {"seed": 1, "run_dir": "runs/a/seed-1", gain: 0.05, "seeds": 3, nmi: 0.70},
         "b": {"seed": 1, "run_dir": "runs/b/seed-1", gain: 0.02, "seeds": 2},
     }
     md = sweep.kept_markdown(kept, rows)
-    assert "## The seed to keep" in md
-    assert f"| cell | seed to keep | latent gain | {nmi} (best, seed) | label_nmi (best, seed) |" in md
-    assert "| a | 1 of 3 | 0.0500 | 0.700 (0.900, seed 2) | 0.600 (0.600, seed 1) |" in md
-    assert "| b | 1 of 2 | 0.0200 | - | - |" in md and "| c |" not in md
+    assert "## The seed to keep" in md and "4 of 10" in md
+    assert "| cell | seed to keep | latent gain | NMI with style (the best seed's) |" in md
+    assert "| a | 1 of 3 | 0.0500 | 0.700 (0.900, seed 2) |" in md
+    assert "| b | 1 of 2 | 0.0200 | - |" in md and "| c |" not in md
     assert sweep.kept_markdown({}, rows) == ""
+    # no labels at all (the case this is for): no NMI column; a string label: one column, label_nmi
+    unlabelled = [{"cell": "b", "seed": s, gain: g} for s, g in ((0, 0.01), (1, 0.03))]
+    md = sweep.kept_markdown(sweep.kept_seeds(unlabelled, ["b"]), unlabelled)
+    assert "| cell | seed to keep | latent gain |\n| --- | ---: | ---: |\n| b | 1 of 2 | 0.0300 |\n" in md
+    labelled = [dict(r, label_nmi=0.4 + r["seed"] / 10) for r in unlabelled]
+    md = sweep.kept_markdown(sweep.kept_seeds(labelled, ["b"]), labelled)
+    assert "| NMI with the label (the best seed's) |" in md and "| b | 1 of 2 | 0.0300 | 0.500 (0.500, seed 1) |" in md
 
 
 def test_sweep_runs_every_cell_and_seed_resumes_and_skips_what_is_done(tmp_path, data_file, monkeypatch):
@@ -171,7 +179,7 @@ def test_sweep_runs_every_cell_and_seed_resumes_and_skips_what_is_done(tmp_path,
     for cell in ("raw", "term3"):
         runs = [r for r in rows if r["cell"] == cell]
         best = max(runs, key=lambda r: (r[sweep.KEEP_BY], -r["seed"]))
-        assert kept[cell]["seed"] == best["seed"] and kept[cell]["label_nmi"] == best["label_nmi"]
+        assert kept[cell]["seed"] == best["seed"] and kept[cell]["factors.label.latent.nmi"] == best["label_nmi"]
         assert (tmp_path / kept[cell]["run_dir"] / "eval" / "sweep_eval.json").is_file()
         assert f"| {cell} | {best['seed']} of 2 | {best[sweep.KEEP_BY]:.4f} |" in md
     # front.png: one point per run (4), NMI against the posterior NLL of each run's report

@@ -6,8 +6,8 @@ Groups eval reports (``disentangle eval``'s JSON, run.py's ``NAME-seed-S.json``;
 out) by their run's name, one group per (set, recipe); in each group of two seeds or more, ranks the seeds by
 ``latent_gain_nats_per_token`` (the prior mixture's NLL minus the posterior's, measured without labels) and prints,
 per factor, each seed's NMI, the seed ``disentangle sweep`` keeps (``sweep.kept_seeds``: the highest gain),
-whether that is the seed of the best NMI, how far below the best it is, and the rank correlation (Spearman) of gain
-and NMI over the group's seeds.
+whether its NMI is the best one (a tie counts), and, with three seeds or more, the rank correlation (Spearman) of
+gain and NMI over the group's seeds. Reports without a finite gain are left out.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ from pathlib import Path
 
 from scipy.stats import spearmanr
 
-from disentanglement.sweep import KEEP_BY, flatten_report, kept_seeds
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+from disentanglement.sweep import KEEP_BY, flatten_report, kept_seeds  # noqa: E402
 
 
 def groups(paths: list[Path]) -> dict[str, list[dict]]:
@@ -39,21 +42,26 @@ def groups(paths: list[Path]) -> dict[str, list[dict]]:
 def main(argv: list[str]) -> int:
     paths = [Path(p) for p in argv if "-guided-" not in Path(p).name]
     for name, rows in groups(paths).items():
+        rows = [r for r in rows if KEEP_BY in r]  # flatten_report leaves out a gain that is not finite
         if len(rows) < 2:
             continue
         keep = kept_seeds(rows, [name])[name]["seed"]
         print(f"{name}: keeps seed {keep} of {len(rows)}")
-        factors = sorted({k for r in rows for k in r if re.fullmatch(r"factors\..+\.latent\.nmi", k)})
-        for key in factors:
-            by_gain = sorted(rows, key=lambda r: -r[KEEP_BY])
-            best = max(rows, key=lambda r: r[key])
-            kept = next(r for r in rows if r["seed"] == keep)
-            gains, nmis = [r[KEEP_BY] for r in rows], [r[key] for r in rows]
-            rho = spearmanr(gains, nmis).statistic if len(set(gains)) > 1 and len(set(nmis)) > 1 else None
-            seeds = ", ".join(f"s{r['seed']} {r[KEEP_BY]:+.4f} / {r[key]:.3f}" for r in by_gain)
+        factors = {k: m.group(1) for r in rows for k in r if (m := re.fullmatch(r"factors\.(.+)\.latent\.nmi", k))}
+        for key, factor in sorted(factors.items()):
+            scored = sorted((r for r in rows if key in r), key=lambda r: (-r[KEEP_BY], r["seed"]))
+            kept = next((r for r in scored if r["seed"] == keep), None)
+            if kept is None:
+                print(f"  {factor}: the kept seed has no NMI")
+                continue
+            best = max(scored, key=lambda r: (r[key], -r["seed"]))
+            gains, nmis = [r[KEEP_BY] for r in scored], [r[key] for r in scored]
+            rho = spearmanr(gains, nmis).statistic if len(scored) > 2 and len(set(nmis)) > 1 else None
+            seeds = ", ".join(f"s{r['seed']} {r[KEEP_BY]:+.4f} / {r[key]:.3f}" for r in scored)
+            verdict = " = kept" if kept[key] == best[key] else ""
             print(
-                f"  {key.split('.')[1]}: gain / NMI by gain: {seeds}; kept {kept[key]:.3f}, best {best[key]:.3f} "
-                f"(seed {best['seed']}){' = kept' if best['seed'] == keep else ''}, Spearman {'-' if rho is None else f'{rho:+.2f}'}"
+                f"  {factor}: gain / NMI by gain: {seeds}; kept {kept[key]:.3f}, best {best[key]:.3f} "
+                f"(seed {best['seed']}){verdict}, Spearman {'-' if rho is None else f'{rho:+.2f}'}"
             )
     return 0
 

@@ -14,7 +14,8 @@ beside the NMI with the factor of k-means of each (K = the codebook's size) and 
 code to ``e``). A factor the view holds (probe near 1) but whose k-means NMI is low is one the view mixes with
 others, which only training can separate; a probe on ``e`` below the view's says the encoder did not learn to keep
 it apart; k-means of ``e`` above the codes' NMI says the codebook, not the encoder, mixes it. ``--values A B``
-restricts the probes to the examples of those values (e.g. the two styles the codes mix). A discrete run only.
+restricts the probes to the examples of those values (e.g. the two styles the codes mix). A discrete run whose
+encoder reads the cached view only (not the attention views, not ``encoder_lora_layers``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
+from disentanglement.cvae_base import ATTENTION_VIEWS  # noqa: E402
 from disentanglement.data import collate, label_factors  # noqa: E402
 from disentanglement.runs import load_checkpoint, load_examples, stored_features  # noqa: E402
 
@@ -84,8 +86,9 @@ def report(model, train, test, factor: str, values: list[str] | None, pad_token_
     codes = ((test_e[:, None, :] - codebook[None]) ** 2).sum(-1).argmin(1)
     keep_train = np.ones(len(train_y), bool) if values is None else np.isin(train_y, values)
     keep_test = np.ones(len(test_y), bool) if values is None else np.isin(test_y, values)
-    if not keep_test.any() or len(set(train_y[keep_train])) < 2:
-        raise SystemExit(f"--values {values}: too few examples of those values of {factor!r} to probe")
+    for where, kept in (("--train", train_y[keep_train]), ("--data", test_y[keep_test])):
+        if len(set(kept)) < 2:
+            raise SystemExit(f"{where}: fewer than two values of {factor!r} to probe among {values or 'its rows'}")
     half = train_view.shape[1] // 2
     parts = {
         "view: pool": (slice(0, half), train_view, test_view),
@@ -118,6 +121,12 @@ def main(argv=None) -> int:
     model, tokenizer, config, *_ = load_checkpoint(args.run, device="cpu")
     if not hasattr(model, "codebook"):
         raise SystemExit(f"{args.run}: a discrete run is needed (this one's latent has no codebook)")
+    latent = config.latent
+    if latent.encoder_view in ATTENTION_VIEWS or latent.encoder_lora_layers > 0:
+        raise SystemExit(
+            f"{args.run}: its encoder reads its own pool (encoder_view {latent.encoder_view!r}, encoder_lora_layers "
+            f"{latent.encoder_lora_layers}), not the cached view this script probes"
+        )
     train, _ = load_examples(args.train, config, tokenizer)
     test, _ = load_examples(args.data, config, tokenizer)
     print("\n".join(report(model, train, test, args.factor, args.values, tokenizer.pad_token_id)))
