@@ -23,6 +23,7 @@ from scipy.stats import spearmanr
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
+from disentanglement.front import front_factors  # noqa: E402
 from disentanglement.sweep import KEEP_BY, flatten_report, kept_seeds  # noqa: E402
 
 
@@ -47,8 +48,7 @@ def main(argv: list[str]) -> int:
             continue
         keep = kept_seeds(rows, [name])[name]["seed"]
         print(f"{name}: keeps seed {keep} of {len(rows)}")
-        factors = {k: m.group(1) for r in rows for k in r if (m := re.fullmatch(r"factors\.(.+)\.latent\.nmi", k))}
-        for key, factor in sorted(factors.items()):
+        for factor, key in sorted(front_factors(rows), key=lambda pair: pair[1]):
             scored = sorted((r for r in rows if key in r), key=lambda r: (-r[KEEP_BY], r["seed"]))
             kept = next((r for r in scored if r["seed"] == keep), None)
             if kept is None:

@@ -64,6 +64,7 @@ from .config import (
     read_config_file,
     unknown_field_message,
 )
+from .front import front_factors, plot_front
 from .safe_io import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -359,8 +360,6 @@ def run_sweep(
     atomic_write(output_dir / "sweep.md", summary_markdown(summary, spec) + kept_markdown(kept, rows))
     atomic_write(output_dir / "kept.json", json.dumps(kept, indent=2) + "\n")
     plot_summary(summary, output_dir / "sweep.png", rows)
-    from .front import plot_front
-
     plot_front(rows, output_dir / "front.png")  # NMI against posterior NLL, one point per run
     return rows
 
@@ -485,17 +484,6 @@ def summary_markdown(summary: dict[str, dict[str, tuple[float, float, int]]], sp
     return "\n".join(lines) + "\n"
 
 
-def nmi_keys(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The latent's NMI keys the rows score (``factors.F.latent.nmi``, else a string label's ``label_nmi``, which
-    equals ``factors.label.latent.nmi``), in first-seen order."""
-    keys: list[str] = []
-    for row in rows:
-        keys += [k for k in row if re.fullmatch(r"factors\..+\.latent\.nmi", k) and k not in keys]
-    if not keys and any("label_nmi" in row for row in rows):
-        keys.append("label_nmi")
-    return keys
-
-
 def _finite(value: Any) -> float | None:
     return value if isinstance(value, float) and math.isfinite(value) else None
 
@@ -521,14 +509,9 @@ def kept_seeds(rows: Sequence[dict[str, Any]], cells: Sequence[str]) -> dict[str
             "run_dir": spec_run_dir(Path(), cell, row["seed"]).as_posix(),
             KEEP_BY: row[KEEP_BY],
             "seeds": len(compared),
-            **{k: row[k] for k in nmi_keys([row]) if _finite(row[k]) is not None},
+            **{k: row[k] for _, k in front_factors([row]) if _finite(row[k]) is not None},
         }
     return kept
-
-
-def _nmi_column(key: str) -> str:
-    match = re.fullmatch(r"factors\.(.+)\.latent\.nmi", key)
-    return f"NMI with {match.group(1) if match else 'the label'} (the best seed's)"
 
 
 def kept_markdown(kept: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]]) -> str:
@@ -536,7 +519,9 @@ def kept_markdown(kept: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]
     the best NMI among the same runs (those with a gain)."""
     if not kept:
         return ""
-    keys = nmi_keys([r for cell in kept for r in _compared(rows, cell)])
+    # (factor name, NMI key): factors.F.latent.nmi, else a string label's label_nmi (its twin factors.label's)
+    factors = front_factors([r for cell in kept for r in _compared(rows, cell)])
+    keys = [key for _, key in factors]
     lines = [
         "",
         "## The seed to keep",
@@ -548,7 +533,12 @@ def kept_markdown(kept: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]
         "seed of the highest gain held the hidden factor best in every group of seeds; with the frozen decoder in "
         "4 of 10.",
         "",
-        "| " + " | ".join(["cell", "seed to keep", "latent gain", *map(_nmi_column, keys)]) + " |",
+        "| "
+        + " | ".join(["cell", "seed to keep", "latent gain"])
+        + "".join(
+            f" | NMI with {'the label' if key == 'label_nmi' else name} (the best seed's)" for name, key in factors
+        )
+        + " |",
         "| " + " | ".join(["---", "---:", "---:", *("---" for _ in keys)]) + " |",
     ]
     for cell, pick in kept.items():
