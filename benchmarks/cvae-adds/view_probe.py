@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from disentanglement.cvae_base import ATTENTION_VIEWS  # noqa: E402
 from disentanglement.data import collate, label_factors  # noqa: E402
+from disentanglement.metrics import kmeans_assignments  # noqa: E402
 from disentanglement.runs import load_checkpoint, load_examples, stored_features  # noqa: E402
 
 
@@ -46,11 +47,10 @@ def probe_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
 
 
 def kmeans_nmi(x: np.ndarray, y: np.ndarray, k: int) -> float:
-    """NMI of ``y`` with k-means (``k`` clusters, 10 starts, seed 0) of the rows of ``x``."""
-    from sklearn.cluster import KMeans
+    """NMI of ``y`` with k-means (``k`` clusters, seed 0) of the rows of ``x``: eval's k-means baselines'."""
     from sklearn.metrics import normalized_mutual_info_score
 
-    return float(normalized_mutual_info_score(y, KMeans(k, n_init=10, random_state=0).fit_predict(x)))
+    return float(normalized_mutual_info_score(y, kmeans_assignments(x, k, seed=0)))
 
 
 @torch.no_grad()
@@ -82,8 +82,8 @@ def report(model, train, test, factor: str, values: list[str] | None, pad_token_
 
     (train_view, train_e), (test_view, test_e) = (view_and_outputs(model, ex, pad_token_id) for ex in (train, test))
     train_y, test_y = labels(train, factor, "--train"), labels(test, factor, "--data")
-    codebook = model.codebook.detach().float().cpu().numpy()
-    codes = ((test_e[:, None, :] - codebook[None]) ** 2).sum(-1).argmin(1)
+    with torch.no_grad():  # the run's own codes: the argmax of its posterior logits (the nearest code) for slot 0
+        codes = model.posterior_logits(torch.as_tensor(test_e).unsqueeze(1)).argmax(-1)[:, 0].numpy()
     keep_train = np.ones(len(train_y), bool) if values is None else np.isin(train_y, values)
     keep_test = np.ones(len(test_y), bool) if values is None else np.isin(test_y, values)
     for where, kept in (("--train", train_y[keep_train]), ("--data", test_y[keep_test])):
