@@ -34,10 +34,14 @@ DEFAULT = [*TERMS_1_3, "--encoder-view", "token_weighted"]
 LORA = ["--decoder-training", "lora", "--decoder-lr", "1e-3"]
 #: the default with the centred straight-through and LORA (section 6's centered-lora); its variants add to it
 CENTERED_LORA = [*DEFAULT, "--centered-straight-through", *LORA]
-#: the default with the centred straight-through and the whole decoder fine-tuned (section 12's centered-full)
-CENTERED_FULL = [*DEFAULT, "--centered-straight-through", "--decoder-training", "full", "--decoder-lr", "5e-5"]
+#: the whole decoder fine-tuned (float32 weights, the z-free reference a frozen copy)
+FULL = ["--decoder-training", "full", "--decoder-lr", "5e-5"]
+#: the default with the centred straight-through and FULL (section 12's centered-full)
+CENTERED_FULL = [*DEFAULT, "--centered-straight-through", *FULL]
 #: CENTERED_FULL with the latent between prompt and response, 240 steps (sections 14-16's centered-full-between*)
 CENTERED_FULL_BETWEEN = [*CENTERED_FULL, "--max-steps", "240", "--latent-placement", "between"]
+#: the code between prompt and response from a random codebook (sections 15-17's *-between-random)
+BETWEEN_RANDOM = ["--latent-placement", "between", "--codebook-init", "random"]
 #: raw reconstruction (term 1 alone, the mean_last view: preset raw)
 RAW = ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
        "--encoder-view", "mean_last"]  # fmt: skip
@@ -143,8 +147,7 @@ RECIPES = {
                                                "--encoder-view", "token_weighted_attention"],
     # centered-full-between-random trained longer (400 steps instead of 240): does the suffix that stays mixed
     # (section 16) part with more steps?
-    "centered-full-between-random-400": [*CENTERED_FULL, "--max-steps", "400", "--latent-placement", "between",
-                                         "--codebook-init", "random"],
+    "centered-full-between-random-400": [*CENTERED_FULL, "--max-steps", "400", *BETWEEN_RANDOM],
     # centered-full-between-random with a fifth of the commitment weight (0.05): the trained encoder's outputs mix
     # style-in-content's suffix styles though its view holds them (a linear probe: 1.000 on the view, 0.90 on the
     # outputs); does the commitment loss, which pulls each output to its code, hold them in their mixed codes?
@@ -153,8 +156,7 @@ RECIPES = {
     # raw reconstruction (term 1 alone, the mean_last view) with the whole decoder, the code between prompt and
     # response from a random codebook: the likelihood to compare centered-full-between-random with, and whether
     # term 3 and its view matter once the decoder can learn the content
-    "raw-full-between-random": [*RAW, "--decoder-training", "full", "--decoder-lr", "5e-5", "--max-steps", "240",
-                                "--latent-placement", "between", "--codebook-init", "random"],
+    "raw-full-between-random": [*RAW, *FULL, "--max-steps", "240", *BETWEEN_RANDOM],
     # centered-full with term 3's weights from the training model's own current NLL
     "centered-full-dynamic": [*CENTERED_FULL, "--token-weight-source", "dynamic", "--max-steps", "240"],
     # the attention view trained longer (400 steps instead of 120)
