@@ -238,6 +238,10 @@ def test_what_codes_hold_counts_each_codes_values(tmp_path, capsys):
     latents.write_text("\n")
     with pytest.raises(ValueError, match="latents.jsonl holds no rows"):
         what.per_code(latents, "style")
+    # --key decoder_codes: the decoder's own likeliest codes instead of the encoder's
+    latents.write_text("".join(json.dumps({"label": l, "codes": [c], "decoder_codes": [1]}) + "\n" for l, c in rows))
+    assert what.main(["--per-code", "style", "--key", "decoder_codes", str(latents)]) == 0
+    assert capsys.readouterr().out.splitlines()[2:] == ["| | 1 | 2 | 1 | 1 | 4 |"]
 
 
 def test_seed_choice_keeps_the_highest_gain_and_compares_it_with_the_best_nmi(tmp_path, capsys):

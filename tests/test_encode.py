@@ -106,8 +106,11 @@ def model_cache_examples(run, data=None, max_examples=None):
 
 def test_discrete_rows_match_eval(discrete_encoded, discrete_run):
     rows, report = discrete_encoded
-    assert all(list(r) == [*COMMON_KEYS, *DISCRETE_KEYS] for r in rows)
+    # the exact mixture decodes every code: the decoder's own likeliest code per slot comes with each row
+    assert all(list(r) == [*COMMON_KEYS, *DISCRETE_KEYS, "decoder_codes"] for r in rows)
     check_against_eval(rows, report, discrete_run)
+    same = np.mean([r["codes"] == r["decoder_codes"] for r in rows])
+    assert same == pytest.approx(report["decoder_posterior"]["agreement"])
     assert report["latent_gain_nats_per_token"] > 0  # the tiny run uses its latent
 
 
@@ -359,7 +362,7 @@ def test_encode_pairs_equals_the_encode_file(discrete_encoded, discrete_run):
     as_tuples = encode_pairs(model, tokenizer, config, [(r["prompt"], r["response"], r["label"]) for r in chosen])
     assert [r["source"] for r in as_tuples] == [f"pair:{i}" for i in range(6)]
     for mine, theirs in zip(as_tuples, chosen, strict=True):
-        assert list(mine) == [*COMMON_KEYS, *DISCRETE_KEYS]
+        assert list(mine) == [*COMMON_KEYS, *DISCRETE_KEYS, "decoder_codes"]
         assert mine["codes"] == theirs["codes"] and mine["label"] == theirs["label"]
         np.testing.assert_allclose(mine["posterior"], theirs["posterior"], rtol=1e-5, atol=1e-7)
         assert mine["kl"] == pytest.approx(theirs["kl"], rel=1e-5, abs=1e-7)

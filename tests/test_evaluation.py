@@ -211,7 +211,8 @@ def test_two_factor_report_through_run_eval(discrete_run, tmp_path):
         e = report["factors"][name]
         assert (
             f"factor {name}: NMI {e['latent']['nmi']:.2f} (encoder k-means {e['encoder_kmeans']['nmi']:.2f}, "
-            f"prior k-means {e['prior_kmeans']['nmi']:.2f}, random {e['random']['nmi']:.2f})"
+            f"prior k-means {e['prior_kmeans']['nmi']:.2f}, random {e['random']['nmi']:.2f}, the decoder's "
+            f"posterior {report['decoder_posterior']['factors'][name]['decoder']:.2f})"
         ) in lines
     summary = md_path.read_text()
     assert "### factor factor" in summary and "### factor noise" in summary

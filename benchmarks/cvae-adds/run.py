@@ -153,6 +153,16 @@ RECIPES = {
     # outputs); does the commitment loss, which pulls each output to its code, hold them in their mixed codes?
     "centered-full-between-random-commit": [*CENTERED_FULL_BETWEEN, "--codebook-init", "random",
                                             "--commitment-weight", "0.05"],
+    # centered-full-between-random whose encoder, from step 120 (half way), also learns the decoder's own exact
+    # posterior of the codes, r ∝ p(k | x) p(y | x, k) (section 18): the sequence likelihood counts a suffix decided at
+    # one position in full, where the encoder's outputs kept style-in-content's suffix along a minor direction only
+    "centered-full-between-random-dpost": [*CENTERED_FULL_BETWEEN, "--codebook-init", "random",
+                                           "--decoder-posterior-weight", "1", "--decoder-posterior-start", "120"],
+    # that with the hard target: the cross-entropy of the decoder's likeliest code, reaching the encoder only (the
+    # soft KL, which also moved the codebook the decoder reads, lowered seeds 0 and 1)
+    "centered-full-between-random-dpost-hard": [*CENTERED_FULL_BETWEEN, "--codebook-init", "random",
+                                                "--decoder-posterior-weight", "1", "--decoder-posterior-start", "120",
+                                                "--decoder-posterior-target", "hard"],
     # raw reconstruction (term 1 alone, the mean_last view) with the whole decoder, the code between prompt and
     # response from a random codebook: the likelihood to compare centered-full-between-random with, and whether
     # term 3 and its view matter once the decoder can learn the content
@@ -255,6 +265,9 @@ PLAN = [  # (set, recipe, seeds)
     ("two-factor", "raw-full-between-random", (0,)),
     ("style-in-echo", "raw-full-between-random", (0,)),
     ("style-in-content", "centered-full-between-random-commit", (1,)),
+    # section 18: the decoder's own posterior of the codes teaching the encoder
+    ("style-in-content", "centered-full-between-random-dpost", (0, 1)),
+    ("style-in-content", "centered-full-between-random-dpost-hard", (0, 1)),
 ]
 
 

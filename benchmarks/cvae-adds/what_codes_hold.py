@@ -61,10 +61,10 @@ def factors(row: dict) -> dict[str, object]:
     }
 
 
-def table(path: Path) -> list[str]:
+def table(path: Path, key: str = "codes") -> list[str]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     values = [factors(row) for row in rows]
-    codes = [row["codes"] for row in rows]
+    codes = [row[key] for row in rows]
     slots = len(codes[0])
     columns = {f"slot {m}": [c[m] for c in codes] for m in range(slots)}
     if slots > 1:
@@ -80,15 +80,15 @@ def table(path: Path) -> list[str]:
     return out
 
 
-def per_code(path: Path, factor: str) -> list[str]:
+def per_code(path: Path, factor: str, key: str = "codes") -> list[str]:
     """Per code of the first slot, how many of its examples have each value of label ``factor``: table rows."""
     counts: dict[int, Counter] = {}
     for number, row in enumerate(read_latents(path).rows, 1):  # JSONL or Parquet, checked as generate's --latents
-        label, codes = label_factors(row.get("label")) or {}, row.get("codes")
+        label, codes = label_factors(row.get("label")) or {}, row.get(key)
         if factor not in label:
             raise ValueError(f"{path} row {number}: no label {factor!r} (labels: {sorted(label)})")
         if not isinstance(codes, list) or not codes:
-            raise ValueError(f"{path} row {number}: no 'codes' (a discrete CVAE's encode output has them)")
+            raise ValueError(f"{path} row {number}: no {key!r} (a discrete CVAE's encode output has them)")
         counts.setdefault(codes[0], Counter())[str(label[factor])] += 1
     values = sorted({value for count in counts.values() for value in count})
     header = f"| {path.parent.name}/{path.stem} | code | " + " | ".join(values) + " | examples |"
@@ -103,14 +103,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--per-code", metavar="FACTOR", help="count each code's examples per value of this label")
+    parser.add_argument(
+        "--key",
+        default="codes",
+        choices=("codes", "decoder_codes"),
+        help="the encoder's codes, or the decoder's own likeliest (encode writes them where the mixture is exact)",
+    )
     args = parser.parse_args(argv)
     if args.per_code is not None:
-        print("\n\n".join("\n".join(per_code(path, args.per_code)) for path in args.files))
+        print("\n\n".join("\n".join(per_code(path, args.per_code, args.key)) for path in args.files))
         return 0
     print("| latents | codes of | used | " + " | ".join(f"NMI {f}" for f in FACTORS) + " |")
     print("| --- | --- | --- |" + " --- |" * len(FACTORS))
     for path in args.files:
-        print("\n".join(table(path)))
+        print("\n".join(table(path, args.key)))
     return 0
 
 

@@ -210,10 +210,17 @@ def eval_summary_lines(report: dict) -> list[str]:
             f"labels: NMI {report['label_nmi']:.3f}, ARI {report['label_ari']:.3f}, homogeneity "
             f"{report['label_homogeneity']:.3f}, completeness {report['label_completeness']:.3f}"
         )
+    decoder = report.get("decoder_posterior")
     for name, entry in (report.get("factors") or {}).items():
+        own = f", the decoder's posterior {decoder['factors'][name]['decoder']:.2f}" if decoder else ""
         lines.append(
             f"factor {name}: NMI {entry['latent']['nmi']:.2f} (encoder k-means {entry['encoder_kmeans']['nmi']:.2f}, "
-            f"prior k-means {entry['prior_kmeans']['nmi']:.2f}, random {entry['random']['nmi']:.2f})"
+            f"prior k-means {entry['prior_kmeans']['nmi']:.2f}, random {entry['random']['nmi']:.2f}{own})"
+        )
+    if decoder:
+        lines.append(
+            f"the encoder's code is the decoder's likeliest (argmax p(k | x) p(y | x, k)) on "
+            f"{decoder['agreement']:.0%} of the examples"
         )
     lines.append(f"verdict: {result['verdict']} ({result['reason']})")
     if "controllability" in report:

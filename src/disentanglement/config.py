@@ -347,6 +347,10 @@ class ReconstructionLossConfig:
         _number(self, "zfree_reference_scale", low=0, low_open=True, optional=True)
 
 
+#: decoder_posterior_weight: at most this many code combinations (K^M), each one decoder pass a step.
+DECODER_POSTERIOR_LIMIT = 64
+
+
 @dataclass
 class LatentConfig:
     """The latent variable: family, size, injection and the discrete assignment recipe."""
@@ -429,6 +433,24 @@ class LatentConfig:
     dead_code_steps: int = option(
         10, "Nearest: a code unused for this many steps restarts at a recent encoder output (0 = never)."
     )
+    decoder_posterior_weight: float = option(
+        0.0,
+        "Discrete: weight of KL(r || q), which trains the encoder's posterior q(k | x, y) (the softmax of its "
+        "logits) towards r(k | x, y), the exact posterior of the codes under the current decoder: "
+        "r ∝ p(k | x) p(y | x, k), every code's sequence likelihood scored by a decoder pass without gradients "
+        "(K^M - 1 more passes a step, the chosen code's reused), per slot the marginal. It reaches the encoder and "
+        "the codebook, not the decoder, and reads the response's every token, so a factor decided at one position "
+        "(a suffix) counts in full (0 = off).",
+    )
+    decoder_posterior_start: int = option(
+        0, "Discrete: the first training step with decoder_posterior_weight's term (the codes mean something first)."
+    )
+    decoder_posterior_target: Literal["soft", "hard"] = option(
+        "soft",
+        "Discrete, decoder_posterior_weight: 'soft' = KL(r || q), whose gradient reaches the encoder and the codebook; "
+        "'hard' = the cross-entropy -log q(k* | x, y) of the decoder's likeliest code k* = argmax r, whose gradient "
+        "reaches the encoder only (the codebook, which the decoder reads, stays where the decoder's losses put it).",
+    )
     bow_weight: float = option(0.0, "Weight of the bag-of-words loss predicting response tokens from z.")
     encoder_view: Literal["mean_last", "token_weighted", "attention", "token_weighted_attention"] = option(
         _default("encoder_view"),
@@ -479,6 +501,7 @@ class LatentConfig:
             "codebook_init",
             "encoder_view",
             "encoder_block",
+            "decoder_posterior_target",
         ):
             _choice(self, name)
         if self.encoder_block != "none" and self.encoder_view not in ("attention", "token_weighted_attention"):
@@ -504,10 +527,25 @@ class LatentConfig:
             )
         for name in ("posterior_temperature", "gumbel_temperature", "gumbel_temperature_min"):
             _number(self, name, low=0, low_open=True)
-        for name in ("gumbel_anneal_steps", "dead_code_steps", "codebook_refresh_every", "encoder_lora_layers"):
+        for name in (
+            "gumbel_anneal_steps",
+            "dead_code_steps",
+            "codebook_refresh_every",
+            "encoder_lora_layers",
+            "decoder_posterior_start",
+        ):
             _number(self, name, low=0, integer=True)
-        for name in ("codebook_loss_weight", "commitment_weight", "bow_weight"):
+        for name in ("codebook_loss_weight", "commitment_weight", "bow_weight", "decoder_posterior_weight"):
             _number(self, name, low=0)
+        if self.decoder_posterior_weight > 0 and self.latent == "discrete":
+            combinations = self.codebook_size**self.num_slots
+            if combinations > DECODER_POSTERIOR_LIMIT:
+                raise ConfigError(
+                    f"LatentConfig.decoder_posterior_weight scores every combination of codes, "
+                    f"codebook_size ** num_slots = {self.codebook_size} ** {self.num_slots} = {combinations}, more "
+                    f"than {DECODER_POSTERIOR_LIMIT} decoder passes a step: use fewer codes or slots, or set it to 0",
+                    field="decoder_posterior_weight",
+                )
         if self.encoder_lora_layers and not (
             self.encoder_lora_target_modules and all(map(str.strip, self.encoder_lora_target_modules))
         ):
@@ -781,6 +819,7 @@ class RunConfig:
         discrete_only = {
             "codebook_lr": self.train.codebook_lr is not None,
             "decoder_code_table": self.latent.decoder_code_table,
+            "decoder_posterior_weight": self.latent.decoder_posterior_weight > 0,
         }
         for name, given in discrete_only.items():
             if given and self.latent.latent != "discrete":

@@ -96,6 +96,7 @@ class LatentSample:
     stats: dict[str, float] = field(default_factory=dict)
     # Statistics for the log only, computed when the output is logged: no work (or device sync) in the step.
     logged_stats: Callable[[], dict[str, float]] | None = None
+    encoder_outputs: torch.Tensor | None = None  # discrete: e [B, M, C], whose logits the decoder's posterior trains
 
 
 @dataclass
@@ -373,10 +374,28 @@ class PriorMixture:
     vectors: torch.Tensor  # [S, B, L]
     log_weights: torch.Tensor  # [S, B], logsumexp over S is 0 for every example
     method: str  # "exact" (every code or code combination, weighted by p(k | x)) or "samples"
+    codes: torch.Tensor | None = None  # [S, M], "exact": the code of each slot in each latent
 
     @property
     def size(self) -> int:
         return self.vectors.shape[0]
+
+    def decoder_posterior(self, sequence_nll: torch.Tensor, codebook_size: int) -> torch.Tensor:
+        """``log r(k | x, y)`` ``[B, M, K]`` of an exact mixture, from every latent's ``sequence_nll [S, B]``:
+        ``r ∝ p(k | x) p(y | x, k)`` over the code combinations, then per slot its marginal."""
+        if self.codes is None:
+            raise ValueError(f"the decoder's posterior needs the exact mixture over codes, not {self.method!r}")
+        return slot_marginals(self.log_weights.double().T - sequence_nll.double().T, self.codes, codebook_size)
+
+
+def slot_marginals(log_joint: torch.Tensor, codes: torch.Tensor, codebook_size: int) -> torch.Tensor:
+    """Per-slot log marginals ``[B, M, K]`` of the unnormalised log joint ``[B, S]`` over code combinations ``codes
+    [S, M]``: ``log sum_{s: codes[s, m] = k} softmax(log_joint)_s``."""
+    log_r = log_joint.log_softmax(-1)
+    M, K = codes.shape[1], codebook_size
+    return torch.stack(
+        [torch.stack([log_r[:, codes[:, m] == k].logsumexp(-1) for k in range(K)], -1) for m in range(M)], 1
+    )
 
 
 class CVAEBase(nn.Module):
@@ -507,6 +526,16 @@ class CVAEBase(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Log importance weights ``[k, B]``, the sequence NLLs ``[k, B]`` and whether the bound is exact."""
         raise NotImplementedError
+
+    def decoder_posterior(
+        self, batch: Batch, features: FrozenFeatures, codes: torch.Tensor, sequence_nll: torch.Tensor
+    ) -> torch.Tensor:
+        """Discrete: ``log r(k | x, y)`` ``[B, M, K]``, the exact posterior of the codes under the current decoder."""
+        raise NotImplementedError(f"{type(self).__name__} has no codes to score")
+
+    def decoder_posterior_kl(self, log_r: torch.Tensor, encoder_outputs: torch.Tensor) -> torch.Tensor:
+        """Discrete: ``KL(r || q)``, summed over slots, mean over the batch."""
+        raise NotImplementedError(f"{type(self).__name__} has no codes to score")
 
     def initialize_from_data(self, features: FrozenFeatures, seed: int) -> None:
         """Data-dependent initialisation before training (e.g. the codebook's k-means start); nothing by default."""
@@ -1064,6 +1093,14 @@ class CVAEBase(nn.Module):
         kl_term, kl_per_unit = kl_objective(sample.kl_per_unit, batch.response_lengths, self.kl_cfg, beta)
         loss = stack.total + kl_term
         aux = dict(sample.aux_losses)
+        stats = dict(sample.stats)
+        latent_cfg = self.latent_cfg
+        if latent_cfg.decoder_posterior_weight > 0 and self.training and step >= latent_cfg.decoder_posterior_start:
+            sequence_nll = (token_nll.detach() * target).sum(-1)  # [B]: the chosen codes' own, not decoded again
+            log_r = self.decoder_posterior(batch, features, sample.latent, sequence_nll)  # [B, M, K]
+            kl_r = self.decoder_posterior_kl(log_r, sample.encoder_outputs)
+            aux["decoder_posterior_loss"] = latent_cfg.decoder_posterior_weight * kl_r
+            stats["decoder_posterior_agreement"] = float((log_r.argmax(-1) == sample.latent).float().mean())
         for value in aux.values():
             loss = loss + value
         if self.bow_head is not None:
@@ -1093,7 +1130,7 @@ class CVAEBase(nn.Module):
             token_nll=token_nll,
             target_mask=target,
             weighting=weighting,
-            stats=sample.stats,
+            stats=stats,
             logged_stats=sample.logged_stats,
         )
 

@@ -823,6 +823,18 @@ class Batch:
             indices=self.indices[start:stop],
         )
 
+    def take(self, rows: torch.Tensor) -> Batch:
+        """The rows at the indices ``rows`` ``[R]``, in that order (at the batch's width)."""
+        return Batch(
+            input_ids=self.input_ids[rows],
+            attention_mask=self.attention_mask[rows],
+            target_mask=self.target_mask[rows],
+            prompt_lengths=self.prompt_lengths[rows],
+            response_lengths=self.response_lengths[rows],
+            labels=[self.labels[i] for i in rows.tolist()],
+            indices=self.indices[rows],
+        )
+
     def to(self, device: torch.device | str) -> Batch:
         """The same batch with its tensors on ``device``."""
         return Batch(

@@ -138,6 +138,8 @@ def _batch_row_scores(space: LatentSpace, features: FrozenFeatures, scored: Batc
     kl = scored.summary.kl_per_unit.double().sum(-1).cpu().numpy()
     iw = importance_weighted_nll(scored.iw_log_weights).double().cpu().numpy()
     latent = space.row_fields(features, scored.summary)
+    if scored.decoder_codes is not None:  # the exact mixture's: the decoder's own likeliest code per slot
+        latent["decoder_codes"] = scored.decoder_codes.cpu().tolist()
     out = []
     for row in range(len(counts)):
         n = int(counts[row])

@@ -224,6 +224,7 @@ class BatchScores:
     iw_log_weights: torch.Tensor  # [k, B]
     iw_sequence_nll: torch.Tensor  # [k, B]
     iw_exact: bool
+    decoder_codes: torch.Tensor | None = None  # [B, M], the exact mixture's: the argmax of the decoder's posterior
 
 
 @torch.no_grad()
@@ -249,6 +250,9 @@ def score_batch(
         posterior, target, weighting, model.reconstruction_cfg, model.zfree_reference_scale
     )
     prior = mixture_token_nll(per_latent, mixture.log_weights, target)
+    decoder_codes = None
+    if mixture.codes is not None:  # every code decoded already: the decoder's own posterior of the codes
+        decoder_codes = mixture.decoder_posterior(per_latent.sum(-1), model.codebook_size).argmax(-1)
     return BatchScores(
         target=target,
         zfree_nll=weighting.aligned_base_token_nll.float() * target,
@@ -261,6 +265,7 @@ def score_batch(
         iw_log_weights=iw_log_w,
         iw_sequence_nll=iw_seq,
         iw_exact=exact,
+        decoder_codes=decoder_codes,
     )
 
 
@@ -317,6 +322,8 @@ def batch_records(scores: BatchScores, indices: Sequence[int], space: LatentSpac
     summary = scores.summary
     columns["kl"] = column(summary.kl_per_unit.double())
     columns.update(space.record_columns(summary))
+    if scores.decoder_codes is not None:
+        columns["decoder_codes"] = scores.decoder_codes.cpu().numpy().astype(np.int64)
     return BatchRecords(
         columns,
         scores.reconstruction_terms,
@@ -464,6 +471,26 @@ def evaluate(
     report.update(space.latent_report(columns, seed))
     latents = {space.latent_key: columns[space.latent_key]}
     report.update(label_report(model, latents, examples, factor_values, cache, seed))
+    if "decoder_codes" in columns:
+        report["decoder_posterior"] = decoder_posterior_report(columns["codes"], columns["decoder_codes"], factor_values)
+    return report
+
+
+def decoder_posterior_report(
+    codes: np.ndarray, decoder_codes: np.ndarray, factor_values: dict[str, list[str]] | None
+) -> dict:
+    """How the encoder's codes ``[E, M]`` stand to the decoder's own posterior's argmax ``[E, M]``
+    (``r ∝ p(k | x) p(y | x, k)``, from the exact prior mixture's decodes): ``agreement`` (the share of
+    examples whose every slot's code is the decoder's), and with labels, per factor, the NMI of the decoder's
+    codes (the code tuple with several slots) with the factor beside the encoder's, on the same data."""
+    report: dict = {"agreement": float((codes == decoder_codes).all(-1).mean())}
+    if factor_values is not None:
+        tuples = {"encoder": codes, "decoder": decoder_codes}
+        ids = {name: np.unique(value, axis=0, return_inverse=True)[1].reshape(-1) for name, value in tuples.items()}
+        report["factors"] = {
+            factor: {name: label_agreement(assignment, values)["nmi"] for name, assignment in ids.items()}
+            for factor, values in factor_values.items()
+        }
     return report
 
 

@@ -17,7 +17,9 @@ One row per encoded example (:func:`encode.encode_examples`). Keys of every row:
   slot the ``K`` probabilities ``softmax_k(-||e_m - E_k||^2 / temperature)``; with the default "nearest"
   assignment the effective posterior is one-hot at ``codes``, these say how clear the choice was),
   ``prior_codes`` and ``prior`` (argmax and probabilities of ``p(k | x)`` per slot; the fixed prior is
-  uniform and its argmax code 0);
+  uniform and its argmax code 0); where the prior mixture is exact over the codes (``K^M`` up to
+  ``--exact-limit``), ``decoder_codes``: per slot the code the decoder finds likeliest,
+  ``argmax_k p(k | x) p(y | x, k)`` (the marginal per slot; eval's ``decoder_posterior``);
 - continuous: ``mu``, ``logvar`` (the posterior), ``prior_mu``, ``prior_logvar`` (the prior's; zeros
   for the fixed standard-normal prior).
 

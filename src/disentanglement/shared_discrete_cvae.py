@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .cvae_base import CVAEBase, FrozenFeatures, LatentSample, PosteriorSummary, PriorMixture, mlp
+from .cvae_base import CVAEBase, FrozenFeatures, LatentSample, PosteriorSummary, PriorMixture, mlp, slot_marginals
 from .data import Batch
 from .latent_space import DiscreteLatentSpace
 from .regularizers import annealed_temperature, categorical_kl
@@ -145,7 +145,52 @@ class SharedDiscreteCVAE(CVAEBase):
             kl = one_hot_kl(log_p, codes)  # [B, M]
         else:
             kl = categorical_kl(log_q, log_p)  # [B, M]
-        return LatentSample(vectors.flatten(1), codes, kl, aux, stats, lambda: self.code_usage_stats(codes))
+        return LatentSample(
+            vectors.flatten(1), codes, kl, aux, stats, lambda: self.code_usage_stats(codes), encoder_outputs=e
+        )
+
+    # -- the decoder's own posterior of the codes (decoder_posterior_weight) ----------------------
+    @torch.no_grad()
+    def decoder_posterior(
+        self, batch: Batch, features: FrozenFeatures, codes: torch.Tensor, sequence_nll: torch.Tensor
+    ) -> torch.Tensor:
+        """``log r(k | x, y)`` ``[B, M, K]``: the exact posterior of the codes under the current decoder.
+
+        ``r(k_1..k_M | x, y) ∝ prod_m p(k_m | x) p(y | x, k_1..k_M)`` over all ``K^M`` combinations (``p(y | ..)``
+        the sequence likelihood, a decoder pass without gradients each), then per slot its marginal. Rows
+        whose chosen ``codes [B, M]`` are the combination take its ``sequence_nll [B]`` (the training decode's)
+        instead of a decode; the decoder computes each row alone, so that is the value a decode would give."""
+        log_p = self.prior_log_probs(features).double()  # [B, M, K]
+        B, M, K = log_p.shape
+        every_code = self.every_code(log_p.device)  # [S, M]
+        slots = torch.arange(M, device=log_p.device)
+        log_joint = []
+        for combination in every_code:
+            known = (codes == combination).all(-1)  # [B]
+            nll = torch.where(known, sequence_nll.double(), 0.0)
+            rest = (~known).nonzero().flatten()
+            if rest.numel():
+                vector = self.codes_to_vector(combination.expand(rest.numel(), M))
+                token_nll, _ = self.conditioned_token_nll(batch.take(rest), vector)
+                nll[rest] = token_nll.double().sum(-1)
+            log_joint.append(log_p[:, slots, combination].sum(-1) - nll)
+        return slot_marginals(torch.stack(log_joint, -1), every_code, K).float()  # [B, M, K]
+
+    def every_code(self, device: torch.device) -> torch.Tensor:
+        """``[K^M, M]``: every combination of codes over the slots, the last slot's code varying fastest."""
+        return torch.tensor(list(itertools.product(range(self.codebook_size), repeat=self.num_slots)), device=device)
+
+    def decoder_posterior_kl(self, log_r: torch.Tensor, encoder_outputs: torch.Tensor) -> torch.Tensor:
+        """The term that trains the encoder towards ``r``, per slot, summed over slots, mean over the batch; ``q`` the
+        softmax of the posterior logits of ``encoder_outputs [B, M, C]``, ``r`` fixed. ``decoder_posterior_target``
+        "soft": ``KL(r || q) = sum_k r_k (log r_k - log q_k)``, its gradient reaching the encoder and the codebook;
+        "hard": ``-log q(argmax_k r_k)``, the codebook detached (the encoder alone moves)."""
+        if self.latent_cfg.decoder_posterior_target == "hard":
+            distances = (encoder_outputs.unsqueeze(2) - self.codebook.detach()).pow(2).sum(-1)  # [B, M, K]
+            log_q = F.log_softmax((-distances / self.latent_cfg.posterior_temperature).float(), dim=-1)
+            return -log_q.gather(-1, log_r.argmax(-1, keepdim=True)).sum(-1).sum(-1).mean()
+        log_q = F.log_softmax(self.posterior_logits(encoder_outputs).float(), dim=-1)  # [B, M, K]
+        return (log_r.exp() * (log_r - log_q)).sum(-1).sum(-1).mean()
 
     @torch.no_grad()
     def code_usage_stats(self, codes: torch.Tensor) -> dict[str, float]:
@@ -210,11 +255,11 @@ class SharedDiscreteCVAE(CVAEBase):
         if combinations > exact_limit:
             vectors = self.prior_vectors(features, num_samples, log_p=log_p)  # [S, B, L]
             return PriorMixture(vectors, log_p.new_full((num_samples, B), -math.log(num_samples)), "samples")
-        every_code = torch.tensor(list(itertools.product(range(K), repeat=M)), device=log_p.device)  # [S, M]
+        every_code = self.every_code(log_p.device)  # [S, M]
         vectors = self.codes_to_vector(every_code).unsqueeze(1).expand(-1, B, -1)  # [S, B, L]
         slots = torch.arange(M, device=log_p.device)
         log_weights = torch.stack([log_p[:, slots, codes].sum(-1) for codes in every_code])  # [S, B]
-        return PriorMixture(vectors, log_weights, "exact")
+        return PriorMixture(vectors, log_weights, "exact", codes=every_code)
 
     def importance_samples(
         self, batch: Batch, summary: PosteriorSummary, num_samples: int

@@ -75,6 +75,7 @@ HEADLINE_METRICS = (
     "factors.*.encoder_kmeans.nmi",
     "factors.*.prior_kmeans.nmi",
     "factors.*.random.nmi",
+    "decoder_posterior.factors.*.decoder",
     "label_nmi",
     "latent_gain_nats_per_token",
     "token_weighted_latent_gain_nats_per_token",
