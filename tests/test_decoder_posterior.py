@@ -14,7 +14,7 @@ from sklearn.metrics import normalized_mutual_info_score
 
 from conftest import NUM_FACTORS
 from disentanglement.commands import eval_summary_lines
-from disentanglement.config import ConfigError, build_config
+from disentanglement.config import ConfigError, Scoring, build_config
 from disentanglement.data import collate
 from disentanglement.evaluation import evaluate
 from disentanglement.features import build_feature_cache
@@ -78,9 +78,21 @@ def test_decoder_posterior_kl_by_hand():
         assert float(model.decoder_posterior_kl(log_q, e)) == pytest.approx(0.0, abs=1e-6)
 
 
-def test_forward_adds_the_term_from_its_start_and_it_trains_the_encoder_not_the_decoder(tokenizer):
+@pytest.mark.parametrize(
+    "placement, slots, centered", [("prefix", 1, False), ("between", 1, True), ("between", 2, False)]
+)
+def test_forward_adds_the_term_from_its_start_and_it_trains_the_encoder_not_the_decoder(
+    tokenizer, placement, slots, centered
+):
     model, _ = make_model(
-        tokenizer, decoder_training="full", decoder_posterior_weight=0.7, decoder_posterior_start=5, codebook_size=3
+        tokenizer,
+        decoder_training="full",
+        decoder_posterior_weight=0.7,
+        decoder_posterior_start=5,
+        codebook_size=3,
+        num_slots=slots,
+        latent_placement=placement,
+        centered_straight_through=centered,
     )
     model.train()
     batch = prompt_batch(tokenizer)
@@ -98,14 +110,15 @@ def test_forward_adds_the_term_from_its_start_and_it_trains_the_encoder_not_the_
     log_r = brute_force_posterior(model, batch, features).float()
     expected = 0.7 * model.decoder_posterior_kl(log_r, e)
     torch.testing.assert_close(out.aux_losses["decoder_posterior_loss"], expected, rtol=1e-4, atol=1e-6)
-    agreement = float((log_r.argmax(-1) == out.latent).float().mean())
-    assert out.stats["decoder_posterior_agreement"] == pytest.approx(agreement)
+    agreement = float((log_r.argmax(-1) == out.latent).float().mean())  # per slot
+    assert out.logged_stats()["decoder_posterior_agreement"] == pytest.approx(agreement)
     # the loss includes it, and only the encoder and the codebook get its gradient
     added = float(out.aux_losses["decoder_posterior_loss"].detach())
-    assert float(out.loss - before.loss) == pytest.approx(added, rel=1e-4)
+    assert float((out.loss - before.loss).detach()) == pytest.approx(added, rel=1e-4)
     model.zero_grad()
     out.aux_losses["decoder_posterior_loss"].backward()
     assert all(p.grad is None or not p.grad.any() for p in model.decoder.parameters())
+    assert all(p.grad is None or not p.grad.any() for p in model.prior_head.parameters())
     assert model.codebook.grad is not None and model.codebook.grad.any()
     assert any(p.grad is not None and p.grad.any() for p in model.encoder.parameters())
     # not in evaluation
@@ -122,6 +135,8 @@ def test_decoder_posterior_options_are_checked():
         build_config({"decoder_posterior_start": -1})
     with pytest.raises(ConfigError, match="decoder_posterior_weight"):
         build_config({"decoder_posterior_weight": -0.5})
+    with pytest.raises(ConfigError, match="needs assignment 'nearest'"):
+        build_config({"assignment": "gumbel", "decoder_posterior_weight": 1.0})
     assert build_config({"codebook_size": 8, "num_slots": 2, "decoder_posterior_weight": 1.0})
 
 
@@ -171,13 +186,15 @@ def test_the_term_teaches_a_fresh_encoder_what_the_decoders_codes_hold(discrete_
 
 @pytest.mark.parametrize("slots, size", [(1, 3), (2, 2)])
 def test_eval_reports_the_decoders_posterior_beside_the_encoders_codes(slots, size):
-    model, tok, examples, cache = untrained(num_slots=slots, codebook_size=size)
+    # the uniform prior: the untrained decoder's small differences between codes decide, not a random prior head
+    model, tok, examples, cache = untrained(num_slots=slots, codebook_size=size, prior="fixed")
     report = evaluate(model, examples, cache, tok.pad_token_id, progress=False, batch_size=5)
     batch = collate(examples, tok.pad_token_id, indices=range(len(examples)))
     features = cache.features(batch)
     with torch.no_grad():
         decoder_codes = brute_force_posterior(model, batch, features).argmax(-1)  # [E, M]
         codes = model.posterior_latents(features)["codes"]
+    assert len(set(decoder_codes.flatten().tolist())) > 1, "the untrained decoder's codes differ: a real check"
     entry = report["decoder_posterior"]
     assert entry["agreement"] == pytest.approx(float((codes == decoder_codes).all(-1).float().mean()))
     labels = [ex.label for ex in examples]
@@ -187,6 +204,9 @@ def test_eval_reports_the_decoders_posterior_beside_the_encoders_codes(slots, si
         assert entry["factors"]["label"]["encoder"] == pytest.approx(report["factors"]["label"]["latent"]["nmi"])
     lines = eval_summary_lines({**report, "data": "d"})
     assert any("decoder's likeliest" in line for line in lines)
+    # a sampled prior mixture decodes some codes only: no decoder's posterior
+    sampled = evaluate(model, examples, cache, tok.pad_token_id, progress=False, scoring=Scoring(exact_limit=1))
+    assert sampled["prior_mixture"]["method"] == "samples" and "decoder_posterior" not in sampled
 
 
 def test_the_hard_target_is_the_cross_entropy_of_the_decoders_code_and_leaves_the_codebook():

@@ -14,6 +14,8 @@ answer (40 sentences) and the answer's index within its topic (5 values), and th
 
 instead counts, per code of the first slot, the examples of each value of the label ``style`` (any label of the
 rows, so any set's latents file, ``.jsonl`` or ``.parquet``): which values a code holds, and how many of each.
+``--key decoder_codes`` reads, in both, the decoder's own likeliest codes (``encode`` writes them where the prior
+mixture is exact) instead of the encoder's ``codes``; the tables then say so.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+#: What the tables say after the file's name, by the key the codes were read from.
+LABELS = {"codes": "", "decoder_codes": " (the decoder's codes)"}
 sys.path.insert(0, str(ROOT / "src"))
 
 from sklearn.metrics import normalized_mutual_info_score  # noqa: E402
@@ -64,6 +68,9 @@ def factors(row: dict) -> dict[str, object]:
 def table(path: Path, key: str = "codes") -> list[str]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     values = [factors(row) for row in rows]
+    missing = next((number for number, row in enumerate(rows, 1) if key not in row), None)
+    if missing is not None:
+        raise ValueError(f"{path} row {missing}: no {key!r} (a discrete CVAE's encode output has them)")
     codes = [row[key] for row in rows]
     slots = len(codes[0])
     columns = {f"slot {m}": [c[m] for c in codes] for m in range(slots)}
@@ -75,7 +82,9 @@ def table(path: Path, key: str = "codes") -> list[str]:
         ids = [keys[a] for a in assigned]
         nmi = [normalized_mutual_info_score([v[f] for v in values], ids) for f in FACTORS]
         out.append(
-            f"| {path.parent.name}/{path.stem} | {name} | {len(keys)} | " + " | ".join(f"{x:.3f}" for x in nmi) + " |"
+            f"| {path.parent.name}/{path.stem}{LABELS[key]} | {name} | {len(keys)} | "
+            + " | ".join(f"{x:.3f}" for x in nmi)
+            + " |"
         )
     return out
 
@@ -91,7 +100,7 @@ def per_code(path: Path, factor: str, key: str = "codes") -> list[str]:
             raise ValueError(f"{path} row {number}: no {key!r} (a discrete CVAE's encode output has them)")
         counts.setdefault(codes[0], Counter())[str(label[factor])] += 1
     values = sorted({value for count in counts.values() for value in count})
-    header = f"| {path.parent.name}/{path.stem} | code | " + " | ".join(values) + " | examples |"
+    header = f"| {path.parent.name}/{path.stem}{LABELS[key]} | code | " + " | ".join(values) + " | examples |"
     rows = [header, "| --- | --- |" + " --- |" * (len(values) + 1)]
     for code in sorted(counts):
         count = counts[code]

@@ -543,7 +543,8 @@ class LatentConfig:
                 raise ConfigError(
                     f"LatentConfig.decoder_posterior_weight scores every combination of codes, "
                     f"codebook_size ** num_slots = {self.codebook_size} ** {self.num_slots} = {combinations}, more "
-                    f"than {DECODER_POSTERIOR_LIMIT} decoder passes a step: use fewer codes or slots, or set it to 0",
+                    f"than {DECODER_POSTERIOR_LIMIT} (each but the chosen one a decoder pass a step): use fewer codes or "
+                    "slots, or set it to 0",
                     field="decoder_posterior_weight",
                 )
         if self.encoder_lora_layers and not (
@@ -846,6 +847,13 @@ class RunConfig:
                     f"mean over a batch of {self.train.batch_size} is zero, and the encoder would never learn",
                     field="centered_straight_through",
                 )
+        if self.latent.decoder_posterior_weight > 0 and self.latent.assignment != "nearest":
+            raise ConfigError(
+                "LatentConfig.decoder_posterior_weight needs assignment 'nearest': the decoder's posterior reuses the "
+                "training decode for the chosen code, and with 'gumbel' the decoder reads a sampled or soft mix of codes, "
+                f"not the argmax code (got assignment {self.latent.assignment!r})",
+                field="decoder_posterior_weight",
+            )
         if self.latent.decoder_code_table and self.latent.assignment != "nearest":
             raise ConfigError(
                 "LatentConfig.decoder_code_table needs assignment 'nearest' (the codebook assigns, the table is what "

@@ -388,6 +388,21 @@ class PriorMixture:
         return slot_marginals(self.log_weights.double().T - sequence_nll.double().T, self.codes, codebook_size)
 
 
+def _with_agreement(
+    logged_stats: Callable[[], dict[str, float]] | None, decoder_codes: torch.Tensor, codes: torch.Tensor
+) -> Callable[[], dict[str, float]]:
+    """``logged_stats`` plus ``decoder_posterior_agreement``: the share of the batch's slots ``[B, M]`` whose code
+    is the decoder's likeliest (per slot; eval's ``agreement`` counts an example only when every slot agrees),
+    computed when the step is logged, not in every step."""
+
+    def stats() -> dict[str, float]:
+        out = logged_stats() if logged_stats is not None else {}
+        out["decoder_posterior_agreement"] = float((decoder_codes == codes).float().mean())
+        return out
+
+    return stats
+
+
 def slot_marginals(log_joint: torch.Tensor, codes: torch.Tensor, codebook_size: int) -> torch.Tensor:
     """Per-slot log marginals ``[B, M, K]`` of the unnormalised log joint ``[B, S]`` over code combinations ``codes
     [S, M]``: ``log sum_{s: codes[s, m] = k} softmax(log_joint)_s``."""
@@ -1093,14 +1108,14 @@ class CVAEBase(nn.Module):
         kl_term, kl_per_unit = kl_objective(sample.kl_per_unit, batch.response_lengths, self.kl_cfg, beta)
         loss = stack.total + kl_term
         aux = dict(sample.aux_losses)
-        stats = dict(sample.stats)
+        stats, logged_stats = dict(sample.stats), sample.logged_stats
         latent_cfg = self.latent_cfg
         if latent_cfg.decoder_posterior_weight > 0 and self.training and step >= latent_cfg.decoder_posterior_start:
             sequence_nll = (token_nll.detach() * target).sum(-1)  # [B]: the chosen codes' own, not decoded again
             log_r = self.decoder_posterior(batch, features, sample.latent, sequence_nll)  # [B, M, K]
             kl_r = self.decoder_posterior_kl(log_r, sample.encoder_outputs)
             aux["decoder_posterior_loss"] = latent_cfg.decoder_posterior_weight * kl_r
-            stats["decoder_posterior_agreement"] = float((log_r.argmax(-1) == sample.latent).float().mean())
+            logged_stats = _with_agreement(logged_stats, log_r.argmax(-1), sample.latent)
         for value in aux.values():
             loss = loss + value
         if self.bow_head is not None:
@@ -1131,7 +1146,7 @@ class CVAEBase(nn.Module):
             target_mask=target,
             weighting=weighting,
             stats=stats,
-            logged_stats=sample.logged_stats,
+            logged_stats=logged_stats,
         )
 
     def inter_latent_divergence(

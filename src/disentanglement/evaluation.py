@@ -252,7 +252,7 @@ def score_batch(
     prior = mixture_token_nll(per_latent, mixture.log_weights, target)
     decoder_codes = None
     if mixture.codes is not None:  # every code decoded already: the decoder's own posterior of the codes
-        decoder_codes = mixture.decoder_posterior(per_latent.sum(-1), model.codebook_size).argmax(-1)
+        decoder_codes = mixture.decoder_posterior(per_latent.double().sum(-1), model.codebook_size).argmax(-1)
     return BatchScores(
         target=target,
         zfree_nll=weighting.aligned_base_token_nll.float() * target,
@@ -447,6 +447,8 @@ def evaluate(
       "latent_beats_baselines", "contingency"}`` (several slots: also ``latent_per_slot``), each
       of ``latent`` and the baselines ``{nmi, ari, homogeneity, completeness}``;
       ``factor_random_permutations`` (permutations averaged by ``random``); ``label_assignment``;
+    - discrete, where the prior mixture is exact over the codes: ``decoder_posterior``, the decoder's own
+      likeliest code ``argmax_k p(k | x) p(y | x, k)`` against the encoder's (:func:`decoder_posterior_report`);
     - with a string label on every example, as well: ``label_nmi``, ``label_ari``,
       ``label_homogeneity``, ``label_completeness`` and ``label_contingency`` between the argmax
       codes (the code tuple with several slots; continuous: k-means of the posterior means with as

@@ -381,7 +381,15 @@ TERM_LABELS = {
     "zfree_relative_reconstruction_loss": "6 z-free relative",
 }
 #: The parts of the objective, drawn in its panel.
-OBJECTIVE_KEYS = ("loss", "reconstruction_total", "kl_term", "divergence_term", "codebook_loss", "commitment_loss")
+OBJECTIVE_KEYS = (
+    "loss",
+    "reconstruction_total",
+    "kl_term",
+    "divergence_term",
+    "codebook_loss",
+    "commitment_loss",
+    "decoder_posterior_loss",
+)
 #: The validation numbers drawn (as lines with markers) in the validation panel.
 VALIDATION_KEYS = ("val_loss", "val_reconstruction_total", "val_kl")
 #: At this many KL units or more, ``kl.png`` draws the largest few as lines and every unit as a heat map.

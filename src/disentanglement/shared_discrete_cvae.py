@@ -159,7 +159,9 @@ class SharedDiscreteCVAE(CVAEBase):
         ``r(k_1..k_M | x, y) ∝ prod_m p(k_m | x) p(y | x, k_1..k_M)`` over all ``K^M`` combinations (``p(y | ..)``
         the sequence likelihood, a decoder pass without gradients each), then per slot its marginal. Rows
         whose chosen ``codes [B, M]`` are the combination take its ``sequence_nll [B]`` (the training decode's)
-        instead of a decode; the decoder computes each row alone, so that is the value a decode would give."""
+        instead of a decode: the decoder computes each row alone, so that is the value a decode would give, up to
+        floating-point rounding (the training decode runs with gradients, on the whole batch) and, with dropout in
+        the decoder's adapters, its own dropout mask."""
         log_p = self.prior_log_probs(features).double()  # [B, M, K]
         B, M, K = log_p.shape
         every_code = self.every_code(log_p.device)  # [S, M]
@@ -190,7 +192,8 @@ class SharedDiscreteCVAE(CVAEBase):
             log_q = F.log_softmax((-distances / self.latent_cfg.posterior_temperature).float(), dim=-1)
             return -log_q.gather(-1, log_r.argmax(-1, keepdim=True)).sum(-1).sum(-1).mean()
         log_q = F.log_softmax(self.posterior_logits(encoder_outputs).float(), dim=-1)  # [B, M, K]
-        return (log_r.exp() * (log_r - log_q)).sum(-1).sum(-1).mean()
+        r = log_r.exp()
+        return (torch.xlogy(r, r) - r * log_q).sum(-1).sum(-1).mean()  # 0 log 0 = 0
 
     @torch.no_grad()
     def code_usage_stats(self, codes: torch.Tensor) -> dict[str, float]:
