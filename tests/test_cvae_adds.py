@@ -82,6 +82,14 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
     assert raw.latent.encoder_view == "mean_last" and not raw.latent.centered_straight_through
     assert raw.model.decoder_training == "full" and raw.train.decoder_lr == 5e-5 and raw.train.max_steps == 240
     assert raw.latent.latent_placement == "between" and raw.latent.codebook_init == "random"
+    for recipe, target in (
+        ("centered-full-between-random-dpost", "soft"),
+        ("centered-full-between-random-dpost-hard", "hard"),
+    ):
+        dpost = built[recipe]  # section 18: section 16's recipe, the decoder's posterior teaching the encoder from 120
+        assert (dpost.latent.decoder_posterior_weight, dpost.latent.decoder_posterior_start) == (1.0, 120), recipe
+        assert dpost.latent.decoder_posterior_target == target and dpost.latent.latent_placement == "between"
+        assert dpost.latent.codebook_init == "random" and dpost.model.decoder_training == "full"
 
 
 def report(tmp_path: Path, controllability: dict | None) -> Path:
@@ -117,6 +125,11 @@ def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
     assert row[2:4] == ["2.500 / 3.000", "+0.0120"]
     assert row[4] == "style 0.969 (chance 0.25, none 0.00, n 32)"
     assert row[5] == "0.90"
+    path = report(tmp_path, {"factor_accuracy": detected, "labels": {}, **fluency})
+    body = json.loads(path.read_text())
+    body["decoder_posterior"] = {"agreement": 0.9, "factors": {"act": {"encoder": 0.1, "decoder": 0.25}}}
+    path.write_text(json.dumps(body))
+    assert cells(table.row(path))[1] == "act 0.100 (view 0.040, prior 0.020, decoder 0.250)"
     labels = {
         "act": {
             "accuracy": 0.5,
@@ -239,7 +252,8 @@ def test_what_codes_hold_counts_each_codes_values(tmp_path, capsys):
     with pytest.raises(ValueError, match="latents.jsonl holds no rows"):
         what.per_code(latents, "style")
     # --key decoder_codes: the decoder's own likeliest codes instead of the encoder's
-    latents.write_text("".join(json.dumps({"label": l, "codes": [c], "decoder_codes": [1]}) + "\n" for l, c in rows))
+    lines = (json.dumps({"label": label, "codes": [code], "decoder_codes": [1]}) + "\n" for label, code in rows)
+    latents.write_text("".join(lines))
     assert what.main(["--per-code", "style", "--key", "decoder_codes", str(latents)]) == 0
     assert capsys.readouterr().out.splitlines()[2:] == ["| | 1 | 2 | 1 | 1 | 4 |"]
 

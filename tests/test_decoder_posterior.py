@@ -9,7 +9,6 @@ import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
 from sklearn.metrics import normalized_mutual_info_score
 
 from conftest import NUM_FACTORS
@@ -69,9 +68,9 @@ def test_decoder_posterior_kl_by_hand():
     log_r = torch.log_softmax(torch.randn(4, 1, 3), -1)
     distances = ((e.unsqueeze(2) - model.codebook.detach()) ** 2).sum(-1)  # [B, 1, K]
     log_q = torch.log_softmax(-distances / 2.0, -1)
-    expected = sum(
-        float(log_r[b, 0, k].exp() * (log_r[b, 0, k] - log_q[b, 0, k])) for b in range(4) for k in range(3)
-    ) / 4
+    expected = (
+        sum(float(log_r[b, 0, k].exp() * (log_r[b, 0, k] - log_q[b, 0, k])) for b in range(4) for k in range(3)) / 4
+    )
     with torch.no_grad():
         assert float(model.decoder_posterior_kl(log_r, e)) == pytest.approx(expected, rel=1e-5)
         # zero where the encoder's posterior is r itself

@@ -3,7 +3,7 @@
     python benchmarks/cvae-adds/table.py REPORT.json [REPORT.json ...]
 
 One row per report: its run and step, per factor the latent's NMI beside k-means of the encoder's view and of
-the prior features, the posterior and z-free NLL (nats/token), the latent gain, and (with --generation) per
+the prior features (and of the decoder's own likeliest code, where the report has it), the posterior and z-free NLL (nats/token), the latent gain, and (with --generation) per
 factor the share of generations whose factor, read back from the text, is the one their code stands for, with
 chance, the majority share (the accuracy of one answer for all) and the share where no value was found (where no
 detector reads the text, as for DailyDialog's act and emotion: per factor, the share that the classifier on the
@@ -32,8 +32,14 @@ def row(path: Path) -> str:
     if guidance:  # eval --generation-guidance: the same run, generations guided at this scale
         run += f", guided {guidance['scale']:g}"
     factors = report.get("factors") or {}
+    decoder = (report.get("decoder_posterior") or {}).get("factors") or {}
+
+    def own(name: str) -> str:  # the decoder's likeliest code's NMI, where eval reports it
+        return f", decoder {decoder[name]['decoder']:.3f}" if name in decoder else ""
+
     nmi = "; ".join(
-        f"{n} {f['latent']['nmi']:.3f} (view {f['encoder_kmeans']['nmi']:.3f}, prior {f['prior_kmeans']['nmi']:.3f})"
+        f"{n} {f['latent']['nmi']:.3f} (view {f['encoder_kmeans']['nmi']:.3f}, prior {f['prior_kmeans']['nmi']:.3f}"
+        f"{own(n)})"
         for n, f in factors.items()
     )
     cells = [

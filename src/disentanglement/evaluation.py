@@ -474,7 +474,9 @@ def evaluate(
     latents = {space.latent_key: columns[space.latent_key]}
     report.update(label_report(model, latents, examples, factor_values, cache, seed))
     if "decoder_codes" in columns:
-        report["decoder_posterior"] = decoder_posterior_report(columns["codes"], columns["decoder_codes"], factor_values)
+        report["decoder_posterior"] = decoder_posterior_report(
+            columns["codes"], columns["decoder_codes"], factor_values
+        )
     return report
 
 
