@@ -203,6 +203,13 @@ def test_eval_reports_the_decoders_posterior_beside_the_encoders_codes(slots, si
         assert entry["factors"]["label"]["encoder"] == pytest.approx(report["factors"]["label"]["latent"]["nmi"])
     lines = eval_summary_lines({**report, "data": "d"})
     assert any("decoder's likeliest" in line for line in lines)
+    # a hint only where the decoder's codes hold a factor better by the margin
+    for encoder, decoder, hinted in ((0.85, 1.0, True), (0.8, 0.84, False), (0.9, 0.3, False)):
+        entry = {"agreement": 0.9, "factors": {"label": {"encoder": encoder, "decoder": decoder}}}
+        lines = eval_summary_lines({**report, "data": "d", "decoder_posterior": entry})
+        hints = [line for line in lines if line.startswith("hint:")]
+        expected = f"factor label better than the encoder's ({decoder:.2f} against {encoder:.2f})"
+        assert (len(hints) == 1 and expected in hints[0]) if hinted else not hints, (encoder, decoder, hints)
     # a sampled prior mixture decodes some codes only: no decoder's posterior
     sampled = evaluate(model, examples, cache, tok.pad_token_id, progress=False, scoring=Scoring(exact_limit=1))
     assert sampled["prior_mixture"]["method"] == "samples" and "decoder_posterior" not in sampled

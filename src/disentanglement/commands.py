@@ -177,6 +177,10 @@ def _eval_controllability(model, tokenizer, config, examples, cache, options: Ev
     )
 
 
+#: The NMI by which the decoder's likeliest codes must beat the encoder's on a factor for eval to point at them.
+DECODER_HINT_MARGIN = 0.05
+
+
 def eval_summary_lines(report: dict) -> list[str]:
     """The headline numbers of an evaluation report, one per line, and the verdict (:func:`verdict.judge`):
     code usage or active units, each factor's NMI beside its baselines, then ``verdict: ...``."""
@@ -222,6 +226,16 @@ def eval_summary_lines(report: dict) -> list[str]:
             f"the encoder's code is the decoder's likeliest (argmax p(k | x) p(y | x, k)) on "
             f"{decoder['agreement']:.0%} of the examples"
         )
+        better = {
+            name: entry
+            for name, entry in (decoder.get("factors") or {}).items()
+            if entry["decoder"] >= entry["encoder"] + DECODER_HINT_MARGIN
+        }
+        for name, entry in better.items():
+            lines.append(
+                f"hint: the decoder's likeliest codes hold factor {name} better than the encoder's "
+                f"({entry['decoder']:.2f} against {entry['encoder']:.2f}): encode writes them as decoder_codes"
+            )
     lines.append(f"verdict: {result['verdict']} ({result['reason']})")
     if "controllability" in report:
         from .controllability import summary_lines
