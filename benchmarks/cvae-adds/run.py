@@ -157,7 +157,8 @@ RECIPES = {
     # posterior of the codes, r ∝ p(k | x) p(y | x, k) (section 18): the sequence likelihood counts a suffix decided at
     # one position in full, where the encoder's outputs kept style-in-content's suffix along a minor direction only
     "centered-full-between-random-dpost": [*CENTERED_FULL_BETWEEN, "--codebook-init", "random",
-                                           "--decoder-posterior-weight", "1", "--decoder-posterior-start", "120"],
+                                           "--decoder-posterior-weight", "1", "--decoder-posterior-start", "120",
+                                           "--decoder-posterior-target", "soft"],
     # that with the hard target: the cross-entropy of the decoder's likeliest code, reaching the encoder only (the
     # soft KL, which also moved the codebook the decoder reads, lowered seeds 0 and 1)
     "centered-full-between-random-dpost-hard": [*CENTERED_FULL_BETWEEN, "--codebook-init", "random",
@@ -267,7 +268,8 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-full-between-random-commit", (1,)),
     # section 18: the decoder's own posterior of the codes teaching the encoder
     ("style-in-content", "centered-full-between-random-dpost", (0, 1)),
-    ("style-in-content", "centered-full-between-random-dpost-hard", (0, 1)),
+    ("style-in-content", "centered-full-between-random-dpost-hard", (0, 1, 2)),
+    ("style-in-echo", "centered-full-between-random-dpost-hard", (0,)),
 ]
 
 

@@ -446,10 +446,11 @@ class LatentConfig:
         0, "Discrete: the first training step with decoder_posterior_weight's term (the codes mean something first)."
     )
     decoder_posterior_target: Literal["soft", "hard"] = option(
-        "soft",
-        "Discrete, decoder_posterior_weight: 'soft' = KL(r || q), whose gradient reaches the encoder and the codebook; "
-        "'hard' = the cross-entropy -log q(k* | x, y) of the decoder's likeliest code k* = argmax r, whose gradient "
-        "reaches the encoder only (the codebook, which the decoder reads, stays where the decoder's losses put it).",
+        "hard",
+        "Discrete, decoder_posterior_weight: 'hard' = the cross-entropy -log q(k* | x, y) of the decoder's likeliest "
+        "code k* = argmax r, whose gradient reaches the encoder only (the codebook, which the decoder reads, stays "
+        "where the decoder's losses put it); 'soft' = KL(r || q), whose gradient reaches the encoder and the codebook "
+        "(measured worse: docs/what-the-cvae-adds.md, section 18).",
     )
     bow_weight: float = option(0.0, "Weight of the bag-of-words loss predicting response tokens from z.")
     encoder_view: Literal["mean_last", "token_weighted", "attention", "token_weighted_attention"] = option(
