@@ -1108,7 +1108,7 @@ class CVAEBase(nn.Module):
         kl_term, kl_per_unit = kl_objective(sample.kl_per_unit, batch.response_lengths, self.kl_cfg, beta)
         loss = stack.total + kl_term
         aux = dict(sample.aux_losses)
-        stats, logged_stats = dict(sample.stats), sample.logged_stats
+        logged_stats = sample.logged_stats
         latent_cfg = self.latent_cfg
         if latent_cfg.decoder_posterior_weight > 0 and self.training and step >= latent_cfg.decoder_posterior_start:
             sequence_nll = (token_nll.detach() * target).sum(-1)  # [B]: the chosen codes' own, not decoded again
@@ -1145,7 +1145,7 @@ class CVAEBase(nn.Module):
             token_nll=token_nll,
             target_mask=target,
             weighting=weighting,
-            stats=stats,
+            stats=sample.stats,
             logged_stats=logged_stats,
         )
 

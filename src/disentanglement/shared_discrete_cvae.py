@@ -24,7 +24,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .cvae_base import CVAEBase, FrozenFeatures, LatentSample, PosteriorSummary, PriorMixture, mlp, slot_marginals
+from .config import DECODER_POSTERIOR_LIMIT
+from .cvae_base import CVAEBase, FrozenFeatures, LatentSample, PosteriorSummary, PriorMixture, mlp
 from .data import Batch
 from .latent_space import DiscreteLatentSpace
 from .regularizers import annealed_temperature, categorical_kl
@@ -70,9 +71,10 @@ class SharedDiscreteCVAE(CVAEBase):
         e = self.encoder(self.encoder_norm(self.encoder_input(features)))
         return e.view(e.shape[0], self.num_slots, self.latent_cfg.code_dim)
 
-    def posterior_logits(self, e: torch.Tensor) -> torch.Tensor:
-        """``-||e_m - E_k||^2 / temperature``, ``[B, M, K]``."""
-        distances = (e.unsqueeze(2) - self.codebook).pow(2).sum(-1)  # [B, M, K]
+    def posterior_logits(self, e: torch.Tensor, detach_codebook: bool = False) -> torch.Tensor:
+        """``-||e_m - E_k||^2 / temperature``, ``[B, M, K]`` (``detach_codebook``: no gradient to the codes)."""
+        codebook = self.codebook.detach() if detach_codebook else self.codebook
+        distances = (e.unsqueeze(2) - codebook).pow(2).sum(-1)  # [B, M, K]
         return -distances / self.latent_cfg.posterior_temperature
 
     def prior_log_probs(self, features: FrozenFeatures) -> torch.Tensor:
@@ -161,37 +163,29 @@ class SharedDiscreteCVAE(CVAEBase):
         whose chosen ``codes [B, M]`` are the combination take its ``sequence_nll [B]`` (the training decode's)
         instead of a decode: the decoder computes each row alone, so that is the value a decode would give, up to
         floating-point rounding (the training decode runs with gradients, on the whole batch) and, with dropout in
-        the decoder's adapters, its own dropout mask."""
-        log_p = self.prior_log_probs(features).double()  # [B, M, K]
-        B, M, K = log_p.shape
-        every_code = self.every_code(log_p.device)  # [S, M]
-        slots = torch.arange(M, device=log_p.device)
-        log_joint = []
-        for combination in every_code:
+        the decoder's adapters, its own dropout mask. The combinations and their prior weights are the exact
+        prior mixture's (:meth:`prior_mixture`; the config keeps ``K^M`` within its limit)."""
+        mixture = self.prior_mixture(features, exact_limit=DECODER_POSTERIOR_LIMIT)
+        sequence_nlls = []
+        for combination, vectors in zip(mixture.codes, mixture.vectors, strict=True):  # [M], [B, L]
             known = (codes == combination).all(-1)  # [B]
             nll = torch.where(known, sequence_nll.double(), 0.0)
             rest = (~known).nonzero().flatten()
             if rest.numel():
-                vector = self.codes_to_vector(combination.expand(rest.numel(), M))
-                token_nll, _ = self.conditioned_token_nll(batch.take(rest), vector)
+                token_nll, _ = self.conditioned_token_nll(batch.take(rest), vectors[rest])
                 nll[rest] = token_nll.double().sum(-1)
-            log_joint.append(log_p[:, slots, combination].sum(-1) - nll)
-        return slot_marginals(torch.stack(log_joint, -1), every_code, K).float()  # [B, M, K]
-
-    def every_code(self, device: torch.device) -> torch.Tensor:
-        """``[K^M, M]``: every combination of codes over the slots, the last slot's code varying fastest."""
-        return torch.tensor(list(itertools.product(range(self.codebook_size), repeat=self.num_slots)), device=device)
+            sequence_nlls.append(nll)
+        return mixture.decoder_posterior(torch.stack(sequence_nlls), self.codebook_size).float()  # [B, M, K]
 
     def decoder_posterior_kl(self, log_r: torch.Tensor, encoder_outputs: torch.Tensor) -> torch.Tensor:
         """The term that trains the encoder towards ``r``, per slot, summed over slots, mean over the batch; ``q`` the
         softmax of the posterior logits of ``encoder_outputs [B, M, C]``, ``r`` fixed. ``decoder_posterior_target``
         "soft": ``KL(r || q) = sum_k r_k (log r_k - log q_k)``, its gradient reaching the encoder and the codebook;
         "hard": ``-log q(argmax_k r_k)``, the codebook detached (the encoder alone moves)."""
-        if self.latent_cfg.decoder_posterior_target == "hard":
-            distances = (encoder_outputs.unsqueeze(2) - self.codebook.detach()).pow(2).sum(-1)  # [B, M, K]
-            log_q = F.log_softmax((-distances / self.latent_cfg.posterior_temperature).float(), dim=-1)
+        hard = self.latent_cfg.decoder_posterior_target == "hard"
+        log_q = F.log_softmax(self.posterior_logits(encoder_outputs, detach_codebook=hard).float(), dim=-1)  # [B, M, K]
+        if hard:
             return -log_q.gather(-1, log_r.argmax(-1, keepdim=True)).sum(-1).sum(-1).mean()
-        log_q = F.log_softmax(self.posterior_logits(encoder_outputs).float(), dim=-1)  # [B, M, K]
         r = log_r.exp()
         return (torch.xlogy(r, r) - r * log_q).sum(-1).sum(-1).mean()  # 0 log 0 = 0
 
@@ -258,7 +252,7 @@ class SharedDiscreteCVAE(CVAEBase):
         if combinations > exact_limit:
             vectors = self.prior_vectors(features, num_samples, log_p=log_p)  # [S, B, L]
             return PriorMixture(vectors, log_p.new_full((num_samples, B), -math.log(num_samples)), "samples")
-        every_code = self.every_code(log_p.device)  # [S, M]
+        every_code = torch.tensor(list(itertools.product(range(K), repeat=M)), device=log_p.device)  # [S, M]
         vectors = self.codes_to_vector(every_code).unsqueeze(1).expand(-1, B, -1)  # [S, B, L]
         slots = torch.arange(M, device=log_p.device)
         log_weights = torch.stack([log_p[:, slots, codes].sum(-1) for codes in every_code])  # [S, B]
