@@ -30,7 +30,9 @@ from disentanglement.controllability import (
 )
 from disentanglement.data import collate
 from disentanglement.encode import raw_pairs
+from disentanglement.evaluation import evaluate_records, posterior_latents
 from disentanglement.features import build_feature_cache
+from disentanglement.latent_space import code_labels
 from disentanglement.runs import load_examples
 
 OPTIONS = dict(num_prompts=4, max_new_tokens=40, prior_latents=4, seed=0)
@@ -349,6 +351,74 @@ def test_trained_codes_generate_their_factor_as_read_from_the_text(discrete):
     assert blind["accuracy"] == 0.0 and blind["none_share"] == 1.0
     # the tiny data's sources name no built-in set: no detector, no factor_accuracy
     assert "factor_accuracy" not in controllability(*discrete, **OPTIONS)
+
+
+def test_code_labels_by_hand():
+    codes = np.array([[0, 1], [0, 1], [1, 1], [0, 0]])  # 4 examples, 2 slots
+    factors = {"a": ["x", "y", "y", "x"], "b": ["p", "p", "q", "q"]}
+    assert code_labels(codes, factors) == {
+        (0, 0): {"a": "x", "b": "p"},  # rows 0, 1, 3
+        (0, 1): {"a": "y", "b": "q"},  # row 2
+        (1, 1): {"a": "y", "b": "p"},  # rows 0, 1, 2
+        (1, 0): {"a": "x", "b": "q"},  # row 3
+    }
+    assert code_labels(torch.tensor([[2], [2]]), {"a": ["z", "b"]}) == {(0, 2): {"a": "b"}}  # a tie: the smallest
+    assert code_labels(np.zeros((0, 1), dtype=int), {}) == {}
+    with pytest.raises(ValueError, match="factor 'a' has 1 values for 2 examples' codes"):
+        code_labels(np.array([[0], [1]]), {"a": ["x"]})
+
+
+def test_read_back_by_the_decoders_codes(discrete, continuous):
+    """With the decoder's likeliest codes of the real examples, each code stands for its majority value among the
+    examples the decoder gives it: equal to the encoder's read-back where they are the encoder's codes, 0 where
+    every code is renamed to the next one (each code then stands for the value its neighbour writes)."""
+    model, tokenizer, _, examples, cache, _ = discrete
+    codes = posterior_latents(model, examples, cache, tokenizer.pad_token_id)["codes"]  # [E, 1]
+    options = dict(OPTIONS, max_new_tokens=64, detector=clean_detector)
+    same = controllability(*discrete, **options, decoder_codes=codes)["factor_accuracy"]
+    assert same["decoder_codes"] == same["factors"] and same["factors"]["label"]["accuracy"] == 1.0
+    renamed = controllability(*discrete, **options, decoder_codes=torch.from_numpy((codes + 1) % model.codebook_size))
+    entry = renamed["factor_accuracy"]["decoder_codes"]["label"]
+    assert renamed["factor_accuracy"]["factors"]["label"]["accuracy"] == 1.0 and entry["accuracy"] == 0.0
+    assert entry["none_share"] == 0.0 and entry["majority_share"] == 0.25  # read, and still four values
+    assert (
+        "    each code standing for its majority value under the decoder's likeliest codes: accuracy 0.000 "
+        "(majority 0.250)" in summary_lines(renamed)
+    )
+    assert "decoder_codes" not in controllability(*discrete, **options)["factor_accuracy"]
+    with pytest.raises(ValueError, match=f"got 2 rows for {len(examples)} examples of a discrete latent"):
+        controllability(*discrete, **options, decoder_codes=codes[:2])
+    with pytest.raises(ValueError, match="of a continuous latent"):
+        controllability(*continuous, **options, decoder_codes=np.zeros((len(examples), 1), dtype=int))
+
+
+def test_eval_generation_reads_back_by_the_decoders_codes_of_its_own_report(discrete_run, discrete, tmp_path):
+    """``eval --generation`` hands the controllability the decoder's codes its own scoring found."""
+    import disentanglement.controllability as module
+
+    model, tokenizer, _, examples, cache, _ = discrete
+    expected = evaluate_records(model, examples, cache, tokenizer.pad_token_id, progress=False)[1]["decoder_codes"]
+    seen = {}
+    real = module.controllability
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "controllability", spy)
+        report, _, _ = run_eval(
+            discrete_run.checkpoint,
+            output=tmp_path / "e.json",
+            progress=False,
+            generation=True,
+            generation_prompts=2,
+            model_and_tokenizer=model_and_tokenizer(),
+        )
+    assert np.array_equal(seen["decoder_codes"], expected) and expected.shape == (len(examples), 1)
+    assert report["decoder_posterior"]["agreement"] == pytest.approx(
+        float((expected == posterior_latents(model, examples, cache, tokenizer.pad_token_id)["codes"]).mean())
+    )
 
 
 def test_continuous_attribute_vectors_are_read_from_the_text(continuous):

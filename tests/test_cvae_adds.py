@@ -82,12 +82,13 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
     assert raw.latent.encoder_view == "mean_last" and not raw.latent.centered_straight_through
     assert raw.model.decoder_training == "full" and raw.train.decoder_lr == 5e-5 and raw.train.max_steps == 240
     assert raw.latent.latent_placement == "between" and raw.latent.codebook_init == "random"
-    for recipe, target in (
-        ("centered-full-between-random-dpost", "soft"),
-        ("centered-full-between-random-dpost-hard", "hard"),
+    for recipe, target, weight in (
+        ("centered-full-between-random-dpost", "soft", 1.0),
+        ("centered-full-between-random-dpost-hard", "hard", 1.0),
+        ("centered-full-between-random-dpost-hard-w3", "hard", 3.0),  # section 19
     ):
         dpost = built[recipe]  # section 18: section 16's recipe, the decoder's posterior teaching the encoder from 120
-        assert (dpost.latent.decoder_posterior_weight, dpost.latent.decoder_posterior_start) == (1.0, 120), recipe
+        assert (dpost.latent.decoder_posterior_weight, dpost.latent.decoder_posterior_start) == (weight, 120), recipe
         assert dpost.latent.decoder_posterior_target == target and dpost.latent.latent_placement == "between"
         assert dpost.latent.codebook_init == "random" and dpost.model.decoder_training == "full"
 
@@ -130,6 +131,9 @@ def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
     body["decoder_posterior"] = {"agreement": 0.9, "factors": {"act": {"encoder": 0.1, "decoder": 0.25}}}
     path.write_text(json.dumps(body))
     assert cells(table.row(path))[1] == "act 0.100 (view 0.040, prior 0.020, decoder 0.250)"
+    by_decoder = {**detected, "decoder_codes": {"style": {**detected["factors"]["style"], "accuracy": 1.0}}}
+    row = cells(table.row(report(tmp_path, {"factor_accuracy": by_decoder, "labels": {}, **fluency})))
+    assert row[4] == "style 0.969 (chance 0.25, none 0.00, n 32, by the decoder's codes 1.000)"
     labels = {
         "act": {
             "accuracy": 0.5,

@@ -8,7 +8,8 @@ factor the share of generations whose factor, read back from the text, is the on
 chance, the majority share (the accuracy of one answer for all) and the share where no value was found (where no
 detector reads the text, as for DailyDialog's act and emotion: per factor, the share that the classifier on the
 frozen features gives the code's value, beside chance, the majority share and the classifier's accuracy on
-held-out real responses), and the generations' z-free NLL over the real responses'. A report of
+held-out real responses; where eval had the decoder's likeliest codes, the read-back with each code standing for
+its majority value among them beside it), and the generations' z-free NLL over the real responses'. A report of
 ``eval --generation-guidance`` is named by its run and ", guided G".
 """
 
@@ -51,9 +52,15 @@ def row(path: Path) -> str:
     control = report.get("controllability")
     if control:
         accuracy = (control.get("factor_accuracy") or {}).get("factors", {})
+        by_decoder = (control.get("factor_accuracy") or {}).get("decoder_codes", {})
+
+        def decoders(name: str) -> str:  # the read-back with each code named by the decoder's likeliest codes
+            entry = by_decoder.get(name) or {}
+            return "" if entry.get("accuracy") is None else f", by the decoder's codes {entry['accuracy']:.3f}"
+
         text = "; ".join(
             f"{n} {e['accuracy']:.3f} (chance {e['chance']:.2f}{majority(e)}, none {e['none_share']:.2f}, "
-            f"n {e['generations_scored']})"
+            f"n {e['generations_scored']}{decoders(n)})"
             for n, e in accuracy.items()
             if e["accuracy"] is not None
         )

@@ -97,17 +97,20 @@ def run_eval(
     cache = stored_features(
         model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress and main, state=processes
     )
+    body, records = _evaluate_and_judge(model, tokenizer, examples, cache, scoring, options, processes, main)
     report = {
         "title": f"Evaluation of {checkpoint_dir}",
         "checkpoint": str(checkpoint_dir),
         "step": state.get("step"),
         "data": description,
-        **_evaluate_and_judge(model, tokenizer, examples, cache, scoring, options, processes, main),
+        **body,
     }
     if not main:
         return report, json_path, json_path.with_suffix(".md")
     if options.generation:
-        report["controllability"] = _eval_controllability(model, tokenizer, config, examples, cache, options)
+        report["controllability"] = _eval_controllability(
+            model, tokenizer, config, examples, cache, options, records.get("decoder_codes")
+        )
     _write_json(json_path, report, root=run_dir if options.output is None else None)
     md_path = write_markdown_summary(report, json_path.with_suffix(".md"))
     return report, json_path, md_path
@@ -132,12 +135,12 @@ def _eval_report_path(checkpoint: str | Path, options: EvalOptions) -> Path:
 
 
 def _evaluate_and_judge(model, tokenizer, examples, cache, scoring, options: EvalOptions, processes, main: bool):
-    """The body of the evaluation report (:func:`evaluation.evaluate`) with its ``verdict``
-    (:func:`verdict.judge`): on every process, the main one's ``progress`` alone shown."""
-    from .evaluation import evaluate
+    """The body of the evaluation report with its ``verdict`` (:func:`verdict.judge`), and its per-example
+    records (:func:`evaluation.evaluate_records`): on every process, the main one's ``progress`` alone shown."""
+    from .evaluation import evaluate_records
     from .verdict import judge
 
-    body = evaluate(
+    body, records = evaluate_records(
         model,
         examples,
         cache,
@@ -150,11 +153,12 @@ def _evaluate_and_judge(model, tokenizer, examples, cache, scoring, options: Eva
     )
     result = judge(body)
     body["verdict"] = {"verdict": result["verdict"], "reason": result["reason"]}
-    return body
+    return body, records
 
 
-def _eval_controllability(model, tokenizer, config, examples, cache, options: EvalOptions) -> dict:
-    """``eval --generation``'s ``controllability`` section (:func:`controllability.controllability`)."""
+def _eval_controllability(model, tokenizer, config, examples, cache, options: EvalOptions, decoder_codes) -> dict:
+    """``eval --generation``'s ``controllability`` section (:func:`controllability.controllability`);
+    ``decoder_codes`` (the real examples' decoder's likeliest codes, or None) for the read-back by them."""
     from .controllability import controllability
     from .encode import raw_pairs
     from .guidance import Guidance
@@ -174,6 +178,7 @@ def _eval_controllability(model, tokenizer, config, examples, cache, options: Ev
         seed=options.seed,
         batch_size=options.batch_size,
         progress=options.progress,
+        decoder_codes=decoder_codes,
     )
 
 

@@ -28,6 +28,12 @@ end-of-sequence token alone), and measure:
   per factor, ``accuracy`` is the share of the generations standing for a value (as for label accuracy) whose
   detected value is that value, ``none_share`` the share where the detector finds no single value, and
   ``chance`` one over the factor's number of values among the real examples.
+  Where the decoder's own likeliest code of each real example is given (``decoder_codes``: ``eval`` passes
+  them where the prior mixture is exact over the codes, the ``decoder_posterior`` of its report), the same
+  read-back is scored again with each code standing for its majority value among the real examples the
+  *decoder* gives it (``factor_accuracy["decoder_codes"]``): generation decodes under a code, so what the code
+  means to the decoder is what its generations should show, where the encoder's assignment can name the same
+  groups differently.
   Both read-backs also give ``majority_share``: the share of the scored generations whose wanted value is the most
   common one among them, the accuracy of one answer for every generation (a decoder that writes the same value
   under every latent can score this much; with skewed labels it is well above ``chance``).
@@ -60,7 +66,7 @@ from .evaluation import example_factor_values, posterior_latents
 from .features import FeatureCache
 from .generation import SamplingOptions, encode_prompts, generate_texts, prompt_features
 from .guidance import Guidance
-from .latent_space import LatentSpace
+from .latent_space import LatentSpace, code_labels
 from .metrics import distinct_n
 from .reference import eval_mode
 
@@ -296,6 +302,7 @@ def controllability(
     guidance: Guidance | None = None,
     detector: Detector | None = None,
     detector_name: str | None = None,
+    decoder_codes: Any = None,
 ) -> dict[str, Any]:
     """The controllability report of a model on held-out data (see the module docstring); ``progress`` shows
     a progress bar over the generations. ``temperature`` 0 decodes greedily (the default); above 0 it samples
@@ -311,13 +318,20 @@ def controllability(
     when every example is labelled), distinct-n, ``zfree_nll_per_token`` and ``real_zfree_nll_per_token``,
     and ``examples`` (the first prompts' generations); with labelled data and a ``detector`` (default: the
     synthetic set's, :func:`synthetic_detector`, when the examples' sources name one) also ``factor_accuracy``
-    (``{"detector": NAME, "factors": {factor: ...}}``, :func:`factor_accuracy`). Example::
+    (``{"detector": NAME, "factors": {factor: ...}}``, :func:`factor_accuracy`), and with ``decoder_codes``
+    (``[E, M]``, the decoder's likeliest code of each example; discrete latents) its ``decoder_codes``, the same
+    per factor with each code standing for its majority value under those codes. Example::
 
         report = controllability(model, tokenizer, config, examples, cache, pairs, num_prompts=4)
         report["code_recovery_accuracy"], report["labels"]["label"]["accuracy"]
     """
     if len(pairs) != len(examples) or len(cache) != len(examples):
         raise ValueError(f"{len(pairs)} pairs and {len(cache)} cached examples for {len(examples)} examples")
+    if decoder_codes is not None and (model.latent_space.kind != "discrete" or len(decoder_codes) != len(examples)):
+        raise ValueError(
+            f"decoder_codes are one row of codes per example of a discrete latent; got {len(decoder_codes)} rows "
+            f"for {len(examples)} examples of a {model.latent_space.kind} latent"
+        )
     for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--generation-{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
@@ -366,6 +380,10 @@ def controllability(
             "detector": detector_name or "given",
             "factors": factor_accuracy(texts, [t["labels"] for t in targets], factors, detector),
         }
+        if decoder_codes is not None:
+            named = code_labels(decoder_codes, factors)
+            expected = [named.get((t["slot"], t["target"]), {}) for t in targets]
+            report["factor_accuracy"]["decoder_codes"] = factor_accuracy(texts, expected, factors, detector)
     per_prompt = [[texts[i] for i, t in enumerate(targets) if t["prompt"] == p] for p in range(len(prompts))]
     report.update(diversity(per_prompt))
     tokens = encoded["tokens"].double()
@@ -492,6 +510,12 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"{_majority(entry)}; no value found {entry['none_share']:.3f}) over {entry['generations_scored']} "
             "generations"
         )
+        decoder = report["factor_accuracy"].get("decoder_codes", {}).get(name)
+        if decoder is not None and decoder["accuracy"] is not None:
+            lines.append(
+                f"    each code standing for its majority value under the decoder's likeliest codes: accuracy "
+                f"{decoder['accuracy']:.3f} (majority {decoder['majority_share']:.3f})"
+            )
     if report.get("real_zfree_nll_per_token"):
         lines.append(
             f"  z-free NLL of the generations / of the real responses: "

@@ -406,7 +406,29 @@ def evaluate(
     progress: bool = True,
     state=None,
 ) -> dict:
-    """The evaluation report of a trained CVAE on ``examples`` (a JSON-able dict).
+    """The evaluation report of a trained CVAE on ``examples`` (a JSON-able dict): :func:`evaluate_records`'s
+    report, without its per-example records."""
+    return evaluate_records(
+        model, examples, cache, pad_token_id, scoring=scoring, batch_size=batch_size, seed=seed, progress=progress,
+        state=state,
+    )[0]  # fmt: skip
+
+
+def evaluate_records(
+    model: CVAEBase,
+    examples: Sequence[Example],
+    cache: FeatureCache,
+    pad_token_id: int,
+    *,
+    scoring: Scoring = DEFAULT_SCORING,
+    batch_size: int = 16,
+    seed: int = 0,
+    progress: bool = True,
+    state=None,
+) -> tuple[dict, dict[str, np.ndarray]]:
+    """The evaluation report of a trained CVAE on ``examples`` (a JSON-able dict), and the per-example records
+    it was computed from (:func:`concatenate_records`, in the order of ``examples``: e.g. ``codes`` and, where
+    the prior mixture is exact over the codes, ``decoder_codes``, which ``eval --generation`` reads back by).
 
     With several processes (``state``, accelerate's ``PartialState``) the batches are shared out among
     them and their per-example records gathered (:func:`score_examples`); every process then computes
@@ -477,7 +499,7 @@ def evaluate(
         report["decoder_posterior"] = decoder_posterior_report(
             columns["codes"], columns["decoder_codes"], factor_values
         )
-    return report
+    return report, columns
 
 
 def decoder_posterior_report(

@@ -374,25 +374,14 @@ class DiscreteLatentSpace(LatentSpace):
         factors: dict[str, list[str]] | None,
         prior_latents: int,
     ) -> list[dict[str, Any]]:
-        """Every code of every slot around the prompt's prior mode (group ``slot m``, target the code), with the
-        label each code stands for (the most frequent value among the real examples assigned to it)."""
-        from collections import Counter
-
+        """Every code of every slot around the prompt's prior mode (group ``slot m``, target the code, ``slot``
+        ``m``), with the label each code stands for (:func:`code_labels` of the real examples' codes)."""
         model = self.model
         targets: list[dict[str, Any]] = []
         P = features.prior_features.shape[0]
         M, K = model.num_slots, model.codebook_size
         mode = model.prior_log_probs(features).argmax(-1)  # [P, M]
-        # the label each code stands for: the most frequent value among the real examples assigned to it
-        code_labels: dict[tuple[int, int], dict[str, str]] = {}
-        for name, values in (factors or {}).items():
-            for m in range(M):
-                for k in range(K):
-                    assigned = [v for v, c in zip(values, latents["codes"][:, m], strict=True) if c == k]
-                    if assigned:
-                        top = Counter(assigned).most_common()
-                        best = min(v for v, n in top if n == top[0][1])  # ties: the smallest value
-                        code_labels.setdefault((m, k), {})[name] = best
+        labels = code_labels(latents["codes"], factors or {})
         for p in range(P):
             for m in range(M):
                 for k in range(K):
@@ -402,10 +391,11 @@ class DiscreteLatentSpace(LatentSpace):
                         {
                             "prompt": p,
                             "group": f"slot {m}",
+                            "slot": m,
                             "target": k,
                             "vector": model.codes_to_vector(codes.unsqueeze(0))[0],
                             "codes": codes.tolist(),
-                            "labels": code_labels.get((m, k), {}),
+                            "labels": labels.get((m, k), {}),
                         }
                     )
         return targets
@@ -672,6 +662,28 @@ class ContinuousLatentSpace(LatentSpace):
 
 #: The latent spaces of the families, as a latent-file row names its family (by :attr:`LatentSpace.latent_key`).
 LATENT_SPACES: tuple[type[LatentSpace], ...] = (DiscreteLatentSpace, ContinuousLatentSpace)
+
+
+def code_labels(codes: Any, factors: Mapping[str, Sequence[str]]) -> dict[tuple[int, int], dict[str, str]]:
+    """The value each code stands for, ``{(slot, code): {factor: value}}``: per factor, the most frequent value
+    among the examples assigned to the code in that slot (ties: the smallest value), from ``codes [E, M]`` (a
+    tensor or an array, one row per example, in the order of each factor's ``values``); codes no example is
+    assigned to are left out."""
+    from collections import Counter
+
+    rows = [[int(c) for c in row] for row in codes.tolist()]
+    labels: dict[tuple[int, int], dict[str, str]] = {}
+    for name, values in factors.items():
+        if len(values) != len(rows):
+            raise ValueError(f"factor {name!r} has {len(values)} values for {len(rows)} examples' codes")
+        counts: dict[tuple[int, int], Counter] = {}
+        for value, row in zip(values, rows, strict=True):
+            for m, k in enumerate(row):
+                counts.setdefault((m, k), Counter())[value] += 1
+        for key, counter in counts.items():
+            top = max(counter.values())
+            labels.setdefault(key, {})[name] = min(v for v, n in counter.items() if n == top)
+    return labels
 
 
 def latent_space_of(family: str) -> LatentSpace:
