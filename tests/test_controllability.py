@@ -271,6 +271,16 @@ def test_every_slot_is_swept_on_an_untrained_two_slot_model():
     mean = (report["per_slot"][0]["accuracy"] + report["per_slot"][1]["accuracy"]) / 2
     assert report["code_recovery_accuracy"] == pytest.approx(mean)
     assert [e["latent"].count(",") for e in report["examples"]] == [1] * 12  # two codes per latent
+    # the read-back by the decoder's codes, slot by slot: slot 0's code k stands for label k; slot 1 gives every
+    # example code 0 (a three-way tie: label "0"), so only code 0 of slot 1 is scored there
+    decoder_codes = np.array([[i % 3, 0] for i in range(9)])
+    read = controllability(
+        model, tokenizer, config, examples, cache, pairs, num_prompts=2, max_new_tokens=4,
+        detector=lambda factor, text: "0", decoder_codes=decoder_codes,
+    )["factor_accuracy"]["decoder_codes"]["label"]  # fmt: skip
+    assert (
+        read["generations_scored"] == 2 * (3 + 1) and read["accuracy"] == 0.5
+    )  # per prompt: slot 0's code 0, slot 1's
 
 
 # --------------------------------------------------------------------------- the factor read back from the text
@@ -383,18 +393,33 @@ def test_read_back_by_the_decoders_codes(discrete, continuous):
     assert entry["none_share"] == 0.0 and entry["majority_share"] == 0.25  # read, and still four values
     assert (
         "    each code standing for its majority value under the decoder's likeliest codes: accuracy 0.000 "
-        "(majority 0.250)" in summary_lines(renamed)
+        "(majority 0.250) over 16 generations" in summary_lines(renamed)
     )
     assert "decoder_codes" not in controllability(*discrete, **options)["factor_accuracy"]
-    with pytest.raises(ValueError, match=f"got 2 rows for {len(examples)} examples of a discrete latent"):
-        controllability(*discrete, **options, decoder_codes=codes[:2])
-    with pytest.raises(ValueError, match="of a continuous latent"):
-        controllability(*continuous, **options, decoder_codes=np.zeros((len(examples), 1), dtype=int))
+    # a code the decoder gives no example: its generations are not scored by the decoder's codes
+    merged = np.where(codes == 3, 0, codes)
+    entry = controllability(*discrete, **options, decoder_codes=merged)["factor_accuracy"]["decoder_codes"]["label"]
+    kept = code_labels(merged, {"label": [e.label for e in examples]})[(0, 0)]["label"]
+    own = code_labels(codes, {"label": [e.label for e in examples]})[(0, 0)]["label"]
+    assert entry["generations_scored"] == 12 and entry["accuracy"] == (1.0 if kept == own else 8 / 12)
+    E = len(examples)
+    for bad, message in (
+        (codes[:2], rf"\[examples, slots\] = \[{E}, 1\]; got int64 of shape \[2, 1\]"),
+        (codes[:, 0], rf"got int64 of shape \[{E}\]"),
+        (codes.astype(float), "got float64"),
+        (codes + model.codebook_size, f"must lie in 0..{model.codebook_size - 1}"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            controllability(*discrete, **options, decoder_codes=bad)
+    with pytest.raises(ValueError, match="this model's latent is continuous"):
+        controllability(*continuous, **options, decoder_codes=np.zeros((E, 1), dtype=int))
 
 
 def test_eval_generation_reads_back_by_the_decoders_codes_of_its_own_report(discrete_run, discrete, tmp_path):
-    """``eval --generation`` hands the controllability the decoder's codes its own scoring found."""
+    """``eval --generation`` hands the controllability the decoder's codes its own scoring found (in the order of
+    the examples, which scoring visits by length), and reports and prints the read-back by them."""
     import disentanglement.controllability as module
+    from disentanglement.commands import eval_summary_lines
 
     model, tokenizer, _, examples, cache, _ = discrete
     expected = evaluate_records(model, examples, cache, tokenizer.pad_token_id, progress=False)[1]["decoder_codes"]
@@ -407,18 +432,23 @@ def test_eval_generation_reads_back_by_the_decoders_codes_of_its_own_report(disc
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(module, "controllability", spy)
-        report, _, _ = run_eval(
+        patch.setattr(module, "synthetic_detector", lambda *args: ("clean phrases", clean_detector))
+        report, json_path, _ = run_eval(
             discrete_run.checkpoint,
             output=tmp_path / "e.json",
             progress=False,
             generation=True,
-            generation_prompts=2,
+            generation_prompts=4,
+            generation_max_new_tokens=64,
             model_and_tokenizer=model_and_tokenizer(),
         )
     assert np.array_equal(seen["decoder_codes"], expected) and expected.shape == (len(examples), 1)
-    assert report["decoder_posterior"]["agreement"] == pytest.approx(
-        float((expected == posterior_latents(model, examples, cache, tokenizer.pad_token_id)["codes"]).mean())
-    )
+    codes = posterior_latents(model, examples, cache, tokenizer.pad_token_id)["codes"]
+    assert report["decoder_posterior"]["agreement"] == pytest.approx(float((expected == codes).mean()))
+    saved = json.loads(json_path.read_text())["controllability"]["factor_accuracy"]
+    assert saved["decoder_codes"]["label"]["accuracy"] == 1.0 and saved["decoder_codes"]["label"]["per_value"]
+    lines = eval_summary_lines(report)
+    assert any(line.startswith("    each code standing for its majority value under the decoder's") for line in lines)
 
 
 def test_continuous_attribute_vectors_are_read_from_the_text(continuous):

@@ -131,9 +131,13 @@ def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
     body["decoder_posterior"] = {"agreement": 0.9, "factors": {"act": {"encoder": 0.1, "decoder": 0.25}}}
     path.write_text(json.dumps(body))
     assert cells(table.row(path))[1] == "act 0.100 (view 0.040, prior 0.020, decoder 0.250)"
-    by_decoder = {**detected, "decoder_codes": {"style": {**detected["factors"]["style"], "accuracy": 1.0}}}
+    decoders = {**detected["factors"]["style"], "accuracy": 1.0, "majority_share": 0.5, "generations_scored": 24}
+    by_decoder = {**detected, "decoder_codes": {"style": decoders}}
     row = cells(table.row(report(tmp_path, {"factor_accuracy": by_decoder, "labels": {}, **fluency})))
-    assert row[4] == "style 0.969 (chance 0.25, none 0.00, n 32, by the decoder's codes 1.000)"
+    assert row[4] == "style 0.969 (chance 0.25, none 0.00, n 32; by the decoder's codes 1.000, majority 0.50, n 24)"
+    unscored = {**detected, "decoder_codes": {"style": {**decoders, "accuracy": None}}}
+    row = cells(table.row(report(tmp_path, {"factor_accuracy": unscored, "labels": {}, **fluency})))
+    assert row[4] == "style 0.969 (chance 0.25, none 0.00, n 32)"
     labels = {
         "act": {
             "accuracy": 0.5,

@@ -5,11 +5,12 @@
 One row per report: its run and step, per factor the latent's NMI beside k-means of the encoder's view and of
 the prior features (and of the decoder's own likeliest code, where the report has it), the posterior and z-free NLL (nats/token), the latent gain, and (with --generation) per
 factor the share of generations whose factor, read back from the text, is the one their code stands for, with
-chance, the majority share (the accuracy of one answer for all) and the share where no value was found (where no
+chance, the majority share (the accuracy of one answer for all) and the share where no value was found (and where
+eval had the decoder's likeliest codes, the same with each code standing for its majority value among them, its
+majority share and generations scored beside it; where no
 detector reads the text, as for DailyDialog's act and emotion: per factor, the share that the classifier on the
 frozen features gives the code's value, beside chance, the majority share and the classifier's accuracy on
-held-out real responses; where eval had the decoder's likeliest codes, the read-back with each code standing for
-its majority value among them beside it), and the generations' z-free NLL over the real responses'. A report of
+held-out real responses), and the generations' z-free NLL over the real responses'. A report of
 ``eval --generation-guidance`` is named by its run and ", guided G".
 """
 
@@ -56,7 +57,9 @@ def row(path: Path) -> str:
 
         def decoders(name: str) -> str:  # the read-back with each code named by the decoder's likeliest codes
             entry = by_decoder.get(name) or {}
-            return "" if entry.get("accuracy") is None else f", by the decoder's codes {entry['accuracy']:.3f}"
+            if entry.get("accuracy") is None:
+                return ""
+            return f"; by the decoder's codes {entry['accuracy']:.3f}{majority(entry)}, n {entry['generations_scored']}"
 
         text = "; ".join(
             f"{n} {e['accuracy']:.3f} (chance {e['chance']:.2f}{majority(e)}, none {e['none_share']:.2f}, "
@@ -85,7 +88,8 @@ def main(argv: list[str]) -> int:
         return 2
     print(
         "| run @step | NMI per factor (k-means of the view, of the prior) | posterior / z-free NLL | latent gain "
-        "| factor read from the generations (chance, majority share, no value, generations; or by the classifier) "
+        "| factor read from the generations (chance, majority share, no value, generations; by the decoder's codes; "
+        "or by the classifier) "
         "| generations' / real z-free NLL |"
     )
     print("| --- | --- | --- | --- | --- | --- |")

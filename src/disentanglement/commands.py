@@ -68,14 +68,15 @@ def _write_json(path: str | Path, obj: Any, root: str | Path | None = None) -> P
 def run_eval(
     checkpoint: str | Path, options: EvalOptions | None = None, *, model_and_tokenizer=None, **overrides: Any
 ) -> tuple[dict, Path, Path]:
-    """Evaluate a checkpoint (:func:`evaluation.evaluate`); write the JSON report and a Markdown summary.
+    """Evaluate a checkpoint (:func:`evaluation.evaluate_records`); write the JSON report and a Markdown summary.
 
     ``options`` (default :class:`EvalOptions`) with the keyword ``overrides`` on top (``run_eval(ckpt,
     data="train", iw_samples=4)``). ``output`` defaults to ``RUN/eval/eval_<data>.json``; the summary is the
     same path with ``.md``. With ``generation`` the report gets ``controllability``
     (:func:`controllability.controllability` on ``generation_prompts`` prompts of ``data``,
     ``generation_max_new_tokens`` tokens at most, greedy or sampled at ``generation_temperature``, and
-    ``generation_latents`` prior draws per prompt for a continuous model). Returns
+    ``generation_latents`` prior draws per prompt for a continuous model; with the decoder's likeliest codes of
+    the report's ``decoder_posterior``, its read-back by them too). Returns
     ``(report, json_path, markdown_path)``.
     """
     from .report import write_markdown_summary

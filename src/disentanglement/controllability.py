@@ -33,7 +33,8 @@ end-of-sequence token alone), and measure:
   read-back is scored again with each code standing for its majority value among the real examples the
   *decoder* gives it (``factor_accuracy["decoder_codes"]``): generation decodes under a code, so what the code
   means to the decoder is what its generations should show, where the encoder's assignment can name the same
-  groups differently.
+  groups differently. The generations of a code no real example has as its decoder's likeliest are not scored
+  there (its ``generations_scored`` can be smaller); as in the encoder's, a tie goes to the smallest value.
   Both read-backs also give ``majority_share``: the share of the scored generations whose wanted value is the most
   common one among them, the accuracy of one answer for every generation (a decoder that writes the same value
   under every latent can score this much; with skewed labels it is well above ``chance``).
@@ -327,11 +328,8 @@ def controllability(
     """
     if len(pairs) != len(examples) or len(cache) != len(examples):
         raise ValueError(f"{len(pairs)} pairs and {len(cache)} cached examples for {len(examples)} examples")
-    if decoder_codes is not None and (model.latent_space.kind != "discrete" or len(decoder_codes) != len(examples)):
-        raise ValueError(
-            f"decoder_codes are one row of codes per example of a discrete latent; got {len(decoder_codes)} rows "
-            f"for {len(examples)} examples of a {model.latent_space.kind} latent"
-        )
+    if decoder_codes is not None:
+        decoder_codes = _checked_codes(model, decoder_codes, len(examples))
     for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--generation-{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
@@ -392,6 +390,23 @@ def controllability(
     report["real_zfree_nll_per_token"] = float(sum(n.double().sum() for n in cache.response_nll) / real_tokens)
     report["examples"] = _shown_examples(space, targets, prompts, texts, recovered)
     return report
+
+
+def _checked_codes(model: CVAEBase, codes: Any, examples: int) -> np.ndarray:
+    """``codes`` as an integer array ``[E, M]`` of a discrete model's codes, or a ValueError saying what was expected."""
+    kind = model.latent_space.kind
+    if kind != "discrete":
+        raise ValueError(f"decoder_codes are the codes of a discrete latent; this model's latent is {kind}")
+    array = np.asarray(codes.cpu() if isinstance(codes, torch.Tensor) else codes)
+    M, K = model.num_slots, model.codebook_size
+    if array.shape != (examples, M) or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(
+            f"decoder_codes must be integer codes [examples, slots] = [{examples}, {M}]; got {array.dtype} of shape "
+            f"{list(array.shape)}"
+        )
+    if array.size and (array.min() < 0 or array.max() >= K):
+        raise ValueError(f"decoder_codes must lie in 0..{K - 1}; got {array.min()}..{array.max()}")
+    return array
 
 
 def _shown_examples(
@@ -514,7 +529,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         if decoder is not None and decoder["accuracy"] is not None:
             lines.append(
                 f"    each code standing for its majority value under the decoder's likeliest codes: accuracy "
-                f"{decoder['accuracy']:.3f} (majority {decoder['majority_share']:.3f})"
+                f"{decoder['accuracy']:.3f} (majority {decoder['majority_share']:.3f}) over "
+                f"{decoder['generations_scored']} generations"
             )
     if report.get("real_zfree_nll_per_token"):
         lines.append(

@@ -414,6 +414,7 @@ def evaluate(
     )[0]  # fmt: skip
 
 
+@torch.no_grad()
 def evaluate_records(
     model: CVAEBase,
     examples: Sequence[Example],
