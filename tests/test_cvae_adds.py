@@ -82,13 +82,14 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
     assert raw.latent.encoder_view == "mean_last" and not raw.latent.centered_straight_through
     assert raw.model.decoder_training == "full" and raw.train.decoder_lr == 5e-5 and raw.train.max_steps == 240
     assert raw.latent.latent_placement == "between" and raw.latent.codebook_init == "random"
-    for recipe, target, weight in (
-        ("centered-full-between-random-dpost", "soft", 1.0),
-        ("centered-full-between-random-dpost-hard", "hard", 1.0),
-        ("centered-full-between-random-dpost-hard-w3", "hard", 3.0),  # section 19
+    for recipe, target, weight, start in (
+        ("centered-full-between-random-dpost", "soft", 1.0, 120),
+        ("centered-full-between-random-dpost-hard", "hard", 1.0, 120),
+        ("centered-full-between-random-dpost-hard-w3", "hard", 3.0, 120),  # section 19
+        ("centered-full-between-random-dpost-hard-late", "hard", 1.0, 180),
     ):
-        dpost = built[recipe]  # section 18: section 16's recipe, the decoder's posterior teaching the encoder from 120
-        assert (dpost.latent.decoder_posterior_weight, dpost.latent.decoder_posterior_start) == (weight, 120), recipe
+        dpost = built[recipe]  # section 18: section 16's recipe, the decoder's posterior teaching the encoder
+        assert (dpost.latent.decoder_posterior_weight, dpost.latent.decoder_posterior_start) == (weight, start), recipe
         assert dpost.latent.decoder_posterior_target == target and dpost.latent.latent_placement == "between"
         assert dpost.latent.codebook_init == "random" and dpost.model.decoder_training == "full"
 
