@@ -285,8 +285,10 @@ PLAN = [  # (set, recipe, seeds)
     # section 19: the hard term at three times the weight; two-factor's third seed of section 16's recipe (item 3)
     ("style-in-content", "centered-full-between-random-dpost-hard-w3", (0, 1, 2)),
     ("two-factor", "centered-full-between-random", (2,)),
-    ("style-in-echo", "centered-full-between-random-dpost-hard-late", (0,)),
-    ("style-in-content", "centered-full-between-random-dpost-hard-late", (0,)),
+    # section 20: the hard term from step 180 on every seed of the three synthetic sets (items 1-3)
+    ("style-in-echo", "centered-full-between-random-dpost-hard-late", (0, 1, 2)),
+    ("two-factor", "centered-full-between-random-dpost-hard-late", (0, 1, 2)),
+    ("style-in-content", "centered-full-between-random-dpost-hard-late", (0, 1, 2)),
 ]
 
 
