@@ -14,7 +14,8 @@ import torch
 
 from disentanglement.cli import _train_config, build_parser
 
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "cvae-adds"
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARK = ROOT / "benchmarks" / "cvae-adds"
 
 
 def load(name: str):
@@ -37,6 +38,20 @@ def table():
 @pytest.fixture(scope="module")
 def marker_share():
     return load("marker_share")
+
+
+def test_configs_steer_yaml_trains_the_recipe_of_section_20(run):
+    """configs/steer.yaml is exactly what run.py trained as ``centered-full-between-random-dpost-hard-late`` on
+    the thesis base (docs/what-the-cvae-adds.md, section 20), every field, the data and output aside."""
+    own = ["--data", "mine.jsonl", "--output-dir", "runs/x", "--dtype", "float32", "--seed", "1"]
+    steer = _train_config(build_parser().parse_args(["train", "--config", str(ROOT / "configs" / "steer.yaml"), *own]))
+    recipe = run.RECIPES["centered-full-between-random-dpost-hard-late"]
+    base = BENCHMARK.parent / "thesis" / "base.yaml"
+    measured = _train_config(build_parser().parse_args(["train", "--config", str(base), *recipe, *own]))
+    assert steer.to_dict() == measured.to_dict()
+    latent = steer.latent
+    assert (latent.latent_placement, latent.codebook_init, latent.decoder_posterior_start) == ("between", "random", 180)
+    assert steer.model.decoder_training == "full" and steer.train.max_steps == 240
 
 
 def test_every_planned_recipe_is_a_valid_training_config(run):
