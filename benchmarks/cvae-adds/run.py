@@ -289,6 +289,9 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-echo", "centered-full-between-random-dpost-hard-late", (0, 1, 2)),
     ("two-factor", "centered-full-between-random-dpost-hard-late", (0, 1, 2)),
     ("style-in-content", "centered-full-between-random-dpost-hard-late", (0, 1, 2)),
+    # section 21: the same recipe on the real prose of chatterbot-style and on DailyDialog's act (items 1 and 4)
+    ("chatterbot-style", "centered-full-between-random-dpost-hard-late", (0, 1, 2)),
+    ("dailydialog", "centered-full-between-random-dpost-hard-late", (0, 1, 2)),
 ]
 
 
