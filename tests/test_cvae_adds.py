@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,16 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
         assert (dpost.latent.decoder_posterior_weight, dpost.latent.decoder_posterior_start) == (weight, start), recipe
         assert dpost.latent.decoder_posterior_target == target and dpost.latent.latent_placement == "between"
         assert dpost.latent.codebook_init == "random" and dpost.model.decoder_training == "full"
+    thesis = [str(BENCHMARK.parent / "thesis" / "base.yaml")]  # section 21: the same with five codes, nothing else
+    k4, k5 = (
+        _train_config(build_parser().parse_args(["train", "--config", *thesis, *run.RECIPES[recipe]]))
+        for recipe in (
+            "centered-full-between-random-dpost-hard-late",
+            "centered-full-between-random-dpost-hard-late-k5",
+        )
+    )
+    assert (k4.latent.codebook_size, k5.latent.codebook_size) == (4, 5)
+    assert k5 == replace(k4, latent=replace(k4.latent, codebook_size=5))
 
 
 def report(tmp_path: Path, controllability: dict | None) -> Path:

@@ -176,6 +176,12 @@ RECIPES = {
                                                      "--decoder-posterior-weight", "1",
                                                      "--decoder-posterior-start", "180",
                                                      "--decoder-posterior-target", "hard"],
+    # that with five codes for chatterbot-style's four styles: at K = 4 two codes shared a marker on every seed and no
+    # code stood for the responses without one (section 21)
+    "centered-full-between-random-dpost-hard-late-k5": [*CENTERED_FULL_BETWEEN, "--codebook-init", "random",
+                                                        "--decoder-posterior-weight", "1",
+                                                        "--decoder-posterior-start", "180",
+                                                        "--decoder-posterior-target", "hard", "--codebook-size", "5"],
     # raw reconstruction (term 1 alone, the mean_last view) with the whole decoder, the code between prompt and
     # response from a random codebook: the likelihood to compare centered-full-between-random with, and whether
     # term 3 and its view matter once the decoder can learn the content
@@ -292,6 +298,7 @@ PLAN = [  # (set, recipe, seeds)
     # section 21: the same recipe on the real prose of chatterbot-style and on DailyDialog's act (items 1 and 4)
     ("chatterbot-style", "centered-full-between-random-dpost-hard-late", (0, 1, 2)),
     ("dailydialog", "centered-full-between-random-dpost-hard-late", (0, 1, 2)),
+    ("chatterbot-style", "centered-full-between-random-dpost-hard-late-k5", (0, 1)),
 ]
 
 
