@@ -365,3 +365,28 @@ def test_view_probe_reads_the_view_the_encoder_and_its_codes(discrete_run, injec
     assert probe.main([str(discrete_run.run_dir), "--train", str(discrete_run.data_path), "--data",
                        str(discrete_run.data_path), "--factor", "label"]) == 0  # fmt: skip
     assert "encoder outputs e" in capsys.readouterr().out
+
+
+def test_questions_counts_each_codes_generations_that_ask_and_the_real_acts(tmp_path, capsys):
+    questions = load("questions")
+    generations = [
+        {"latent": "codes=1", "text": "What is it?"},
+        {"latent": "codes=0", "text": "Yes."},
+        {"latent": "codes=1", "text": "Sure. Where?"},
+        {"latent": "codes=0", "text": "Is it? No."},
+        {"latent": "codes=0", "text": "Thank you."},
+        {"latent": "codes=1", "text": "No."},
+    ]
+    (tmp_path / "gens.json").write_text(json.dumps({"generations": generations}))
+    rows = [
+        {"response": "Why?", "label": {"act": "question"}},
+        {"response": "Fine.", "label": {"act": "inform"}},
+        {"response": "Ok?", "label": {"act": "inform"}},
+        {"response": "Go.", "label": {"act": "directive"}},
+    ]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert questions.share_by_code(generations) == {"codes=1": (3, 2 / 3), "codes=0": (3, 1 / 3)}
+    assert questions.share_by_act(rows) == {"directive": (1, 0.0), "inform": (2, 0.5), "question": (1, 1.0)}
+    assert questions.main([str(tmp_path / "gens.json"), "--data", str(tmp_path / "data.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "| codes=1 | 3 | 0.667 |" in out and "| codes=0 | 3 | 0.333 |" in out and "| inform | 2 | 0.500 |" in out
