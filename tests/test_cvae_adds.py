@@ -17,6 +17,12 @@ from disentanglement.cli import _train_config, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARK = ROOT / "benchmarks" / "cvae-adds"
+THESIS_BASE = ROOT / "benchmarks" / "thesis" / "base.yaml"  # the synthetic sets' base config in run.py
+
+
+def train_config(config: Path, *flags: str):
+    """The training config ``disentangle train --config CONFIG FLAGS...`` builds (every field validated)."""
+    return _train_config(build_parser().parse_args(["train", "--config", str(config), *flags]))
 
 
 def load(name: str):
@@ -45,10 +51,8 @@ def test_configs_steer_yaml_trains_the_recipe_of_section_20(run):
     """configs/steer.yaml is exactly what run.py trained as ``centered-full-between-random-dpost-hard-late`` on
     the thesis base (docs/what-the-cvae-adds.md, section 20), every field, the data and output aside."""
     own = ["--data", "mine.jsonl", "--output-dir", "runs/x", "--dtype", "float32", "--seed", "1"]
-    steer = _train_config(build_parser().parse_args(["train", "--config", str(ROOT / "configs" / "steer.yaml"), *own]))
-    recipe = run.RECIPES["centered-full-between-random-dpost-hard-late"]
-    base = BENCHMARK.parent / "thesis" / "base.yaml"
-    measured = _train_config(build_parser().parse_args(["train", "--config", str(base), *recipe, *own]))
+    steer = train_config(ROOT / "configs" / "steer.yaml", *own)
+    measured = train_config(THESIS_BASE, *run.RECIPES["centered-full-between-random-dpost-hard-late"], *own)
     assert steer.to_dict() == measured.to_dict()
     latent = steer.latent
     assert (latent.latent_placement, latent.codebook_init, latent.decoder_posterior_start) == ("between", "random", 180)
@@ -60,8 +64,7 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
     configs = {"dailydialog": BENCHMARK / "dailydialog.yaml"}
     built = {}
     for name, recipe, _ in run.PLAN:  # each with the config its set trains with; building checks every field
-        base = configs.get(name, BENCHMARK.parent / "thesis" / "base.yaml")
-        built[recipe] = _train_config(build_parser().parse_args(["train", "--config", str(base), *run.RECIPES[recipe]]))
+        built[recipe] = train_config(configs.get(name, THESIS_BASE), *run.RECIPES[recipe])
     for recipe in ("centered", "centered-attention", "centered-norefresh", "centered-lora", "centered-lora-vk"):
         assert built[recipe].latent.centered_straight_through, recipe
     assert built["centered-attention"].latent.encoder_view == "token_weighted_attention"
@@ -108,9 +111,8 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
         assert (dpost.latent.decoder_posterior_weight, dpost.latent.decoder_posterior_start) == (weight, start), recipe
         assert dpost.latent.decoder_posterior_target == target and dpost.latent.latent_placement == "between"
         assert dpost.latent.codebook_init == "random" and dpost.model.decoder_training == "full"
-    thesis = [str(BENCHMARK.parent / "thesis" / "base.yaml")]  # section 21: the same with five codes, nothing else
-    k4, k5 = (
-        _train_config(build_parser().parse_args(["train", "--config", *thesis, *run.RECIPES[recipe]]))
+    k4, k5 = (  # section 21: the same with five codes, nothing else
+        train_config(THESIS_BASE, *run.RECIPES[recipe])
         for recipe in (
             "centered-full-between-random-dpost-hard-late",
             "centered-full-between-random-dpost-hard-late-k5",
@@ -384,9 +386,13 @@ def test_questions_counts_each_codes_generations_that_ask_and_the_real_acts(tmp_
         {"response": "Ok?", "label": {"act": "inform"}},
         {"response": "Go.", "label": {"act": "directive"}},
     ]
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": "p", **row}) + "\n" for row in rows))
+    pairs = questions.load_jsonl(tmp_path / "data.jsonl")
     assert questions.share_by_code(generations) == {"codes=1": (3, 2 / 3), "codes=0": (3, 1 / 3)}
-    assert questions.share_by_act(rows) == {"directive": (1, 0.0), "inform": (2, 0.5), "question": (1, 1.0)}
+    assert questions.share_by_act(pairs) == {"directive": (1, 0.0), "inform": (2, 0.5), "question": (1, 1.0)}
     assert questions.main([str(tmp_path / "gens.json"), "--data", str(tmp_path / "data.jsonl")]) == 0
     out = capsys.readouterr().out
     assert "| codes=1 | 3 | 0.667 |" in out and "| codes=0 | 3 | 0.333 |" in out and "| inform | 2 | 0.500 |" in out
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "p", "response": "r", "label": {"mood": "x"}}) + "\n")
+    with pytest.raises(questions.DataError, match=r"bad\.jsonl:1: expected a label with an 'act' factor"):
+        questions.share_by_act(questions.load_jsonl(tmp_path / "bad.jsonl"))

@@ -14,8 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+from disentanglement.data import DataError, PromptResponse, label_factors, load_jsonl  # noqa: E402
 
 
 def asks(text: str) -> bool:
@@ -23,20 +30,30 @@ def asks(text: str) -> bool:
     return "?" in text
 
 
+def share_that_ask(keyed_texts: Iterable[tuple[str, str]]) -> dict[str, tuple[int, float]]:
+    """``key -> (texts, share that ask)`` over ``(key, text)`` pairs, the keys in their first order."""
+    texts: dict[str, list[str]] = defaultdict(list)
+    for key, text in keyed_texts:
+        texts[key].append(text)
+    return {key: (len(rows), sum(map(asks, rows)) / len(rows)) for key, rows in texts.items()}
+
+
 def share_by_code(generations: list[dict]) -> dict[str, tuple[int, float]]:
-    """``latent -> (generations, share that ask)``, the latents in their first order."""
-    texts: dict[str, list[str]] = defaultdict(list)
-    for row in generations:
-        texts[row["latent"]].append(row["text"])
-    return {latent: (len(rows), sum(map(asks, rows)) / len(rows)) for latent, rows in texts.items()}
+    """``latent -> (generations, share that ask)`` over ``generate --json``'s rows, the latents in their first order."""
+    return share_that_ask((row["latent"], row["text"]) for row in generations)
 
 
-def share_by_act(rows: list[dict]) -> dict[str, tuple[int, float]]:
-    """``act -> (responses, share that ask)`` over labelled rows, the acts sorted."""
-    texts: dict[str, list[str]] = defaultdict(list)
-    for row in rows:
-        texts[row["label"]["act"]].append(row["response"])
-    return {act: (len(texts[act]), sum(map(asks, texts[act])) / len(texts[act])) for act in sorted(texts)}
+def act(pair: PromptResponse) -> str:
+    """The pair's ``act`` label factor; a pair without one is a :class:`DataError` naming its file and line."""
+    factors = label_factors(pair.label) or {}
+    if "act" not in factors:
+        raise DataError(f"{pair.source}: expected a label with an 'act' factor, got {pair.label!r}")
+    return factors["act"]
+
+
+def share_by_act(pairs: Sequence[PromptResponse]) -> dict[str, tuple[int, float]]:
+    """``act -> (responses, share that ask)`` over labelled pairs (:func:`load_jsonl`), the acts sorted."""
+    return dict(sorted(share_that_ask((act(pair), pair.response) for pair in pairs).items()))
 
 
 def main(argv=None) -> int:
@@ -51,10 +68,9 @@ def main(argv=None) -> int:
     for latent, (count, share) in share_by_code(generations).items():
         print(f"| {latent} | {count} | {share:.3f} |")
     if args.data is not None:
-        rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
         print("\n| real responses: act | responses | share with a question mark |\n| --- | --- | --- |")
-        for act, (count, share) in share_by_act(rows).items():
-            print(f"| {act} | {count} | {share:.3f} |")
+        for name, (count, share) in share_by_act(load_jsonl(args.data)).items():
+            print(f"| {name} | {count} | {share:.3f} |")
     return 0
 
 

@@ -42,6 +42,10 @@ CENTERED_FULL = [*DEFAULT, "--centered-straight-through", *FULL]
 CENTERED_FULL_BETWEEN = [*CENTERED_FULL, "--max-steps", "240", "--latent-placement", "between"]
 #: the code between prompt and response from a random codebook (sections 15-17's *-between-random)
 BETWEEN_RANDOM = ["--latent-placement", "between", "--codebook-init", "random"]
+#: section 20's recipe (configs/steer.yaml): CENTERED_FULL_BETWEEN from a random codebook, the decoder's likeliest code
+#: teaching the encoder from step 180 (the hard target)
+DPOST_HARD_LATE = [*CENTERED_FULL_BETWEEN, "--codebook-init", "random", "--decoder-posterior-weight", "1",
+                   "--decoder-posterior-start", "180", "--decoder-posterior-target", "hard"]  # fmt: skip
 #: raw reconstruction (term 1 alone, the mean_last view: preset raw)
 RAW = ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
        "--encoder-view", "mean_last"]  # fmt: skip
@@ -172,16 +176,10 @@ RECIPES = {
                                                    "--decoder-posterior-target", "hard"],
     # the hard term from step 180 instead of 120: on style-in-echo's seed 0 the term from 120 lowered the codes
     # (0.853 to 0.805), we read it as the encoder tied to a decoder that had not yet parted the styles
-    "centered-full-between-random-dpost-hard-late": [*CENTERED_FULL_BETWEEN, "--codebook-init", "random",
-                                                     "--decoder-posterior-weight", "1",
-                                                     "--decoder-posterior-start", "180",
-                                                     "--decoder-posterior-target", "hard"],
+    "centered-full-between-random-dpost-hard-late": DPOST_HARD_LATE,
     # that with five codes for chatterbot-style's four styles: at K = 4 two codes shared a marker on every seed and no
     # code stood for the responses without one (section 21)
-    "centered-full-between-random-dpost-hard-late-k5": [*CENTERED_FULL_BETWEEN, "--codebook-init", "random",
-                                                        "--decoder-posterior-weight", "1",
-                                                        "--decoder-posterior-start", "180",
-                                                        "--decoder-posterior-target", "hard", "--codebook-size", "5"],
+    "centered-full-between-random-dpost-hard-late-k5": [*DPOST_HARD_LATE, "--codebook-size", "5"],
     # raw reconstruction (term 1 alone, the mean_last view) with the whole decoder, the code between prompt and
     # response from a random codebook: the likelihood to compare centered-full-between-random with, and whether
     # term 3 and its view matter once the decoder can learn the content
