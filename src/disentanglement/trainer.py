@@ -18,7 +18,7 @@ import hashlib
 import logging
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -43,6 +43,7 @@ from .cvae_base import CVAEBase, FrozenFeatures
 from .data import DataOrder, collate, load_pairs
 from .features import FeatureCache, batch_features, feature_fingerprint
 from .frozen_pass import FrozenPass, kmeans_sample, refresh_every, run_c_base, run_frozen_pass, warn_term5_amplification
+from .lm import cpu_autocast_bf16
 from .metrics_log import METRICS_FILE, MetricsLog, open_metrics_log, truncate_metrics
 from .models import build_cvae
 from .resume import (
@@ -247,6 +248,9 @@ class _Training:
     fingerprint: str
     init_features: FrozenFeatures | None  # the k-means sample (discrete k-means codebook only)
     state: Any = None  # accelerate's state with several processes, else None (:mod:`distributed`)
+    #: The training forward's decoder autocast (:attr:`CVAEBase.decoder_autocast`): bf16 for a whole float32
+    #: decoder on a fast-bf16 CPU (:func:`.lm.cpu_autocast_bf16`), else None.
+    decoder_autocast: torch.dtype | None = None
 
     @property
     def device(self) -> torch.device:
@@ -342,7 +346,18 @@ def _set_up(
         fingerprint=fingerprint,
         init_features=init_features,
         state=state,
+        decoder_autocast=torch.bfloat16 if cpu_autocast_bf16(config.model, accelerator.device) else None,
     )
+
+
+@contextmanager
+def _decoder_autocast(run: _Training) -> Iterator[None]:
+    """The training forward with the run's decoder autocast; validation, eval and generation run without it."""
+    previous, run.model.decoder_autocast = run.model.decoder_autocast, run.decoder_autocast
+    try:
+        yield
+    finally:
+        run.model.decoder_autocast = previous
 
 
 def _accelerator(device: torch.device):
@@ -459,7 +474,7 @@ def _accumulate_gradients(run: _Training, progress: _Progress) -> tuple[list[dic
         last = micro == tcfg.gradient_accumulation_steps - 1
         # Several processes: gradients are averaged once, at the last accumulated batch.
         with run.accelerator.no_sync(run.prepared) if not last else nullcontext():
-            with run.accelerator.autocast(), _process_noise(run, progress.step, micro):
+            with run.accelerator.autocast(), _process_noise(run, progress.step, micro), _decoder_autocast(run):
                 out = run.prepared(batch, features=features, step=progress.step)
             if not _finite_everywhere(run, out.loss):
                 bad = {k: v for k, v in out.scalars().items() if not math.isfinite(v)}
