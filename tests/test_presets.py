@@ -37,6 +37,12 @@ MEASURED = {
     "centered_straight_through": False,
     "decoder_training": "frozen",
     "decoder_lr": 1e-4,
+    "latent_placement": "prefix",
+    "codebook_init": "kmeans",
+    "decoder_posterior_weight": 0.0,
+    "decoder_posterior_start": 0,
+    "decoder_posterior_target": "hard",
+    "max_steps": 200,
 }
 #: The seed notes' recipe: the token-weighted term beside the raw one, alpha 1, the mean view.
 SEED = dict(MEASURED, reconstruction_weight=1.0, token_weighted_weight=1.0, token_weight_alpha=1.0)
@@ -231,3 +237,39 @@ def test_a_preset_given_with_resume_keeps_the_runs_decoder_training(tmp_path):
         kept = {k: resumed[k] for k in ("decoder_training", "decoder_lr", "centered_straight_through")}
         assert kept == {"decoder_training": "lora", "decoder_lr": 5e-4, "centered_straight_through": True}, preset
         assert resumed["encoder_view"] == PRESETS[preset]["encoder_view"]  # the objective is the preset's
+
+
+#: Section 20's recipe (configs/steer.yaml, run.py's centered-full-between-random-dpost-hard-late), written out.
+STEER = dict(
+    MEASURED,
+    centered_straight_through=True,
+    decoder_training="full",
+    decoder_lr=5e-5,
+    latent_placement="between",
+    codebook_init="random",
+    decoder_posterior_weight=1.0,
+    decoder_posterior_start=180,
+    decoder_posterior_target="hard",
+    max_steps=240,
+)
+
+
+def test_preset_steer_is_section_20s_recipe_by_flag_file_and_over_the_main_job():
+    assert PRESETS["steer"] == STEER
+    assert recipe(train_config(["--preset", "steer"])) == STEER
+    assert recipe(build_config({"preset": "steer"})) == STEER
+    # over the main job's file: its data, model, K and output, the steer recipe (the file sets no recipe field)
+    main_job = train_config(["--config", str(DEFAULT_YAML), "--preset", "steer"])
+    assert recipe(main_job) == STEER
+    assert main_job.latent.codebook_size == 8 and main_job.data.data == "chatterbot"
+    # a flag still goes over the preset; a shorter run must move the term's start (or the term is refused)
+    assert train_config(["--preset", "steer", "--max-steps", "400"]).train.max_steps == 400
+    with pytest.raises(ConfigError, match="decoder_posterior_start.*never run") as error:
+        train_config(["--preset", "steer", "--max-steps", "120"])
+    assert error.value.field == "decoder_posterior_start"
+    short = train_config(["--preset", "steer", "--max-steps", "120", "--decoder-posterior-start", "90"])
+    assert (short.train.max_steps, short.latent.decoder_posterior_start) == (120, 90)
+    # the preset's parts that need one nearest code are refused, by name, with another latent
+    with pytest.raises(ConfigError) as error:
+        build_config({"preset": "steer", "latent": "continuous"})
+    assert error.value.field in {"centered_straight_through", "decoder_posterior_weight", "codebook_init"}
