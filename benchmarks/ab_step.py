@@ -16,17 +16,11 @@ median of the per-repetition ratios A/B, and the useful-FLOP MFU of each (``step
 (``LatentConfig.encoder_lora_layers``: the encoder's features from an adapted pass of the LM every step, which no
 cache can hold), B = case (c), the encoder reading the cached frozen view; ``--change`` is then not used, and no MFU
 is printed (A's extra pass is not in the useful-FLOP count of (c)).
-
-``--whole-decoder``: A = case (c) with the whole decoder trained in float32 (``decoder_training full``, the
-z-free reference a frozen copy) with no autocast, B = the same under the decoder's bf16 autocast
-(``CVAEBase.decoder_autocast``, what ``dtype: auto`` gives it on a fast-bf16 CPU); ``--dtype`` is then float32,
-``--change`` is not used, and no MFU is printed.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import sys
 from pathlib import Path
@@ -123,10 +117,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--encoder-lora-layers", type=int, default=0, help="A: (c) with the encoder's adapters")
-    parser.add_argument("--whole-decoder", action="store_true", help="A: the whole decoder, B: it under autocast")
     args = parser.parse_args(argv)
-    if args.whole_decoder:
-        args.dtype = "float32"
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = step_cost.DTYPES[args.dtype]
@@ -139,18 +130,6 @@ def main(argv=None) -> int:
         model = step_cost.seeded_cvae(config, setup.decoder, setup.device)
         adapted = step_cost.with_autocast(step_cost.cvae_step(model, config, setup.cache), setup.device)
         steps = {"A": adapted, "B": setup.steps["c"]}
-    elif args.whole_decoder:
-        config = setup.config_c
-        config = dataclasses.replace(
-            config,
-            model=dataclasses.replace(config.model, decoder_training="full"),
-            train=dataclasses.replace(config.train, decoder_lr=5e-5),
-        )
-        steps = {}
-        for name, autocast in (("A", None), ("B", torch.bfloat16)):
-            model = step_cost.seeded_cvae(config, copy.deepcopy(setup.decoder), setup.device)
-            model.decoder_autocast = autocast
-            steps[name] = step_cost.cvae_step(model, config, setup.cache)
     else:
         steps = {"A": CHANGES[args.change](setup.steps["c"]), "B": setup.steps["c"]}
     times = step_cost.time_round_robin(
@@ -165,7 +144,7 @@ def main(argv=None) -> int:
         print(f"  {name}: median {1000 * step_cost.median(times[name]):.1f} ms (q1-q3 {1000 * q1:.1f}-{1000 * q3:.1f})")
     ratio = step_cost.median(times["A"]) / step_cost.median(times["B"])
     print(f"  A/B: {ratio:.3f} (ratio of medians), {step_cost.paired_ratio(times['A'], times['B']):.3f} (paired)")
-    if not (args.encoder_lora_layers or args.whole_decoder):
+    if not args.encoder_lora_layers:
         step_cost.mfu_table(setup, times, flop_case="c")
     return 0
 

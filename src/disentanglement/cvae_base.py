@@ -196,23 +196,6 @@ class Decoded:
         return apply_head(self.head, self.hidden)
 
 
-class AutocastHead:
-    """The LM head ``head`` run under autocast to ``dtype`` (:attr:`CVAEBase.decoder_autocast`); ``weight`` is
-    the head's own. Inside the call, so that a checkpointed chunk recomputes it the same way in the backward."""
-
-    def __init__(self, head: nn.Module, dtype: torch.dtype) -> None:
-        self.head = head
-        self.dtype = dtype
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.head.weight
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(hidden.device.type, dtype=self.dtype):
-            return self.head(hidden)
-
-
 #: What one more decoder call costs, in positions of work (:func:`.data.length_groups`): a batch is split by
 #: length only where that saves more positions than this per extra call (measured: ``benchmarks/README.md``).
 DECODER_CALL_POSITIONS = 64
@@ -445,10 +428,6 @@ class CVAEBase(nn.Module):
     ) -> None:
         super().__init__()
         self.decoder = decoder
-        #: The dtype the decoder's forward (and its LM head) runs in under autocast in :meth:`decode`, or None
-        #: (no autocast of its own). The trainer sets bf16 for a whole float32 decoder on a fast-bf16 CPU
-        #: (:func:`.lm.cpu_autocast_bf16`); the encoder, the latent and every loss stay float32.
-        self.decoder_autocast: torch.dtype | None = None
         self.latent_cfg = latent
         self.reconstruction_cfg = reconstruction
         self.kl_cfg = kl
@@ -842,20 +821,12 @@ class CVAEBase(nn.Module):
             supervised = target[:, 1:].bool()  # [B, N]
             start = int(supervised.float().argmax(dim=1).min())  # first position predicting a response token
         # On the CPU in bf16, SDPA's own backward is slow: attention_backward's runs instead (same forward).
-        autocast = torch.autocast(embeds.device.type, dtype=self.decoder_autocast or torch.bfloat16)
-        with (
-            self._frozen_layers_checkpointed(),
-            fast_attention_backward(self.decoder),
-            autocast if self.decoder_autocast is not None else contextlib.nullcontext(),
-        ):
+        with self._frozen_layers_checkpointed(), fast_attention_backward(self.decoder):
             if window and self._splits_prompt():
                 hidden = self._decode_after_prompt(batch, embeds, attention, start)
             else:
                 hidden = self._decoder_hidden(embeds, extra)[:, start:]  # [B, Tc - start, H], after the final norm
-        head = self.decoder.get_output_embeddings()
-        if self.decoder_autocast is not None:
-            head = AutocastHead(head, self.decoder_autocast)
-        return Decoded(hidden, head, start, ids, target, offsets)
+        return Decoded(hidden, self.decoder.get_output_embeddings(), start, ids, target, offsets)
 
     def _splits_prompt(self) -> bool:
         """Whether :meth:`decode` runs the prompt apart (:data:`SPLIT_PROMPT`): the between placement on a decoder

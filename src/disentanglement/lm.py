@@ -151,21 +151,6 @@ def resolve_dtype(cfg: ModelConfig, device: torch.device | str) -> torch.dtype:
     return torch.float32
 
 
-def cpu_autocast_bf16(cfg: ModelConfig, device: torch.device | str) -> bool:
-    """Whether the training step runs under bf16 autocast on a CPU: for ``decoder_training = "full"`` with
-    ``dtype: auto`` on a CPU with fast bf16 (:func:`cpu_has_fast_bf16`). The decoder's weights and their AdamW
-    state stay float32 (:func:`resolve_dtype`), its matmuls run in bf16 (AMX: a whole-decoder step of 8 about
-    1.4 times faster here). Only the decoder's forward and its LM head (:attr:`.cvae_base.CVAEBase.decoder_autocast`):
-    the encoder, the latent and every loss stay float32. ``dtype: float32`` keeps every matmul in float32. CUDA's
-    steps are under bf16 autocast whatever this says (accelerate's mixed precision, the whole forward)."""
-    return (
-        cfg.dtype == "auto"
-        and cfg.decoder_training == "full"
-        and torch.device(device).type == "cpu"
-        and cpu_has_fast_bf16()
-    )
-
-
 def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     """Give ``tokenizer`` a pad token if it has none: the EOS token (SmolLM2 already has pad == eos).
 

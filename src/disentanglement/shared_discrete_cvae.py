@@ -120,7 +120,7 @@ class SharedDiscreteCVAE(CVAEBase):
             aux["codebook_loss"] = cfg.codebook_loss_weight * F.mse_loss(chosen, e.detach())
             aux["commitment_loss"] = cfg.commitment_weight * F.mse_loss(e, chosen.detach())
             if self.training:
-                self._recent_encodings = e.detach().float().reshape(-1, cfg.code_dim)  # bf16 under autocast
+                self._recent_encodings = e.detach().float().reshape(-1, cfg.code_dim)  # bf16 under (CUDA) autocast
                 self.code_last_used.index_fill_(0, codes.flatten(), step)
         else:
             logits = self.posterior_logits(e)  # [B, M, K]
