@@ -362,3 +362,20 @@ def test_training_with_a_bf16_decoder_and_loading_its_checkpoint_in_either_dtype
             torch.testing.assert_close(tensor, trained[name], rtol=0, atol=0)
         # The frozen decoder is not in the checkpoint: the loaded model keeps the decoder it was given.
         assert next(model.decoder.parameters()).dtype == dtype
+
+
+def test_the_trainer_gives_accelerate_its_mixed_precision(monkeypatch):
+    import accelerate
+
+    from disentanglement import trainer
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setattr(accelerate, "Accelerator", Recorder)
+    monkeypatch.setattr(trainer, "mixed_precision", lambda device, model: f"for {model.decoder_training}")
+    trainer._accelerator(torch.device("cpu"), ModelConfig(decoder_training="full"))
+    assert seen["mixed_precision"] == "for full" and seen["cpu"] is True

@@ -273,3 +273,43 @@ def test_preset_steer_is_section_20s_recipe_by_flag_file_and_over_the_main_job()
     with pytest.raises(ConfigError) as error:
         build_config({"preset": "steer", "latent": "continuous"})
     assert error.value.field in {"centered_straight_through", "decoder_posterior_weight", "codebook_init"}
+
+
+def test_a_steer_run_of_fewer_steps_resumes_with_its_preset(tmp_path):
+    """Resuming validates the stored run with the preset's objective over it, not the preset alone: a steer run of
+    120 steps whose term started at 90 resumes with --preset steer (the preset alone, start 180, would be refused),
+    keeping its placement, codebook start, decoder-posterior fields and steps."""
+    from disentanglement.config import write_run_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    stored = {"output_dir": str(run), "preset": "steer", "max_steps": 120, "decoder_posterior_start": 90}
+    write_run_config(build_config(stored), run / "config.yaml")
+    resumed = flat(train_config(["--resume", "auto", "--output-dir", str(run), "--preset", "steer"]))
+    kept = ("latent_placement", "codebook_init", "decoder_posterior_weight", "decoder_posterior_start", "max_steps")
+    assert {k: resumed[k] for k in kept} == {k: v for k, v in dict(STEER, **stored).items() if k in kept}
+    assert recipe(train_config(["--resume", "auto", "--output-dir", str(run)]))["decoder_posterior_start"] == 90
+    # a preset with another placement changes the objective only: the run's own fields stay
+    seeded = flat(train_config(["--resume", "auto", "--output-dir", str(run), "--preset", "seed"]))
+    assert {k: seeded[k] for k in kept} == {k: resumed[k] for k in kept}
+    assert seeded["encoder_view"] == "mean_last"
+
+
+def test_every_preset_but_steer_keeps_the_code_before_the_prompt_and_200_steps():
+    """The fields presets gained with steer are, in every other preset, the values they had as dataclass defaults:
+    those presets resolve as before."""
+    new = ("latent_placement", "codebook_init", "decoder_posterior_weight", "decoder_posterior_start",
+           "decoder_posterior_target", "max_steps")  # fmt: skip
+    for name, values in PRESETS.items():
+        if name != "steer":
+            assert {k: values[k] for k in new} == {k: MEASURED[k] for k in new}, name
+
+
+def test_sweep_cell_with_preset_steer_and_a_base_that_sets_the_steps():
+    spec = build_spec({}, ["f", "s preset=steer"], seeds=[0])
+    frozen, steer = (spec.config(c, 0, Path("out")) for c in ("f", "s"))
+    assert recipe(frozen) == MEASURED and recipe(steer) == STEER
+    longer = build_spec({"max_steps": 400}, ["s preset=steer"], seeds=[0]).config("s", 0, Path("out"))
+    assert recipe(longer) == dict(STEER, max_steps=400)  # the base's steps win over the cell's preset
+    with pytest.raises(ConfigError, match="cell 's'.*decoder_posterior_start.*never run"):
+        build_spec({"max_steps": 120}, ["s preset=steer"], seeds=[0])

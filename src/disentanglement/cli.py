@@ -40,6 +40,7 @@ from .config import (
     PRESETS,
     ConfigError,
     HelpFormatter,
+    TrainConfig,
     add_config_arguments,
     build_config,
     config_from_namespace,
@@ -107,14 +108,16 @@ def _train_config(args: argparse.Namespace):
     top (in that order).
     Where the run writes (``output_dir``, the cache directories) never comes from a stored config:
     ``--resume RUN/checkpoints/step-N`` without ``--output-dir`` continues in RUN."""
-    config = config_from_namespace(args)
-    resume = config.train.resume
-    if resume is None:
-        return config
     given = {k: v for k, v in vars(args).items() if k in FIELDS or k == PRESET_KEY}
     file_values = read_config_file(args.config) if getattr(args, "config", None) else {}
+    resume = given.get("resume", file_values.get("resume"))
+    if resume is None:
+        return config_from_namespace(args)
+    # Not validated before the stored config is under it: a preset's fields that the run set otherwise (steer's
+    # decoder_posterior_start 180 in a run of 120 steps that started its term at 90) are not the run's.
+    output_dir = given.get("output_dir", file_values.get("output_dir", TrainConfig.output_dir))
     values: dict = {}
-    stored = _stored_config_path(resume, Path(config.train.output_dir))
+    stored = _stored_config_path(resume, Path(output_dir))
     if stored is not None:
         values = {k: v for section in load_run_config(stored).to_dict().values() for k, v in section.items()}
         values = {k: v for k, v in values.items() if k not in _NOT_FROM_CHECKPOINT}
@@ -123,7 +126,8 @@ def _train_config(args: argparse.Namespace):
         values["output_dir"] = str(path if (path / "checkpoints").is_dir() else path.parent.parent)
     preset = given.get(PRESET_KEY, file_values.get(PRESET_KEY))
     if preset is not None and stored is not None:  # a preset given now goes over the stored objective, not under it
-        # (resume's own checks then accept or refuse the change); the decoder's training stays the run's
+        # (resume's own checks then accept or refuse the change); the decoder's training, the code's placement,
+        # the codebook's start, the decoder-posterior term and the steps stay the run's
         values.update({k: v for k, v in preset_values(preset).items() if k in OBJECTIVE_FIELDS})
     values.update(file_values)
     values.update(given)

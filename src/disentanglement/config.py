@@ -200,13 +200,15 @@ RECIPE_FIELDS = (
 #: The recipe fields that are numbers >= 0: the six weights and alpha.
 _WEIGHT_FIELDS = RECIPE_FIELDS[:7]
 #: The objective and the view: what a preset given with ``--resume`` changes over the stored config (the
-#: straight-through's centring and the decoder's training stay the run's, unless a flag or the file sets them).
+#: straight-through's centring, the decoder's training, the code's placement, the codebook's start, the
+#: decoder-posterior term and the steps stay the run's, unless a flag or the file sets them).
 OBJECTIVE_FIELDS = RECIPE_FIELDS[:8]
 
 
 def _recipe(**values: Any) -> dict[str, Any]:
-    """A preset's values: every recipe field; the six weights 0, the straight-through uncentred and the decoder
-    frozen (decoder_lr 1e-4) unless given."""
+    """A preset's values: every recipe field; unless given, the six weights 0, the straight-through uncentred, the
+    decoder frozen (decoder_lr 1e-4), the code before the prompt (prefix), the codebook started at k-means, no
+    decoder-posterior term and 200 steps."""
     recipe: dict[str, Any] = {name: 0.0 for name in RECIPE_FIELDS[:6]}
     recipe.update(centered_straight_through=False, decoder_training="frozen", decoder_lr=1e-4)
     recipe.update(latent_placement="prefix", codebook_init="kmeans", max_steps=200)
@@ -288,9 +290,9 @@ PRESET_SUMMARIES: dict[str, str] = {
     "seed": "terms 1 + 3 at alpha 1, encoder_view mean_last (the seed notes' recipe)",
     "raw": "term 1 only (token-mean NLL), alpha 1, encoder_view mean_last (the baseline)",
     "centered-lora": "the default plus centered_straight_through and LoRA adapters at decoder_lr 1e-3 (learns past "
-    "the view and steers; train it 240 steps)",
+    "the view and steers; give it --max-steps 240)",
     "centered-full": "the default plus centered_straight_through and the whole decoder fine-tuned at decoder_lr 5e-5 "
-    "(the latent takes a style that the content outweighs; train it 240 steps)",
+    "(the latent takes a style that the content outweighs; give it --max-steps 240)",
     "steer": "centered-full with the code between prompt and response from a random codebook, 240 steps, the "
     "encoder taught the decoder's likeliest code from step 180 (takes and steers a hidden factor on every seed; "
     "discrete, nearest codes)",
@@ -882,8 +884,9 @@ class RunConfig:
             raise ConfigError(
                 f"LatentConfig.decoder_posterior_start ({self.latent.decoder_posterior_start}) must be below "
                 f"TrainConfig.max_steps ({self.train.max_steps}) while decoder_posterior_weight is set "
-                f"({self.latent.decoder_posterior_weight:g}): the term would never run (preset steer starts it at 3/4 "
-                "of its 240 steps; set decoder_posterior_start for your max_steps, or decoder_posterior_weight 0)",
+                f"({self.latent.decoder_posterior_weight:g}): the term would never run; set decoder_posterior_start "
+                "for your max_steps (preset steer starts it at 180 of 240 steps, 3/4 of the run), or "
+                "decoder_posterior_weight 0",
                 field="decoder_posterior_start",
             )
         if self.latent.decoder_posterior_weight > 0 and self.latent.assignment != "nearest":
