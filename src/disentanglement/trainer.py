@@ -349,9 +349,9 @@ def mixed_precision(device: torch.device, model: ModelConfig) -> str:
     """accelerate's ``mixed_precision`` for a training run: "bf16" (the step's forward under bf16 autocast) on
     CUDA, except for a whole decoder with float32 weights (``decoder_training: full``, ``dtype`` auto or float32),
     whose step stays float32 as the recipes were measured: on the CPU, bf16 autocast of the decoder's forward lost
-    the steer preset's style on ``style-in-echo`` (NMI 0.75 and 0.81 on two seeds against 0.98 and 0.98 in
-    float32, docs/what-the-cvae-adds.md, section 22); CUDA's whole-forward autocast is untested and inferred to
-    lose no less. "no" on the CPU."""
+    the steer preset's style on ``style-in-echo`` (read back from 0.75 and 0.81 of the generations on two seeds,
+    against 1.000 in float32 on the same machine; docs/what-the-cvae-adds.md, section 22); CUDA's whole-forward
+    autocast is untested and inferred to lose no less. "no" on the CPU."""
     from .lm import resolve_dtype
 
     if device.type != "cuda":
