@@ -224,6 +224,12 @@ _DEFAULT_OBJECTIVE: dict[str, Any] = dict(
     reconstruction_weight=1.0, token_weighted_weight=1.0, token_weight_alpha=2.0, encoder_view="token_weighted"
 )
 
+#: The centred straight-through and the whole decoder fine-tuned over the default objective: preset centered-full,
+#: and what preset steer adds to.
+_CENTERED_FULL: dict[str, Any] = dict(
+    _DEFAULT_OBJECTIVE, centered_straight_through=True, decoder_training="full", decoder_lr=5e-5
+)
+
 #: Named recipes (``train --preset NAME``, ``sweep --preset NAME``, ``preset: NAME`` in a config file). Each sets
 #: every field of :data:`RECIPE_FIELDS`. THE ONE PLACE the default recipe is written: the dataclass defaults of
 #: those fields are ``PRESETS[DEFAULT_PRESET]``'s values, so a bare ``disentangle train``, ``--preset default`` and
@@ -262,9 +268,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # (NMI 0.53 in the mean of five seeds, k-means 0.03; section 15) and style-in-content's style (0.63 over three
     # seeds, read back from 0.91 of guided generations; section 16). Each step trains every decoder
     # weight, and the run holds the reference's copy and AdamW's moments of the whole decoder.
-    "centered-full": _recipe(
-        **_DEFAULT_OBJECTIVE, centered_straight_through=True, decoder_training="full", decoder_lr=5e-5
-    ),
+    "centered-full": _recipe(**_CENTERED_FULL),
     # centered-full with the code between prompt and response from a random codebook, 240 steps, and from step 180
     # the encoder taught the decoder's own likeliest code (the hard target): the recipe that takes two-factor's
     # rare word (NMI 1.000) and style-in-echo's style (0.982) on every seed with the likelihood kept (item 3), whose
@@ -272,10 +276,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # beats k-means of its view on DailyDialog's act by +0.059 over three seeds at K = 8 (docs/what-the-cvae-adds.md,
     # sections 20-22). Discrete with nearest codes only; K^M - 1 more decodes a step from step 180.
     "steer": _recipe(
-        **_DEFAULT_OBJECTIVE,
-        centered_straight_through=True,
-        decoder_training="full",
-        decoder_lr=5e-5,
+        **_CENTERED_FULL,
         latent_placement="between",
         codebook_init="random",
         decoder_posterior_weight=1.0,
