@@ -120,6 +120,12 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
     )
     assert (k4.latent.codebook_size, k5.latent.codebook_size) == (4, 5)
     assert k5 == replace(k4, latent=replace(k4.latent, codebook_size=5))
+    bow, wd = (  # section 23: the same with a remedy for an unused latent each, nothing else
+        train_config(THESIS_BASE, *run.RECIPES[f"centered-full-between-random-dpost-hard-late-{name}"])
+        for name in ("bow", "wd")
+    )
+    assert bow == replace(k4, latent=replace(k4.latent, bow_weight=1.0))
+    assert wd == replace(k4, latent=replace(k4.latent, word_dropout=0.3))
 
 
 def report(tmp_path: Path, controllability: dict | None) -> Path:

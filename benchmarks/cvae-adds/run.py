@@ -180,6 +180,12 @@ RECIPES = {
     # that with five codes for chatterbot-style's four styles: at K = 4 two codes shared a marker on every seed and no
     # code stood for the responses without one (section 21)
     "centered-full-between-random-dpost-hard-late-k5": [*DPOST_HARD_LATE, "--codebook-size", "5"],
+    # that with the bag-of-words loss (Zhao, Zhao and Eskenazi 2017's remedy for a dialogue CVAE's unused latent): the
+    # code must predict the response's words, at the weight of term 1 (section 23: DailyDialog's latent gain, item 4)
+    "centered-full-between-random-dpost-hard-late-bow": [*DPOST_HARD_LATE, "--bow-weight", "1"],
+    # that with word dropout (Bowman et al. 2016's remedy): the decoder reads 30 % of the response tokens as zero
+    # vectors in training, so that it must take more of the response from the code (section 23)
+    "centered-full-between-random-dpost-hard-late-wd": [*DPOST_HARD_LATE, "--word-dropout", "0.3"],
     # raw reconstruction (term 1 alone, the mean_last view) with the whole decoder, the code between prompt and
     # response from a random codebook: the likelihood to compare centered-full-between-random with, and whether
     # term 3 and its view matter once the decoder can learn the content
@@ -296,8 +302,10 @@ PLAN = [  # (set, recipe, seeds)
     # section 21: the same recipe on the real prose of chatterbot-style and on DailyDialog's act (items 1 and 4)
     ("chatterbot-style", "centered-full-between-random-dpost-hard-late", (0, 1, 2)),
     ("dailydialog", "centered-full-between-random-dpost-hard-late", (0, 1, 2)),
-    # not run yet: stopped after 8 minutes to give the CPU to DailyDialog's seeds 1 and 2 (section 21)
-    ("chatterbot-style", "centered-full-between-random-dpost-hard-late-k5", (0, 1)),
+    # section 23: five codes, so that the responses without a marker can have one of their own (item 1)
+    ("chatterbot-style", "centered-full-between-random-dpost-hard-late-k5", (0, 1, 2)),
+    ("dailydialog", "centered-full-between-random-dpost-hard-late-bow", (0,)),
+    ("dailydialog", "centered-full-between-random-dpost-hard-late-wd", (0,)),
 ]
 
 

@@ -136,6 +136,7 @@ def _number(
     low: float | None = None,
     low_open: bool = False,
     high: float | None = None,
+    high_open: bool = False,
     integer: bool = False,
     optional: bool = False,
 ) -> None:
@@ -153,8 +154,8 @@ def _number(
         raise ConfigError(f"{section}.{name} must be finite, got {value!r}", field=name)
     if low is not None and (value <= low if low_open else value < low):
         raise ConfigError(f"{section}.{name} must be {'>' if low_open else '>='} {low}, got {value!r}", field=name)
-    if high is not None and value > high:
-        raise ConfigError(f"{section}.{name} must be <= {high}, got {value!r}", field=name)
+    if high is not None and (value >= high if high_open else value > high):
+        raise ConfigError(f"{section}.{name} must be {'<' if high_open else '<='} {high}, got {value!r}", field=name)
 
 
 def _choice(cfg: Any, name: str) -> None:
@@ -486,6 +487,13 @@ class LatentConfig:
         "(measured worse: docs/what-the-cvae-adds.md, section 18).",
     )
     bow_weight: float = option(0.0, "Weight of the bag-of-words loss predicting response tokens from z.")
+    word_dropout: float = option(
+        0.0,
+        "In [0, 1): in training, the share of response tokens the decoder reads as a zero vector instead of their "
+        "embedding (Bowman et al. 2016's word dropout: what it cannot read it must take from z), drawn per token "
+        "every step; the targets, the z-free reference and the encoder keep every token, and evaluation and "
+        "generation never drop.",
+    )
     encoder_view: Literal["mean_last", "token_weighted", "attention", "token_weighted_attention"] = option(
         _default("encoder_view"),
         "What the encoder q(z|x,y) pools of the reference's hidden states over the response, always "
@@ -571,6 +579,7 @@ class LatentConfig:
             _number(self, name, low=0, integer=True)
         for name in ("codebook_loss_weight", "commitment_weight", "bow_weight", "decoder_posterior_weight"):
             _number(self, name, low=0)
+        _number(self, "word_dropout", low=0, high=1, high_open=True)
         if self.decoder_posterior_weight > 0 and self.latent == "discrete":
             combinations = self.codebook_size**self.num_slots
             if combinations > DECODER_POSTERIOR_LIMIT:

@@ -233,6 +233,14 @@ def _pad_last(mask: torch.Tensor) -> torch.Tensor:
     return F.pad(mask, (0, 1), value=False)
 
 
+def with_word_dropout(batch: Batch, rate: float) -> Batch:
+    """``batch`` with ``decoder_input_keep``: each response token dropped (False) with probability ``rate``, drawn
+    from torch's generator; prompt and padding always kept. Every decode of the returned batch (and of its rows:
+    the decoder posterior's other codes) reads the same tokens."""
+    dropped = (torch.rand(batch.target_mask.shape, device=batch.target_mask.device) < rate) & batch.target_mask.bool()
+    return dataclasses.replace(batch, decoder_input_keep=~dropped)
+
+
 def mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
     # tanh-approximated GELU: within 1e-3 of the erf form and half its cost on the CPU.
     return nn.Sequential(nn.Linear(d_in, d_hidden), nn.GELU(approximate="tanh"), nn.Linear(d_hidden, d_out))
@@ -804,6 +812,8 @@ class CVAEBase(nn.Module):
         ``inputs_embeds [B, Tc, H]``, ``input_ids [B, Tc]`` (0 at latent positions), ``attention_mask [B, Tc]``,
         ``target_mask [B, Tc]`` and ``alignment_offsets [B]``."""
         token_embeds = self.decoder.get_input_embeddings()(batch.input_ids)  # [B, T, H]
+        if batch.decoder_input_keep is not None:  # word dropout: a dropped token is read as a zero vector
+            token_embeds = token_embeds * batch.decoder_input_keep.unsqueeze(-1).to(token_embeds.dtype)
         return self.layout.inputs(batch, token_embeds, latent_embeds)
 
     def decode(self, batch: Batch, vector: torch.Tensor, window: bool = True) -> Decoded:
@@ -1096,6 +1106,8 @@ class CVAEBase(nn.Module):
     def forward(self, batch: Batch, features: FrozenFeatures | None = None, step: int = 0) -> CVAEOutput:
         if features is None:
             features = self.frozen_pass(batch)
+        if self.training and self.latent_cfg.word_dropout > 0:
+            batch = with_word_dropout(batch, self.latent_cfg.word_dropout)
         sample = self.encode(features, step)
         decoded = self.decode(batch, sample.vector)
         token_nll = decoded.token_nll()  # [B, N]

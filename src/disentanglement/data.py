@@ -807,6 +807,10 @@ class Batch:
     response_lengths: torch.Tensor  # [B] long
     labels: list[Label]
     indices: torch.Tensor  # [B] long
+    #: ``[B, T]`` bool or None: in a training step with ``latent.word_dropout``, False where the decoder reads a
+    #: zero vector instead of the token's embedding (:meth:`.cvae_base.CVAEBase.conditioned_inputs`); the targets
+    #: and the z-free reference keep every token
+    decoder_input_keep: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -821,6 +825,7 @@ class Batch:
             response_lengths=self.response_lengths[start:stop],
             labels=list(self.labels[start:stop]),
             indices=self.indices[start:stop],
+            decoder_input_keep=None if self.decoder_input_keep is None else self.decoder_input_keep[start:stop],
         )
 
     def take(self, rows: torch.Tensor) -> Batch:
@@ -833,6 +838,7 @@ class Batch:
             response_lengths=self.response_lengths[rows],
             labels=[self.labels[i] for i in rows.tolist()],
             indices=self.indices[rows],
+            decoder_input_keep=None if self.decoder_input_keep is None else self.decoder_input_keep[rows],
         )
 
     def to(self, device: torch.device | str) -> Batch:
@@ -845,6 +851,7 @@ class Batch:
             response_lengths=self.response_lengths.to(device),
             labels=list(self.labels),
             indices=self.indices.to(device),
+            decoder_input_keep=None if self.decoder_input_keep is None else self.decoder_input_keep.to(device),
         )
 
 
