@@ -51,7 +51,7 @@ def test_the_mask_drops_response_tokens_only_at_its_rate(tokenizer):
 
 
 def test_rows_take_and_to_carry_the_mask(tokenizer):
-    batch = dataclasses.replace(prompt_batch(tokenizer), decoder_input_keep=None)
+    batch = prompt_batch(tokenizer)
     keep = hand_keep(batch)
     batch = dataclasses.replace(batch, decoder_input_keep=keep)
     assert torch.equal(batch.rows(1, 3).decoder_input_keep, keep[1:3])
@@ -62,25 +62,28 @@ def test_rows_take_and_to_carry_the_mask(tokenizer):
     assert plain.take(rows).decoder_input_keep is None and plain.rows(0, 2).decoder_input_keep is None
 
 
+@pytest.mark.parametrize("window", [False, True])  # True: training's window; between runs its prompt apart
 @pytest.mark.parametrize("placement", ["prefix", "between", "memory"])
 @pytest.mark.parametrize("latent", ["discrete", "continuous"])
-def test_a_dropped_token_is_read_as_a_zero_vector_and_still_scored(tokenizer, placement, latent):
+def test_a_dropped_token_is_read_as_a_zero_vector_and_still_scored(tokenizer, placement, latent, window):
     model = make_model(tokenizer, latent=latent, latent_placement=placement)
     model.eval()
     batch = prompt_batch(tokenizer)
     keep = hand_keep(batch)
     vector = torch.randn(len(batch), model.latent_vector_dim)
     with torch.no_grad():
-        got = model.decode(dataclasses.replace(batch, decoder_input_keep=keep), vector, window=False)
-        plain = model.decode(batch, vector, window=False)
-        every = model.decode(dataclasses.replace(batch, decoder_input_keep=torch.ones_like(keep)), vector, window=False)
+        got = model.decode(dataclasses.replace(batch, decoder_input_keep=keep), vector, window=window)
+        plain = model.decode(batch, vector, window=window)
+        every = model.decode(
+            dataclasses.replace(batch, decoder_input_keep=torch.ones_like(keep)), vector, window=window
+        )
 
         def zero_dropped(module, inputs, output):  # the embedding layer's output, zeroed by hand where dropped
             return output * keep.unsqueeze(-1).to(output.dtype) if output.shape[:2] == keep.shape else output
 
         handle = model.decoder.get_input_embeddings().register_forward_hook(zero_dropped)
         try:
-            expected = model.decode(batch, vector, window=False)
+            expected = model.decode(batch, vector, window=window)
         finally:
             handle.remove()
     assert torch.allclose(got.hidden, expected.hidden, atol=1e-5)
@@ -112,33 +115,41 @@ def test_forward_drops_in_training_only(tokenizer, latent):
     model.latent_cfg = dataclasses.replace(model.latent_cfg, word_dropout=0.5)
     torch.manual_seed(1)
     out = model(batch, features=features, step=3)
-    if latent == "discrete":  # the nearest code is deterministic: decode the same latent by hand
-        vector = model.codes_to_vector(out.latent)
-        expected, _ = model.conditioned_token_nll(by_hand, vector)
-        assert torch.allclose(out.token_nll, expected, atol=1e-5)
+    # decode the step's latent (the nearest code; the continuous latent's sample) by hand on the hand-drawn tokens
+    vector = model.codes_to_vector(out.latent) if latent == "discrete" else out.latent
+    expected, _ = model.conditioned_token_nll(by_hand, vector)
+    assert torch.allclose(out.token_nll, expected, atol=1e-5)
     assert torch.equal(out.token_nll.detach(), dropped)
 
 
-def test_the_decoder_posterior_scores_every_code_on_the_same_dropped_tokens(tokenizer, monkeypatch):
+def test_every_decode_of_the_step_reads_the_same_dropped_tokens(tokenizer, monkeypatch):
+    """The training decode, the decoder posterior's other codes and the divergence's alternative code."""
     model = make_model(
-        tokenizer, latent="discrete", codebook_size=3, decoder_posterior_weight=1.0, word_dropout=0.5, max_steps=10
+        tokenizer,
+        latent="discrete",
+        codebook_size=3,
+        decoder_posterior_weight=1.0,
+        divergence_weight=0.2,
+        word_dropout=0.5,
+        max_steps=10,
     )
     model.train()
     batch = prompt_batch(tokenizer)
     features = model.frozen_pass(batch)
     seen = []
-    original = model.conditioned_token_nll
+    original = model.decode
 
-    def recording(scored, vector):
+    def recording(scored, vector, window=True):
         seen.append(scored)
-        return original(scored, vector)
+        return original(scored, vector, window)
 
-    monkeypatch.setattr(model, "conditioned_token_nll", recording)
+    monkeypatch.setattr(model, "decode", recording)
     torch.manual_seed(1)
     mask = with_word_dropout(batch, 0.5).decoder_input_keep
     torch.manual_seed(1)
     out = model(batch, features=features, step=3)
-    assert "decoder_posterior_loss" in out.aux_losses and seen, "the other codes were decoded"
+    assert "decoder_posterior_loss" in out.aux_losses and out.divergence is not None
+    assert len(seen) >= 3, "the training decode, the other codes and the alternative"
     for scored in seen:
         rows = [int(i) for i in scored.indices]
         position = [batch.indices.tolist().index(i) for i in rows]
@@ -147,6 +158,7 @@ def test_the_decoder_posterior_scores_every_code_on_the_same_dropped_tokens(toke
 
 def test_config_bounds_and_flag():
     assert build_config({"word_dropout": 0.3}).latent.word_dropout == 0.3
+    assert build_config({"word_dropout": 0.999}).latent.word_dropout == 0.999
     for bad in (1.0, -0.1, 1.5):
         with pytest.raises(ConfigError, match="word_dropout") as caught:
             build_config({"word_dropout": bad})

@@ -493,7 +493,7 @@ def _accumulate_gradients(run: _Training, progress: _Progress) -> tuple[list[dic
 @contextmanager
 def _process_noise(run: _Training, step: int, micro: int):
     """Several processes: the forward draws its random numbers (the continuous latent's sample, Gumbel
-    noise, dropout, the divergence term's other codes) from a generator seeded by the run's seed, the
+    noise, dropout, word dropout, the divergence term's other codes) from a generator seeded by the run's seed, the
     step, the accumulated batch and the process, so that the processes' slices get independent noise
     that a resumed run draws again; the global random state, which stays the same on every process
     (dead-code restarts draw from it), is put back afterwards. One process: its random state, as before."""
