@@ -304,8 +304,10 @@ PLAN = [  # (set, recipe, seeds)
     ("dailydialog", "centered-full-between-random-dpost-hard-late", (0, 1, 2)),
     # section 23: five codes, so that the responses without a marker can have one of their own (item 1)
     ("chatterbot-style", "centered-full-between-random-dpost-hard-late-k5", (0, 1, 2)),
-    ("dailydialog", "centered-full-between-random-dpost-hard-late-bow", (0,)),
+    ("dailydialog", "centered-full-between-random-dpost-hard-late-bow", (0, 1, 2)),
     ("dailydialog", "centered-full-between-random-dpost-hard-late-wd", (0,)),
+    ("style-in-content", "centered-full-between-random-dpost-hard-late-wd", (0, 1, 2)),
+    ("chatterbot-style", "centered-full-between-random-dpost-hard-late-wd", (0, 1, 2)),
 ]
 
 
