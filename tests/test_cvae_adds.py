@@ -126,6 +126,8 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
     )
     assert bow == replace(k4, latent=replace(k4.latent, bow_weight=1.0))
     assert wd == replace(k4, latent=replace(k4.latent, word_dropout=0.3))
+    bow16 = train_config(THESIS_BASE, *run.RECIPES["centered-full-between-random-dpost-hard-late-bow-k16"])
+    assert bow16 == replace(bow, latent=replace(bow.latent, codebook_size=16))  # section 24: sixteen codes
 
 
 def report(tmp_path: Path, controllability: dict | None) -> Path:
