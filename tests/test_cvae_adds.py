@@ -128,6 +128,12 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
     assert wd == replace(k4, latent=replace(k4.latent, word_dropout=0.3))
     bow16 = train_config(THESIS_BASE, *run.RECIPES["centered-full-between-random-dpost-hard-late-bow-k16"])
     assert bow16 == replace(bow, latent=replace(bow.latent, codebook_size=16))  # section 24: sixteen codes
+    bow3, bow_wd = (
+        train_config(THESIS_BASE, *run.RECIPES[f"centered-full-between-random-dpost-hard-late-{name}"])
+        for name in ("bow3", "bow-wd")
+    )
+    assert bow3 == replace(bow, latent=replace(bow.latent, bow_weight=3.0))
+    assert bow_wd == replace(bow, latent=replace(bow.latent, word_dropout=0.3))
 
 
 def report(tmp_path: Path, controllability: dict | None) -> Path:
