@@ -46,6 +46,8 @@ BETWEEN_RANDOM = ["--latent-placement", "between", "--codebook-init", "random"]
 #: teaching the encoder from step 180 (the hard target)
 DPOST_HARD_LATE = [*CENTERED_FULL_BETWEEN, "--codebook-init", "random", "--decoder-posterior-weight", "1",
                    "--decoder-posterior-start", "180", "--decoder-posterior-target", "hard"]  # fmt: skip
+#: that with the bag-of-words loss at the weight of term 1 (section 23), the base of section 24's variations
+DPOST_HARD_LATE_BOW = [*DPOST_HARD_LATE, "--bow-weight", "1"]
 #: raw reconstruction (term 1 alone, the mean_last view: preset raw)
 RAW = ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
        "--encoder-view", "mean_last"]  # fmt: skip
@@ -182,20 +184,18 @@ RECIPES = {
     "centered-full-between-random-dpost-hard-late-k5": [*DPOST_HARD_LATE, "--codebook-size", "5"],
     # that with the bag-of-words loss (Zhao, Zhao and Eskenazi 2017's remedy for a dialogue CVAE's unused latent): the
     # code must predict the response's words, at the weight of term 1 (section 23: DailyDialog's latent gain, item 4)
-    "centered-full-between-random-dpost-hard-late-bow": [*DPOST_HARD_LATE, "--bow-weight", "1"],
+    "centered-full-between-random-dpost-hard-late-bow": DPOST_HARD_LATE_BOW,
     # that with word dropout (Bowman et al. 2016's remedy): the decoder reads 30 % of the response tokens as zero
     # vectors in training, so that it must take more of the response from the code (section 23)
     "centered-full-between-random-dpost-hard-late-wd": [*DPOST_HARD_LATE, "--word-dropout", "0.3"],
     # the bag-of-words recipe with sixteen codes: a code of K can carry at most log K nats a response, and on
     # DailyDialog the eight codes gave 0.45 of log 8 = 2.08 (a latent gain of 0.030 nats a token, item 4 asks 0.05)
-    "centered-full-between-random-dpost-hard-late-bow-k16": [*DPOST_HARD_LATE, "--bow-weight", "1",
-                                                             "--codebook-size", "16"],
+    "centered-full-between-random-dpost-hard-late-bow-k16": [*DPOST_HARD_LATE_BOW, "--codebook-size", "16"],
     # the bag-of-words loss at three times the weight: does a code made to predict more of the words hold more of the
     # act (item 2's +0.2 over the view) and give the decoder more (item 4's gain)?
     "centered-full-between-random-dpost-hard-late-bow3": [*DPOST_HARD_LATE, "--bow-weight", "3"],
     # both remedies together: the loss makes the codes predict the words, the dropped inputs make the decoder need them
-    "centered-full-between-random-dpost-hard-late-bow-wd": [*DPOST_HARD_LATE, "--bow-weight", "1",
-                                                            "--word-dropout", "0.3"],
+    "centered-full-between-random-dpost-hard-late-bow-wd": [*DPOST_HARD_LATE_BOW, "--word-dropout", "0.3"],
     # raw reconstruction (term 1 alone, the mean_last view) with the whole decoder, the code between prompt and
     # response from a random codebook: the likelihood to compare centered-full-between-random with, and whether
     # term 3 and its view matter once the decoder can learn the content
