@@ -126,10 +126,11 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
     )
     assert bow == replace(k4, latent=replace(k4.latent, bow_weight=1.0))
     assert wd == replace(k4, latent=replace(k4.latent, word_dropout=0.3))
-    for name, change in (  # section 24: the bag-of-words recipe with one change each, nothing else
+    for name, change in (  # sections 24-25: the bag-of-words recipe with one change each
         ("bow-k16", {"codebook_size": 16}),
         ("bow3", {"bow_weight": 3.0}),
         ("bow-wd", {"word_dropout": 0.3}),
+        ("bow-wd5", {"word_dropout": 0.5}),
     ):
         variant = train_config(THESIS_BASE, *run.RECIPES[f"centered-full-between-random-dpost-hard-late-{name}"])
         assert variant == replace(bow, latent=replace(bow.latent, **change)), name
