@@ -208,10 +208,28 @@ def test_eval_reports_the_decoders_posterior_beside_the_encoders_codes(slots, si
     labels = [ex.label for ex in examples]
     as_ids = [str(row) for row in decoder_codes.tolist()]
     assert entry["factors"]["label"]["decoder"] == pytest.approx(normalized_mutual_info_score(labels, as_ids))
+    # the latent gain under the decoder's likeliest code combination, every combination decoded here by hand
+    with torch.no_grad():
+        log_p = model.prior_log_probs(features).double()  # [E, M, K]
+        joint, nlls = [], []
+        for combo in itertools.product(range(size), repeat=slots):
+            nll, _ = model.conditioned_token_nll(batch, model.codes_to_vector(torch.tensor([combo] * len(examples))))
+            nlls.append(nll.double().sum(-1))
+            joint.append(sum(log_p[:, m, k] for m, k in enumerate(combo)) - nlls[-1])
+    joint, nlls = torch.stack(joint, -1), torch.stack(nlls, -1)  # [E, S]
+    map_nll = nlls.gather(-1, joint.argmax(-1, keepdim=True)).squeeze(-1)
+    prior_nll = -joint.logsumexp(-1)
+    tokens = sum(len(ex.response_ids) for ex in examples)
+    assert tokens == report["response_tokens"]
+    expected = float((prior_nll - map_nll).sum()) / tokens
+    assert entry["latent_gain_nats_per_token"] == pytest.approx(expected, rel=1e-4)
+    assert entry["latent_gain_nats_per_example"] == pytest.approx(float((prior_nll - map_nll).mean()), rel=1e-4)
+    # uniform prior: the encoder's code is among those compared, so the decoder's likeliest gains at least as much
+    assert entry["latent_gain_nats_per_token"] >= report["latent_gain_nats_per_token"] - 1e-6 and expected > 0
     if slots == 1:  # the encoder's NMI is eval's own for the latent
         assert entry["factors"]["label"]["encoder"] == pytest.approx(report["factors"]["label"]["latent"]["nmi"])
     lines = eval_summary_lines({**report, "data": "d"})
-    assert any("decoder's likeliest" in line for line in lines)
+    assert any("decoder's likeliest" in line and f"would be {expected:+.4f} nats/token" in line for line in lines)
     # a hint only where the decoder's codes hold a factor better by the margin
     for encoder, decoder, hinted in ((0.85, 1.0, True), (0.8, 0.84, False), (0.9, 0.3, False)):
         entry = {"agreement": 0.9, "factors": {"label": {"encoder": encoder, "decoder": decoder}}}
