@@ -174,6 +174,10 @@ def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
     body["decoder_posterior"] = {"agreement": 0.9, "factors": {"act": {"encoder": 0.1, "decoder": 0.25}}}
     path.write_text(json.dumps(body))
     assert cells(table.row(path))[1] == "act 0.100 (view 0.040, prior 0.020, decoder 0.250)"
+    assert cells(table.row(path))[3] == "+0.0120"  # a report written before eval measured the decoder's gain
+    body["decoder_posterior"]["latent_gain_nats_per_token"] = 0.0461
+    path.write_text(json.dumps(body))
+    assert cells(table.row(path))[3] == "+0.0120 (decoder's codes +0.0461)"
     decoders = {**detected["factors"]["style"], "accuracy": 1.0, "majority_share": 0.5, "generations_scored": 24}
     by_decoder = {**detected, "decoder_codes": {"style": decoders}}
     row = cells(table.row(report(tmp_path, {"factor_accuracy": by_decoder, "labels": {}, **fluency})))

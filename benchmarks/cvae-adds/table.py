@@ -3,8 +3,8 @@
     python benchmarks/cvae-adds/table.py REPORT.json [REPORT.json ...]
 
 One row per report: its run and step, per factor the latent's NMI beside k-means of the encoder's view and of
-the prior features (and of the decoder's own likeliest code, where the report has it), the posterior and z-free NLL (nats/token), the latent gain, and (with --generation) per
-factor the share of generations whose factor, read back from the text, is the one their code stands for, with
+the prior features (and of the decoder's own likeliest code, where the report has it), the posterior and z-free NLL
+(nats/token), the latent gain (and under the decoder's likeliest codes), and (with --generation) per factor the share of generations whose factor, read back from the text, is the one their code stands for, with
 chance, the majority share (the accuracy of one answer for all) and the share where no value was found (and where
 eval had the decoder's likeliest codes, the same with each code standing for its majority value among them, its
 majority share and generations scored beside it; where no
@@ -24,6 +24,12 @@ from pathlib import Path
 def majority(entry: dict) -> str:
     """``, majority X``: the accuracy of one answer for every generation (reports written before it have none)."""
     return "" if entry.get("majority_share") is None else f", majority {entry['majority_share']:.2f}"
+
+
+def decoders_gain(decoder: dict) -> str:
+    """The latent gain under the decoder's own likeliest codes, where eval reports it (section 25)."""
+    gain = decoder.get("latent_gain_nats_per_token")
+    return "" if gain is None else f" (decoder's codes {gain:+.4f})"
 
 
 def row(path: Path) -> str:
@@ -48,7 +54,7 @@ def row(path: Path) -> str:
         run,
         nmi or f"label {report.get('label_nmi', float('nan')):.3f}",
         f"{report['posterior_nll_nats_per_token']:.3f} / {report['zfree_nll_nats_per_token']:.3f}",
-        f"{report['latent_gain_nats_per_token']:+.4f}",
+        f"{report['latent_gain_nats_per_token']:+.4f}" + decoders_gain(report.get("decoder_posterior") or {}),
     ]
     control = report.get("controllability")
     if control:

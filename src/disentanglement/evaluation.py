@@ -536,8 +536,9 @@ def decoder_map_gain(columns: dict[str, np.ndarray]) -> dict:
     ``p(k | x) p(y | x, k)``) instead of the encoder's code: prior-mixture minus that latent's NLL, per token over
     the set (``latent_gain_nats_per_token``) and per example (``latent_gain_nats_per_example``).
 
-    With a uniform prior it is the most a hard code can gain with this decoder, since the encoder's code is one
-    of the latents compared; where it is well above the encoder's latent gain, the encoder limits the gain (it
+    That latent is the hard code with the highest ELBO (``-NLL + log p(k | x)``); with a uniform prior it is also
+    the one of lowest NLL, so its gain is the most any hard code can gain with this decoder (the encoder's code is
+    one of those compared). Where it is well above the encoder's latent gain, the encoder limits the gain (it
     picks codes the decoder does not find likeliest); where the two are close, the decoder does (however the
     codes are picked, it draws no more from them)."""
     gains = columns["prior"] - columns["decoder_map"]
