@@ -131,6 +131,7 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
         ("bow3", {"bow_weight": 3.0}),
         ("bow-wd", {"word_dropout": 0.3}),
         ("bow-wd5", {"word_dropout": 0.5}),
+        ("bow-wd-dpost3", {"word_dropout": 0.3, "decoder_posterior_weight": 3.0}),
     ):
         variant = train_config(THESIS_BASE, *run.RECIPES[f"centered-full-between-random-dpost-hard-late-{name}"])
         assert variant == replace(bow, latent=replace(bow.latent, **change)), name

@@ -199,6 +199,12 @@ RECIPES = {
     # that with half the response tokens dropped: at 0.3 the gain rose from 0.030 to 0.035 nats a token (section 24);
     # does the decoder, needing the code more, take more from it (item 4's 0.05)?
     "centered-full-between-random-dpost-hard-late-bow-wd5": [*DPOST_HARD_LATE_BOW, "--word-dropout", "0.5"],
+    # the loss with word dropout and the decoder's likeliest code teaching the encoder at three times the weight: the
+    # encoder gave the decoder its likeliest code on a third of the responses, and the gain was 0.6 of what that code
+    # gives (section 25); does a stronger term close that gap?
+    "centered-full-between-random-dpost-hard-late-bow-wd-dpost3": [
+        *DPOST_HARD_LATE_BOW, "--word-dropout", "0.3", "--decoder-posterior-weight", "3"
+    ],  # fmt: skip
     # raw reconstruction (term 1 alone, the mean_last view) with the whole decoder, the code between prompt and
     # response from a random codebook: the likelihood to compare centered-full-between-random with, and whether
     # term 3 and its view matter once the decoder can learn the content
@@ -327,6 +333,7 @@ PLAN = [  # (set, recipe, seeds)
     ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd", (0, 1, 2)),
     # section 25: half the tokens dropped (item 4's latent gain)
     ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd5", (0,)),
+    ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-dpost3", (0,)),
 ]
 
 
