@@ -176,9 +176,9 @@ def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
     path.write_text(json.dumps(body))
     assert cells(table.row(path))[1] == "act 0.100 (view 0.040, prior 0.020, decoder 0.250)"
     assert cells(table.row(path))[3] == "+0.0120"  # a report written before eval measured the decoder's gain
-    body["decoder_posterior"]["latent_gain_nats_per_token"] = 0.0461
+    body["decoder_posterior"].update(latent_gain_nats_per_token=0.0461, best_latent_gain_nats_per_token=0.0502)
     path.write_text(json.dumps(body))
-    assert cells(table.row(path))[3] == "+0.0120 (decoder's codes +0.0461)"
+    assert cells(table.row(path))[3] == "+0.0120 (decoder's codes +0.0461, best +0.0502)"
     decoders = {**detected["factors"]["style"], "accuracy": 1.0, "majority_share": 0.5, "generations_scored": 24}
     by_decoder = {**detected, "decoder_codes": {"style": decoders}}
     row = cells(table.row(report(tmp_path, {"factor_accuracy": by_decoder, "labels": {}, **fluency})))

@@ -226,10 +226,13 @@ def test_eval_reports_the_decoders_posterior_beside_the_encoders_codes(slots, si
     assert entry["latent_gain_nats_per_example"] == pytest.approx(float((prior_nll - map_nll).mean()), rel=1e-4)
     # uniform prior: the encoder's code is among those compared, so the decoder's likeliest gains at least as much
     assert entry["latent_gain_nats_per_token"] >= report["latent_gain_nats_per_token"] - 1e-6 and expected > 0
+    # and the likeliest code is the one of lowest NLL: the best one
+    assert entry["best_latent_gain_nats_per_token"] == pytest.approx(entry["latent_gain_nats_per_token"])
     if slots == 1:  # the encoder's NMI is eval's own for the latent
         assert entry["factors"]["label"]["encoder"] == pytest.approx(report["factors"]["label"]["latent"]["nmi"])
     lines = eval_summary_lines({**report, "data": "d"})
-    assert any("decoder's likeliest" in line and f"would be {expected:+.4f} nats/token" in line for line in lines)
+    assert any(line.startswith(f"latent gain under the decoder's likeliest code combination {expected:+.4f}")
+               for line in lines)  # fmt: skip
     # a hint only where the decoder's codes hold a factor better by the margin
     for encoder, decoder, hinted in ((0.85, 1.0, True), (0.8, 0.84, False), (0.9, 0.3, False)):
         entry = {"agreement": 0.9, "factors": {"label": {"encoder": encoder, "decoder": decoder}}}
@@ -240,6 +243,43 @@ def test_eval_reports_the_decoders_posterior_beside_the_encoders_codes(slots, si
     # a sampled prior mixture decodes some codes only: no decoder's posterior
     sampled = evaluate(model, examples, cache, tok.pad_token_id, progress=False, scoring=Scoring(exact_limit=1))
     assert sampled["prior_mixture"]["method"] == "samples" and "decoder_posterior" not in sampled
+
+
+@pytest.mark.parametrize("slots, size", [(1, 3), (2, 2)])
+def test_the_latent_gain_under_the_decoders_likeliest_and_the_best_codes_by_hand(slots, size):
+    model, tok, examples, cache = untrained(num_slots=slots, codebook_size=size, prior="learned")
+    with torch.no_grad():  # a prior far from uniform: the likeliest code given y is then not always the best one
+        torch.manual_seed(5)
+        for parameter in model.prior_head.parameters():
+            parameter.normal_(0.0, 3.0)
+    report = evaluate(model, examples, cache, tok.pad_token_id, progress=False, batch_size=5)
+    batch = collate(examples, tok.pad_token_id, indices=range(len(examples)))
+    features = cache.features(batch)
+    with torch.no_grad():
+        log_p = model.prior_log_probs(features).double()  # [E, M, K]
+        combos = list(itertools.product(range(size), repeat=slots))
+        nlls = []
+        for combo in combos:
+            nll, _ = model.conditioned_token_nll(batch, model.codes_to_vector(torch.tensor([combo] * len(examples))))
+            nlls.append(nll.double().sum(-1))
+        nlls = torch.stack(nlls, -1)  # [E, S]
+        log_prior = torch.stack([sum(log_p[:, m, k] for m, k in enumerate(c)) for c in combos], -1)  # [E, S]
+    joint = log_prior - nlls
+    likeliest, best = joint.argmax(-1), nlls.argmin(-1)
+    assert (likeliest != best).any(), "the prior moves the likeliest code off the best one: a real check"
+    prior_nll = -joint.logsumexp(-1)
+    tokens = report["response_tokens"]
+    entry = report["decoder_posterior"]
+    for prefix, chosen in (("", likeliest), ("best_", best)):
+        gains = prior_nll - nlls.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+        assert entry[f"{prefix}latent_gain_nats_per_token"] == pytest.approx(float(gains.sum()) / tokens, rel=1e-4)
+        assert entry[f"{prefix}latent_gain_nats_per_example"] == pytest.approx(float(gains.mean()), rel=1e-4)
+    # the best code gains at least as much as any other, the encoder's and the decoder's likeliest among them
+    assert entry["best_latent_gain_nats_per_token"] > entry["latent_gain_nats_per_token"]
+    assert entry["best_latent_gain_nats_per_token"] >= report["latent_gain_nats_per_token"] - 1e-6
+    lines = eval_summary_lines({**report, "data": "d"})
+    gain_line = next(line for line in lines if line.startswith("latent gain under the decoder's likeliest"))
+    assert f"{entry['best_latent_gain_nats_per_token']:+.4f}" in gain_line
 
 
 def test_the_hard_target_is_the_cross_entropy_of_the_decoders_code_and_leaves_the_codebook():

@@ -27,9 +27,14 @@ def majority(entry: dict) -> str:
 
 
 def decoders_gain(decoder: dict) -> str:
-    """The latent gain under the decoder's own likeliest codes, where eval reports it (section 25)."""
-    gain = decoder.get("latent_gain_nats_per_token")
-    return "" if gain is None else f" (decoder's codes {gain:+.4f})"
+    """The latent gain under the decoder's own likeliest codes and under the best ones, where eval reports them
+    (section 25)."""
+    if "best_latent_gain_nats_per_token" not in decoder:
+        return ""
+    return (
+        f" (decoder's codes {decoder['latent_gain_nats_per_token']:+.4f}, "
+        f"best {decoder['best_latent_gain_nats_per_token']:+.4f})"
+    )
 
 
 def row(path: Path) -> str:

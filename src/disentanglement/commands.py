@@ -228,17 +228,16 @@ def eval_summary_lines(report: dict) -> list[str]:
             f"prior k-means {entry['prior_kmeans']['nmi']:.2f}, random {entry['random']['nmi']:.2f}{own})"
         )
     if decoder:
-        gain = decoder.get("latent_gain_nats_per_token")  # not in reports written before it was measured
         lines.append(
-            f"the encoder's code is the decoder's likeliest (argmax p(k | x) p(y | x, k)) on "
+            f"the encoder's code is the decoder's likeliest (argmax p(k | x) p(y | x, k), per slot) on "
             f"{decoder['agreement']:.0%} of the examples"
-            + (
-                ""
-                if gain is None
-                else f"; under the decoder's likeliest codes the latent gain would be {gain:+.4f} nats/token "
-                f"(the encoder's {report['latent_gain_nats_per_token']:+.4f})"
-            )
         )
+        if "best_latent_gain_nats_per_token" in decoder:  # not in reports written before it was measured
+            lines.append(
+                f"latent gain under the decoder's likeliest code combination {decoder['latent_gain_nats_per_token']:+.4f}"
+                f" nats/token, under the best one {decoder['best_latent_gain_nats_per_token']:+.4f} (the most any "
+                f"encoder's codes can gain with this decoder; the encoder's {report['latent_gain_nats_per_token']:+.4f})"
+            )
         better = {
             name: entry
             for name, entry in (decoder.get("factors") or {}).items()

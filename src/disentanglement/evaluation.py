@@ -226,6 +226,7 @@ class BatchScores:
     iw_exact: bool
     decoder_codes: torch.Tensor | None = None  # [B, M], the exact mixture's: the argmax of the decoder's posterior
     decoder_map_nll: torch.Tensor | None = None  # [B], sum_t l_t under the mixture's likeliest latent given y
+    best_code_nll: torch.Tensor | None = None  # [B], sum_t l_t under the mixture's latent of lowest NLL
 
 
 @torch.no_grad()
@@ -251,13 +252,14 @@ def score_batch(
         posterior, target, weighting, model.reconstruction_cfg, model.zfree_reference_scale
     )
     prior = mixture_token_nll(per_latent, mixture.log_weights, target)
-    decoder_codes = decoder_map_nll = None
+    decoder_codes = decoder_map_nll = best_code_nll = None
     if mixture.codes is not None:  # every code decoded already: the decoder's own posterior of the codes
         sequence_nll = per_latent.double().sum(-1)  # [S, B]
         decoder_codes = mixture.decoder_posterior(sequence_nll, model.codebook_size).argmax(-1)
         # the joint argmax of p(k | x) p(y | x, k) over the code combinations (one slot: decoder_codes), and its NLL
         likeliest = (mixture.log_weights.double() - sequence_nll).argmax(0)  # [B]
         decoder_map_nll = sequence_nll.gather(0, likeliest.unsqueeze(0)).squeeze(0)
+        best_code_nll = sequence_nll.min(0).values  # whatever the prior: the most any hard code can gain
     return BatchScores(
         target=target,
         zfree_nll=weighting.aligned_base_token_nll.float() * target,
@@ -272,6 +274,7 @@ def score_batch(
         iw_exact=exact,
         decoder_codes=decoder_codes,
         decoder_map_nll=decoder_map_nll,
+        best_code_nll=best_code_nll,
     )
 
 
@@ -290,8 +293,8 @@ class BatchRecords:
     Columns (``[B]`` float64 unless stated): ``index`` (the example's position in the evaluated set,
     int), ``tokens`` (response tokens), ``zfree`` / ``posterior`` / ``prior`` (``sum_t b_t``,
     ``sum_t l_t``, ``sum_t r_t``), ``tw_zfree`` / ``tw_posterior`` / ``tw_prior`` (the same weighted
-    by ``pi_t``), ``decoder_map`` (``sum_t l_t`` under the decoder's likeliest latent, where the prior mixture is
-    exact over the codes), ``iw_nll`` (the importance-weighted bound), ``reconstruction`` (``sum_t l_t``
+    by ``pi_t``), ``decoder_map`` / ``best_code`` (``sum_t l_t`` under the decoder's likeliest latent / the latent of
+    lowest NLL, where the prior mixture is exact over the codes), ``iw_nll`` (the importance-weighted bound), ``reconstruction`` (``sum_t l_t``
     averaged over the importance samples), ``kl`` ``[B, U]``, and the posterior:
     discrete ``codes`` ``[B, M]`` (int) and ``probs`` ``[B, M, K]``, continuous ``mu`` and ``logvar``
     ``[B, D]``.
@@ -332,6 +335,7 @@ def batch_records(scores: BatchScores, indices: Sequence[int], space: LatentSpac
     if scores.decoder_codes is not None:
         columns["decoder_codes"] = scores.decoder_codes.cpu().numpy().astype(np.int64)
         columns["decoder_map"] = column(scores.decoder_map_nll)
+        columns["best_code"] = column(scores.best_code_nll)
     return BatchRecords(
         columns,
         scores.reconstruction_terms,
@@ -480,7 +484,7 @@ def evaluate_records(
       ``factor_random_permutations`` (permutations averaged by ``random``); ``label_assignment``;
     - discrete, where the prior mixture is exact over the codes: ``decoder_posterior``, the decoder's own
       likeliest code ``argmax_k p(k | x) p(y | x, k)`` against the encoder's (:func:`decoder_posterior_report`),
-      and the latent gain under the decoder's likeliest latent (:func:`decoder_map_gain`);
+      and the latent gain under the decoder's likeliest latent and under the best one (:func:`decoder_map_gain`);
     - with a string label on every example, as well: ``label_nmi``, ``label_ari``,
       ``label_homogeneity``, ``label_completeness`` and ``label_contingency`` between the argmax
       codes (the code tuple with several slots; continuous: k-means of the posterior means with as
@@ -532,20 +536,25 @@ def decoder_posterior_report(
 
 
 def decoder_map_gain(columns: dict[str, np.ndarray]) -> dict:
-    """The latent gain were the posterior the decoder's own likeliest latent (the joint argmax of
-    ``p(k | x) p(y | x, k)``) instead of the encoder's code: prior-mixture minus that latent's NLL, per token over
-    the set (``latent_gain_nats_per_token``) and per example (``latent_gain_nats_per_example``).
+    """The latent gain (prior-mixture minus a latent's NLL, nats per token over the set and per example) under two
+    latents other than the encoder's, both among those the exact prior mixture decodes:
 
-    That latent is the hard code with the highest ELBO (``-NLL + log p(k | x)``); with a uniform prior it is also
-    the one of lowest NLL, so its gain is the most any hard code can gain with this decoder (the encoder's code is
-    one of those compared). Where it is well above the encoder's latent gain, the encoder limits the gain (it
-    picks codes the decoder does not find likeliest); where the two are close, the decoder does (however the
-    codes are picked, it draws no more from them)."""
-    gains = columns["prior"] - columns["decoder_map"]
-    return {
-        "latent_gain_nats_per_token": float(gains.sum() / columns["tokens"].sum()),
-        "latent_gain_nats_per_example": float(gains.mean()),
-    }
+    - ``latent_gain_*``: the decoder's own likeliest code combination, the joint argmax of
+      ``log p(k | x) - NLL(y | x, k)``, the hard code of highest ELBO (with several slots it can differ from
+      ``decoder_codes``, each slot's marginal argmax);
+    - ``best_latent_gain_*``: the combination of lowest NLL, the most any hard code, so any encoder, can gain with
+      this decoder (with a uniform prior the same as the first).
+
+    Where the encoder's latent gain is well below ``best_latent_gain``, the encoder limits the gain (it picks codes
+    the decoder does not find likeliest); where the two are close, the decoder does (however the codes are picked,
+    it draws no more from them)."""
+    tokens = columns["tokens"].sum()
+    report = {}
+    for prefix, column in (("", "decoder_map"), ("best_", "best_code")):
+        gains = columns["prior"] - columns[column]
+        report[f"{prefix}latent_gain_nats_per_token"] = float(gains.sum() / tokens)
+        report[f"{prefix}latent_gain_nats_per_example"] = float(gains.mean())
+    return report
 
 
 def _report_header(model: CVAEBase, latent: str, examples: int, columns: dict[str, np.ndarray], seed: int) -> dict:
