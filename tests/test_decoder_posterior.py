@@ -24,16 +24,25 @@ from test_evaluation import untrained
 from test_models import make_model
 
 
-def brute_force_posterior(model, batch, features):
-    """``log r [B, M, K]``: every combination decoded over the whole batch, the joint normalised, then marginalised."""
+def every_combination(model, batch, features):
+    """Every code combination decoded over the whole batch by hand: ``combos`` (a list of ``S`` tuples), and per
+    example its ``log p(k | x)`` summed over the slots and its sequence NLL, ``[B, S]`` each (float64)."""
     log_p = model.prior_log_probs(features).double()  # [B, M, K]
     B, M, K = log_p.shape
     combos = list(itertools.product(range(K), repeat=M))
-    joint = []
+    log_prior, nlls = [], []
     for combo in combos:
         nll, _ = model.conditioned_token_nll(batch, model.codes_to_vector(torch.tensor([combo] * B)))
-        joint.append(sum(log_p[:, m, k] for m, k in enumerate(combo)) - nll.double().sum(-1))
-    r = torch.softmax(torch.stack(joint, -1), -1)  # [B, S]
+        nlls.append(nll.double().sum(-1))
+        log_prior.append(sum(log_p[:, m, k] for m, k in enumerate(combo)))
+    return combos, torch.stack(log_prior, -1), torch.stack(nlls, -1)
+
+
+def brute_force_posterior(model, batch, features):
+    """``log r [B, M, K]``: every combination decoded over the whole batch, the joint normalised, then marginalised."""
+    combos, log_prior, nlls = every_combination(model, batch, features)
+    B, M, K = nlls.shape[0], len(combos[0]), model.codebook_size
+    r = torch.softmax(log_prior - nlls, -1)  # [B, S]
     marginal = torch.zeros(B, M, K, dtype=torch.float64)
     for s, combo in enumerate(combos):
         for m, k in enumerate(combo):
@@ -210,13 +219,8 @@ def test_eval_reports_the_decoders_posterior_beside_the_encoders_codes(slots, si
     assert entry["factors"]["label"]["decoder"] == pytest.approx(normalized_mutual_info_score(labels, as_ids))
     # the latent gain under the decoder's likeliest code combination, every combination decoded here by hand
     with torch.no_grad():
-        log_p = model.prior_log_probs(features).double()  # [E, M, K]
-        joint, nlls = [], []
-        for combo in itertools.product(range(size), repeat=slots):
-            nll, _ = model.conditioned_token_nll(batch, model.codes_to_vector(torch.tensor([combo] * len(examples))))
-            nlls.append(nll.double().sum(-1))
-            joint.append(sum(log_p[:, m, k] for m, k in enumerate(combo)) - nlls[-1])
-    joint, nlls = torch.stack(joint, -1), torch.stack(nlls, -1)  # [E, S]
+        _, log_prior, nlls = every_combination(model, batch, features)  # [E, S] each
+    joint = log_prior - nlls
     map_nll = nlls.gather(-1, joint.argmax(-1, keepdim=True)).squeeze(-1)
     prior_nll = -joint.logsumexp(-1)
     tokens = sum(len(ex.response_ids) for ex in examples)
@@ -256,14 +260,7 @@ def test_the_latent_gain_under_the_decoders_likeliest_and_the_best_codes_by_hand
     batch = collate(examples, tok.pad_token_id, indices=range(len(examples)))
     features = cache.features(batch)
     with torch.no_grad():
-        log_p = model.prior_log_probs(features).double()  # [E, M, K]
-        combos = list(itertools.product(range(size), repeat=slots))
-        nlls = []
-        for combo in combos:
-            nll, _ = model.conditioned_token_nll(batch, model.codes_to_vector(torch.tensor([combo] * len(examples))))
-            nlls.append(nll.double().sum(-1))
-        nlls = torch.stack(nlls, -1)  # [E, S]
-        log_prior = torch.stack([sum(log_p[:, m, k] for m, k in enumerate(c)) for c in combos], -1)  # [E, S]
+        _, log_prior, nlls = every_combination(model, batch, features)  # [E, S] each
     joint = log_prior - nlls
     likeliest, best = joint.argmax(-1), nlls.argmin(-1)
     assert (likeliest != best).any(), "the prior moves the likeliest code off the best one: a real check"

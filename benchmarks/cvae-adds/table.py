@@ -4,7 +4,8 @@
 
 One row per report: its run and step, per factor the latent's NMI beside k-means of the encoder's view and of
 the prior features (and of the decoder's own likeliest code, where the report has it), the posterior and z-free NLL
-(nats/token), the latent gain (and under the decoder's likeliest codes), and (with --generation) per factor the share of generations whose factor, read back from the text, is the one their code stands for, with
+(nats/token), the latent gain (and under the decoder's likeliest codes and the best ones), and (with --generation)
+per factor the share of generations whose factor, read back from the text, is the one their code stands for, with
 chance, the majority share (the accuracy of one answer for all) and the share where no value was found (and where
 eval had the decoder's likeliest codes, the same with each code standing for its majority value among them, its
 majority share and generations scored beside it; where no

@@ -233,10 +233,11 @@ def eval_summary_lines(report: dict) -> list[str]:
             f"{decoder['agreement']:.0%} of the examples"
         )
         if "best_latent_gain_nats_per_token" in decoder:  # not in reports written before it was measured
+            likeliest, best = decoder["latent_gain_nats_per_token"], decoder["best_latent_gain_nats_per_token"]
             lines.append(
-                f"latent gain under the decoder's likeliest code combination {decoder['latent_gain_nats_per_token']:+.4f}"
-                f" nats/token, under the best one {decoder['best_latent_gain_nats_per_token']:+.4f} (the most any "
-                f"encoder's codes can gain with this decoder; the encoder's {report['latent_gain_nats_per_token']:+.4f})"
+                f"latent gain under the decoder's likeliest code combination {likeliest:+.4f} nats/token, under the "
+                f"best one {best:+.4f} (the most any encoder's codes can gain with this decoder; the encoder's "
+                f"{report['latent_gain_nats_per_token']:+.4f})"
             )
         better = {
             name: entry

@@ -294,8 +294,8 @@ class BatchRecords:
     int), ``tokens`` (response tokens), ``zfree`` / ``posterior`` / ``prior`` (``sum_t b_t``,
     ``sum_t l_t``, ``sum_t r_t``), ``tw_zfree`` / ``tw_posterior`` / ``tw_prior`` (the same weighted
     by ``pi_t``), ``decoder_map`` / ``best_code`` (``sum_t l_t`` under the decoder's likeliest latent / the latent of
-    lowest NLL, where the prior mixture is exact over the codes), ``iw_nll`` (the importance-weighted bound), ``reconstruction`` (``sum_t l_t``
-    averaged over the importance samples), ``kl`` ``[B, U]``, and the posterior:
+    lowest NLL, where the prior mixture is exact over the codes), ``iw_nll`` (the importance-weighted bound),
+    ``reconstruction`` (``sum_t l_t`` averaged over the importance samples), ``kl`` ``[B, U]``, and the posterior:
     discrete ``codes`` ``[B, M]`` (int) and ``probs`` ``[B, M, K]``, continuous ``mu`` and ``logvar``
     ``[B, D]``.
     """
