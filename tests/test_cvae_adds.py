@@ -132,9 +132,16 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
         ("bow-wd", {"word_dropout": 0.3}),
         ("bow-wd5", {"word_dropout": 0.5}),
         ("bow-wd-dpost3", {"word_dropout": 0.3, "decoder_posterior_weight": 3.0}),
+        ("bow-wd-early", {"word_dropout": 0.3, "decoder_posterior_start": 120}),  # section 26
+        ("bow-wd-tblock", {"word_dropout": 0.3, **TBLOCK}),
+        ("bow-wd-tblock-early", {"word_dropout": 0.3, **TBLOCK, "decoder_posterior_start": 120}),
     ):
         variant = train_config(THESIS_BASE, *run.RECIPES[f"centered-full-between-random-dpost-hard-late-{name}"])
         assert variant == replace(bow, latent=replace(bow.latent, **change)), name
+
+
+#: the trainable encoder of section 26: the attention pool over one transformer layer on the per-token states
+TBLOCK = {"encoder_view": "token_weighted_attention", "encoder_block": "transformer"}
 
 
 def report(tmp_path: Path, controllability: dict | None) -> Path:

@@ -205,6 +205,23 @@ RECIPES = {
     "centered-full-between-random-dpost-hard-late-bow-wd-dpost3": [
         *DPOST_HARD_LATE_BOW, "--word-dropout", "0.3", "--decoder-posterior-weight", "3"
     ],  # fmt: skip
+    # the decoder's likeliest code teaching the encoder from step 120 instead of 180: twice the steps for the encoder to
+    # learn the decoder's choice (it agreed on 36-40 % of the training batches, section 25); those steps decode all K
+    "centered-full-between-random-dpost-hard-late-bow-wd-early": [
+        *DPOST_HARD_LATE_BOW, "--word-dropout", "0.3", "--decoder-posterior-start", "120"
+    ],  # fmt: skip
+    # an encoder that can learn what its frozen view does not show: the attention pool (logits from the surprisal
+    # shares) over one trainable transformer layer on the cached per-token states (item 2 (a) and (b)); can it give the
+    # decoder its likeliest code more often than the fixed pooled view?
+    "centered-full-between-random-dpost-hard-late-bow-wd-tblock": [
+        *DPOST_HARD_LATE_BOW, "--word-dropout", "0.3", "--encoder-view", "token_weighted_attention",
+        "--encoder-block", "transformer"
+    ],  # fmt: skip
+    # both: the trainable encoder taught from step 120
+    "centered-full-between-random-dpost-hard-late-bow-wd-tblock-early": [
+        *DPOST_HARD_LATE_BOW, "--word-dropout", "0.3", "--encoder-view", "token_weighted_attention",
+        "--encoder-block", "transformer", "--decoder-posterior-start", "120"
+    ],  # fmt: skip
     # raw reconstruction (term 1 alone, the mean_last view) with the whole decoder, the code between prompt and
     # response from a random codebook: the likelihood to compare centered-full-between-random with, and whether
     # term 3 and its view matter once the decoder can learn the content
@@ -334,6 +351,10 @@ PLAN = [  # (set, recipe, seeds)
     # section 25: half the tokens dropped (item 4's latent gain)
     ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd5", (0,)),
     ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-dpost3", (0,)),
+    # section 26: an encoder taught longer, one that can learn beyond its view, and both (item 4's latent gain)
+    ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-early", (0,)),
+    ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-tblock", (0,)),
+    ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-tblock-early", (0,)),
 ]
 
 
