@@ -138,6 +138,12 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
     ):
         variant = train_config(THESIS_BASE, *run.RECIPES[f"centered-full-between-random-dpost-hard-late-{name}"])
         assert variant == replace(bow, latent=replace(bow.latent, **change)), name
+    longer = train_config(THESIS_BASE, *run.RECIPES["centered-full-between-random-dpost-hard-late-bow-wd-480"])
+    assert longer == replace(  # section 26: twice the steps, the teaching term over the last 60 as before
+        bow,
+        latent=replace(bow.latent, word_dropout=0.3, decoder_posterior_start=420),
+        train=replace(bow.train, max_steps=480),
+    )
 
 
 #: the trainable encoder of section 26: the attention pool over one transformer layer on the per-token states
