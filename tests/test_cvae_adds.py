@@ -18,6 +18,8 @@ from disentanglement.cli import _train_config, build_parser
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARK = ROOT / "benchmarks" / "cvae-adds"
 THESIS_BASE = ROOT / "benchmarks" / "thesis" / "base.yaml"  # the synthetic sets' base config in run.py
+#: the trainable encoder of section 26: the attention pool over one transformer layer on the per-token states
+TBLOCK = {"encoder_view": "token_weighted_attention", "encoder_block": "transformer"}
 
 
 def train_config(config: Path, *flags: str):
@@ -144,10 +146,6 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
         latent=replace(bow.latent, word_dropout=0.3, decoder_posterior_start=420),
         train=replace(bow.train, max_steps=480),
     )
-
-
-#: the trainable encoder of section 26: the attention pool over one transformer layer on the per-token states
-TBLOCK = {"encoder_view": "token_weighted_attention", "encoder_block": "transformer"}
 
 
 def report(tmp_path: Path, controllability: dict | None) -> Path:

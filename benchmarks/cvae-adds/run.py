@@ -48,6 +48,10 @@ DPOST_HARD_LATE = [*CENTERED_FULL_BETWEEN, "--codebook-init", "random", "--decod
                    "--decoder-posterior-start", "180", "--decoder-posterior-target", "hard"]  # fmt: skip
 #: that with the bag-of-words loss at the weight of term 1 (section 23), the base of section 24's variations
 DPOST_HARD_LATE_BOW = [*DPOST_HARD_LATE, "--bow-weight", "1"]
+#: that with word dropout 0.3 (section 24), the base of sections 25-26's variations
+DPOST_HARD_LATE_BOW_WD = [*DPOST_HARD_LATE_BOW, "--word-dropout", "0.3"]
+#: a trainable encoder (section 26): the attention pool over one transformer layer on the cached per-token states
+TRAINABLE_ENCODER = ["--encoder-view", "token_weighted_attention", "--encoder-block", "transformer"]
 #: raw reconstruction (term 1 alone, the mean_last view: preset raw)
 RAW = ["--reconstruction-weight", "1", "--token-weighted-weight", "0", "--token-weight-alpha", "1",
        "--encoder-view", "mean_last"]  # fmt: skip
@@ -195,40 +199,32 @@ RECIPES = {
     # act (item 2's +0.2 over the view) and give the decoder more (item 4's gain)?
     "centered-full-between-random-dpost-hard-late-bow3": [*DPOST_HARD_LATE, "--bow-weight", "3"],
     # both remedies together: the loss makes the codes predict the words, the dropped inputs make the decoder need them
-    "centered-full-between-random-dpost-hard-late-bow-wd": [*DPOST_HARD_LATE_BOW, "--word-dropout", "0.3"],
+    "centered-full-between-random-dpost-hard-late-bow-wd": DPOST_HARD_LATE_BOW_WD,
     # that with half the response tokens dropped: at 0.3 the gain rose from 0.030 to 0.035 nats a token (section 24);
     # does the decoder, needing the code more, take more from it (item 4's 0.05)?
     "centered-full-between-random-dpost-hard-late-bow-wd5": [*DPOST_HARD_LATE_BOW, "--word-dropout", "0.5"],
     # the loss with word dropout and the decoder's likeliest code teaching the encoder at three times the weight: the
     # encoder gave the decoder its likeliest code on a third of the responses, and the gain was 0.6 of what that code
     # gives (section 25); does a stronger term close that gap?
-    "centered-full-between-random-dpost-hard-late-bow-wd-dpost3": [
-        *DPOST_HARD_LATE_BOW, "--word-dropout", "0.3", "--decoder-posterior-weight", "3"
-    ],  # fmt: skip
+    "centered-full-between-random-dpost-hard-late-bow-wd-dpost3": [*DPOST_HARD_LATE_BOW_WD,
+                                                                   "--decoder-posterior-weight", "3"],
     # the decoder's likeliest code teaching the encoder from step 120 instead of 180: twice the steps for the encoder to
     # learn the decoder's choice (it agreed on 36-40 % of the training batches, section 25); those steps decode all K
-    "centered-full-between-random-dpost-hard-late-bow-wd-early": [
-        *DPOST_HARD_LATE_BOW, "--word-dropout", "0.3", "--decoder-posterior-start", "120"
-    ],  # fmt: skip
+    "centered-full-between-random-dpost-hard-late-bow-wd-early": [*DPOST_HARD_LATE_BOW_WD,
+                                                                  "--decoder-posterior-start", "120"],
     # an encoder that can learn what its frozen view does not show: the attention pool (logits from the surprisal
     # shares) over one trainable transformer layer on the cached per-token states (item 2 (a) and (b)); can it give the
     # decoder its likeliest code more often than the fixed pooled view?
-    "centered-full-between-random-dpost-hard-late-bow-wd-tblock": [
-        *DPOST_HARD_LATE_BOW, "--word-dropout", "0.3", "--encoder-view", "token_weighted_attention",
-        "--encoder-block", "transformer"
-    ],  # fmt: skip
+    "centered-full-between-random-dpost-hard-late-bow-wd-tblock": [*DPOST_HARD_LATE_BOW_WD, *TRAINABLE_ENCODER],
     # both: the trainable encoder taught from step 120
-    "centered-full-between-random-dpost-hard-late-bow-wd-tblock-early": [
-        *DPOST_HARD_LATE_BOW, "--word-dropout", "0.3", "--encoder-view", "token_weighted_attention",
-        "--encoder-block", "transformer", "--decoder-posterior-start", "120"
-    ],  # fmt: skip
-    # the loss with word dropout trained twice as long (480 steps of 8: 0.9 of an epoch of DailyDialog's 4,372 training
+    "centered-full-between-random-dpost-hard-late-bow-wd-tblock-early": [*DPOST_HARD_LATE_BOW_WD, *TRAINABLE_ENCODER,
+                                                                         "--decoder-posterior-start", "120"],
+    # the loss with word dropout trained twice as long (480 steps of 8: 0.88 of an epoch of DailyDialog's 4,372 training
     # pairs, where 240 saw 0.44), the decoder's code teaching over the last 60 as before: the teaching term from an
     # earlier step concentrated the codes and lowered what the decoder takes from them (section 26); do more steps
     # of the decoder raise it?
-    "centered-full-between-random-dpost-hard-late-bow-wd-480": [
-        *DPOST_HARD_LATE_BOW, "--word-dropout", "0.3", "--max-steps", "480", "--decoder-posterior-start", "420"
-    ],  # fmt: skip
+    "centered-full-between-random-dpost-hard-late-bow-wd-480": [*DPOST_HARD_LATE_BOW_WD, "--max-steps", "480",
+                                                                "--decoder-posterior-start", "420"],
     # raw reconstruction (term 1 alone, the mean_last view) with the whole decoder, the code between prompt and
     # response from a random codebook: the likelihood to compare centered-full-between-random with, and whether
     # term 3 and its view matter once the decoder can learn the content
