@@ -146,6 +146,12 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
         latent=replace(bow.latent, word_dropout=0.3, decoder_posterior_start=420),
         train=replace(bow.train, max_steps=480),
     )
+    longest = train_config(THESIS_BASE, *run.RECIPES["centered-full-between-random-dpost-hard-late-bow-wd-960"])
+    assert longest == replace(  # section 27: four times the steps, the teaching term over the last 60 as before
+        bow,
+        latent=replace(bow.latent, word_dropout=0.3, decoder_posterior_start=900),
+        train=replace(bow.train, max_steps=960),
+    )
 
 
 def report(tmp_path: Path, controllability: dict | None) -> Path:

@@ -225,6 +225,10 @@ RECIPES = {
     # of the decoder raise it?
     "centered-full-between-random-dpost-hard-late-bow-wd-480": [*DPOST_HARD_LATE_BOW_WD, "--max-steps", "480",
                                                                 "--decoder-posterior-start", "420"],
+    # four times as long (960 steps of 8: 1.76 epochs), the teaching term still over the last 60: 480 steps raised the
+    # latent gain on both seeds (section 26); does the rise go on past one epoch, or does the decoder overfit?
+    "centered-full-between-random-dpost-hard-late-bow-wd-960": [*DPOST_HARD_LATE_BOW_WD, "--max-steps", "960",
+                                                                "--decoder-posterior-start", "900"],
     # raw reconstruction (term 1 alone, the mean_last view) with the whole decoder, the code between prompt and
     # response from a random codebook: the likelihood to compare centered-full-between-random with, and whether
     # term 3 and its view matter once the decoder can learn the content
@@ -358,7 +362,9 @@ PLAN = [  # (set, recipe, seeds)
     ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-early", (0,)),
     ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-tblock", (0,)),
     ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-tblock-early", (0,)),
-    ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-480", (0, 1)),
+    ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-480", (0, 1, 2)),
+    # section 27: past one epoch (item 4's latent gain)
+    ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-960", (0,)),
 ]
 
 
