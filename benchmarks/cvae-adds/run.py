@@ -364,7 +364,7 @@ PLAN = [  # (set, recipe, seeds)
     ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-tblock-early", (0,)),
     ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-480", (0, 1, 2)),
     # section 27: past one epoch (item 4's latent gain)
-    ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-960", (0,)),
+    ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-960", (0, 1)),
 ]
 
 
