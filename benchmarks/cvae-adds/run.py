@@ -48,8 +48,15 @@ DPOST_HARD_LATE = [*CENTERED_FULL_BETWEEN, "--codebook-init", "random", "--decod
                    "--decoder-posterior-start", "180", "--decoder-posterior-target", "hard"]  # fmt: skip
 #: that with the bag-of-words loss at the weight of term 1 (section 23), the base of section 24's variations
 DPOST_HARD_LATE_BOW = [*DPOST_HARD_LATE, "--bow-weight", "1"]
-#: that with word dropout 0.3 (section 24), the base of sections 25-26's variations
+#: that with word dropout 0.3 (section 24), the base of sections 25-27's variations
 DPOST_HARD_LATE_BOW_WD = [*DPOST_HARD_LATE_BOW, "--word-dropout", "0.3"]
+
+
+def teaching_last_60(steps: int) -> list[str]:
+    """The word-dropout recipe trained ``steps`` steps, the decoder's likeliest code teaching over the last 60 as at 240."""
+    return [*DPOST_HARD_LATE_BOW_WD, "--max-steps", str(steps), "--decoder-posterior-start", str(steps - 60)]
+
+
 #: a trainable encoder (section 26): the attention pool over one transformer layer on the cached per-token states
 TRAINABLE_ENCODER = ["--encoder-view", "token_weighted_attention", "--encoder-block", "transformer"]
 #: raw reconstruction (term 1 alone, the mean_last view: preset raw)
@@ -223,12 +230,10 @@ RECIPES = {
     # pairs, where 240 saw 0.44), the decoder's code teaching over the last 60 as before: the teaching term from an
     # earlier step concentrated the codes and lowered what the decoder takes from them (section 26); do more steps
     # of the decoder raise it?
-    "centered-full-between-random-dpost-hard-late-bow-wd-480": [*DPOST_HARD_LATE_BOW_WD, "--max-steps", "480",
-                                                                "--decoder-posterior-start", "420"],
+    "centered-full-between-random-dpost-hard-late-bow-wd-480": teaching_last_60(480),
     # four times as long (960 steps of 8: 1.76 epochs), the teaching term still over the last 60: 480 steps raised the
     # latent gain on both seeds (section 26); does the rise go on past one epoch, or does the decoder overfit?
-    "centered-full-between-random-dpost-hard-late-bow-wd-960": [*DPOST_HARD_LATE_BOW_WD, "--max-steps", "960",
-                                                                "--decoder-posterior-start", "900"],
+    "centered-full-between-random-dpost-hard-late-bow-wd-960": teaching_last_60(960),
     # raw reconstruction (term 1 alone, the mean_last view) with the whole decoder, the code between prompt and
     # response from a random codebook: the likelihood to compare centered-full-between-random with, and whether
     # term 3 and its view matter once the decoder can learn the content
