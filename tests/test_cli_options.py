@@ -19,7 +19,13 @@ from disentanglement.options import (
 )
 
 #: What each subcommand needs besides its positional checkpoint (its required flags).
-REQUIRED_ARGS = {"eval": [], "generate": ["--prompt", "hi"], "inspect": [], "encode": ["--output", "z.jsonl"]}
+REQUIRED_ARGS = {
+    "eval": [],
+    "generate": ["--prompt", "hi"],
+    "inspect": [],
+    "encode": ["--output", "z.jsonl"],
+    "refit-encoder": ["--output-dir", "refit"],
+}
 
 
 def subparser(name: str) -> argparse.ArgumentParser:

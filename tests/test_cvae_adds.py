@@ -430,3 +430,16 @@ def test_questions_counts_each_codes_generations_that_ask_and_the_real_acts(tmp_
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "p", "response": "r", "label": {"mood": "x"}}) + "\n")
     with pytest.raises(questions.DataError, match=r"bad\.jsonl:1: expected a label with an 'act' factor"):
         questions.share_by_act(questions.load_jsonl(tmp_path / "bad.jsonl"))
+
+
+def test_refit_commands_are_the_cli_s(run, tmp_path):
+    """``--refit``: refit-encoder into RUN-refit on the run's training split, then eval of that as the run is evaluated."""
+    from disentanglement.cli import build_parser
+
+    commands, report = run.refit_commands(tmp_path, "dailydialog", "r", 2, "dd-eval.jsonl")
+    assert report == tmp_path / "evals" / "dailydialog-r-seed-2-refit.json"
+    refit, evaluate = (build_parser().parse_args(c[len(run.DISENTANGLE) :]) for c in commands)
+    assert refit.command == "refit-encoder" and refit.checkpoint == str(tmp_path / "runs" / "dailydialog-r" / "seed-2")
+    assert refit.output_dir == str(tmp_path / "runs" / "dailydialog-r" / "seed-2-refit") and refit.data == "train"
+    assert evaluate.command == "eval" and evaluate.checkpoint == refit.output_dir and evaluate.generation
+    assert (evaluate.data, evaluate.max_examples, evaluate.output) == ("dd-eval.jsonl", 600, str(report))

@@ -671,7 +671,11 @@ def test_every_numeric_option_is_range_checked_before_the_model_loads(
 ):
     assert bad is not None, f"{command} {flag} has no range (options.ranged)"
     value = str(int(bad)) if float(bad).is_integer() else str(bad)
-    extra = {"generate": ["--prompt", "hi"], "encode": ["--output", str(tmp_path / "x.jsonl")]}.get(command, [])
+    extra = {
+        "generate": ["--prompt", "hi"],
+        "encode": ["--output", str(tmp_path / "x.jsonl")],
+        "refit-encoder": ["--output-dir", str(tmp_path / "refit")],
+    }.get(command, [])
     if flag.startswith("--explore") or flag == "--clusters":
         extra = ["--explore"]
     err = fails([command, str(weightless_run), *extra, f"{flag}={value}"], capsys)

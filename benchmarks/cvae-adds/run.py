@@ -2,7 +2,7 @@
 once (one thread each), each skipped when its report exists; then the tables (``table.py``).
 
     python benchmarks/cvae-adds/run.py [--out runs/cvae-adds] [--jobs 2] [--dailydialog FILE.jsonl] [--only NAME ...]
-        [--recipes NAME ...] [--seeds N ...] [--dtype auto|bfloat16|float32] [--guidance G ...]
+        [--recipes NAME ...] [--seeds N ...] [--dtype auto|bfloat16|float32] [--guidance G ...] [--refit]
 
 Synthetic sets (``disentangle data synth``): 800 training rows of seed 0 and 200 held-out rows of seed 1, the
 thesis base (``benchmarks/thesis/base.yaml``: frozen SmolLM2-135M, K = 4 codes in one slot, 120 steps of 8) in
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -369,7 +370,7 @@ PLAN = [  # (set, recipe, seeds)
     ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-tblock-early", (0,)),
     ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-480", (0, 1, 2)),
     # section 27: past one epoch (item 4's latent gain)
-    ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-960", (0, 1)),
+    ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-960", (0, 1, 2)),
 ]
 
 
@@ -405,12 +406,22 @@ def data_files(out: Path, name: str, dailydialog: Path | None) -> tuple[Path, st
 
 
 def one_run(
-    out: Path, name: str, recipe: str, seed: int, dailydialog: Path | None, dtype: str, guidance: list[float]
+    out: Path,
+    name: str,
+    recipe: str,
+    seed: int,
+    dailydialog: Path | None,
+    dtype: str,
+    guidance: list[float],
+    refit: bool = False,
 ) -> list[Path]:
-    """Train and evaluate one (set, recipe, seed), then evaluate it again at each ``guidance`` scale; the reports."""
+    """Train and evaluate one (set, recipe, seed), then evaluate it again at each ``guidance`` scale and, with
+    ``refit``, its encoder refit to the decoder's codes (:func:`refit_run`); the reports."""
     report = plain_run(out, name, recipe, seed, dailydialog, dtype)
     run = out / "runs" / f"{name}-{recipe}" / f"seed-{seed}"
     reports = [report]
+    if refit:
+        reports.append(refit_run(out, name, recipe, seed, dailydialog))
     for scale in guidance:
         guided = report.with_name(f"{report.stem}-guided-{scale:g}.json")
         if not guided.exists():
@@ -419,6 +430,33 @@ def one_run(
                run.parent / f"seed-{seed}.log")  # fmt: skip
         reports.append(guided)
     return reports
+
+
+def refit_commands(out: Path, name: str, recipe: str, seed: int, evaluate: str) -> tuple[list[list[str]], Path]:
+    """``refit-encoder`` of a trained run into ``RUN-refit`` (on the run's training split), then ``eval`` of the refit
+    run as the run itself is evaluated: the commands and the report's path."""
+    run = out / "runs" / f"{name}-{recipe}" / f"seed-{seed}"
+    refit = run.with_name(f"seed-{seed}-refit")
+    report = out / "evals" / f"{name}-{recipe}-seed-{seed}-refit.json"
+    return [
+        [*DISENTANGLE, "refit-encoder", str(run), "--output-dir", str(refit), "--no-progress"],
+        [*DISENTANGLE, "eval", str(refit), "--data", evaluate, *generation_options(name), "--output", str(report),
+         "--no-progress"],
+    ], report  # fmt: skip
+
+
+def refit_run(out: Path, name: str, recipe: str, seed: int, dailydialog: Path | None) -> Path:
+    """The trained run's encoder fit to its decoder's own likeliest codes (``disentangle refit-encoder``), evaluated."""
+    commands, report = refit_commands(out, name, recipe, seed, data_files(out, name, dailydialog)[1])
+    if report.exists():
+        return report
+    refit = Path(commands[0][commands[0].index("--output-dir") + 1])
+    log = refit.parent / f"seed-{seed}-refit.log"
+    if not (refit / "encoder_refit.json").exists():
+        shutil.rmtree(refit, ignore_errors=True)  # an interrupted refit starts again
+        sh(commands[0], log)
+    sh(commands[1], log)
+    return report
 
 
 def generation_options(name: str) -> list[str]:
@@ -465,6 +503,11 @@ def main(argv=None) -> int:
         default=[],
         help="also evaluate each run with eval --generation-guidance at these scales (reports NAME-guided-G.json)",
     )
+    parser.add_argument(
+        "--refit",
+        action="store_true",
+        help="also refit each run's encoder to its decoder's codes (refit-encoder) and evaluate that (NAME-refit.json)",
+    )
     args = parser.parse_args(argv)
     todo = [
         (name, recipe, seed)
@@ -478,7 +521,9 @@ def main(argv=None) -> int:
     for name, _, _ in todo:  # data first, once, before the runs share it
         data_files(args.out, name, args.dailydialog)
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(one_run, args.out, *t, args.dailydialog, args.dtype, args.guidance): t for t in todo}
+        futures = {
+            pool.submit(one_run, args.out, *t, args.dailydialog, args.dtype, args.guidance, args.refit): t for t in todo
+        }
         reports = []
         for future, t in futures.items():
             try:

@@ -49,7 +49,14 @@ from .config import (
     presets_help,
     read_config_file,
 )
-from .options import EncodeOptions, EvalOptions, GenerateOptions, InspectOptions, add_option_arguments
+from .options import (
+    EncodeOptions,
+    EvalOptions,
+    GenerateOptions,
+    InspectOptions,
+    RefitOptions,
+    add_option_arguments,
+)
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -266,6 +273,15 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         ".jsonl (or .parquet, with pyarrow) file: source, prompt, response, label, the posterior and prior "
         "latents, the per-example KL and latent gain (the numbers eval aggregates, for the same options).",
         _checkpoint_arguments(EncodeOptions, commands.encode_main),
+        HelpFormatter,
+    ),
+    "refit-encoder": Subcommand(
+        "fit a trained discrete run's encoder alone to its decoder's own likeliest codes (a new run)",
+        "Compute the exact posterior r(k | x, y) of the codes under a trained discrete run's decoder and prior for "
+        "every pair of --data, fit the encoder alone to it (the decoder, codebook and prior unchanged) and write "
+        "the refit run to --output-dir: a checkpoint to pass to eval, encode, generate and inspect, and "
+        "encoder_refit.json (the agreement with the decoder's codes before and after).",
+        _checkpoint_arguments(RefitOptions, commands.refit_main),
         HelpFormatter,
     ),
     "export": Subcommand(

@@ -31,6 +31,7 @@ from .options import (
     EvalOptions,
     GenerateOptions,
     InspectOptions,
+    RefitOptions,
     check_at_least,
     options_from,
     with_overrides,
@@ -441,6 +442,23 @@ def inspect_main(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- encode
+
+
+def refit_main(args: argparse.Namespace) -> int:
+    from .encoder_refit import REPORT_FILE, refit_encoder
+
+    report = refit_encoder(args.checkpoint, options_from(RefitOptions, args))
+    before, after = report["agreement_before"], report["agreement_after"]
+    share = lambda value: "-" if value is None else f"{value:.3f}"  # noqa: E731
+    print(
+        f"the encoder's code is the decoder's likeliest on {share(before['fit_agreement'])} -> "
+        f"{share(after['fit_agreement'])} of the {report['fit_examples']} pairs fit, {share(before['holdout_agreement'])}"
+        f" -> {share(after['holdout_agreement'])} of the {report['holdout_examples']} held out (epoch "
+        f"{report['kept_epoch']} of {report['epochs']} kept)"
+    )
+    print(f"checkpoint: {report['checkpoint']}")
+    print(f"report:     {Path(args.output_dir) / REPORT_FILE}")
+    return 0
 
 
 def encode_main(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """The options of the subcommands that work on a checkpoint: ``eval``, ``generate``, ``inspect`` and ``encode``.
 
 Each subcommand's flags are built from one frozen options dataclass (:data:`SUBCOMMAND_OPTIONS`:
-:class:`EvalOptions`, :class:`GenerateOptions`, :class:`InspectOptions`, :class:`EncodeOptions`, sharing
+:class:`EvalOptions`, :class:`GenerateOptions`, :class:`InspectOptions`, :class:`EncodeOptions`,
+:class:`RefitOptions`, sharing
 :class:`CheckpointOptions` and :class:`DataOptions`) with ``config.option``, as ``train``'s are built from
 the config dataclasses: each default is stated once, in its field, and a field cannot lack its flag.
 ``commands.py``'s ``run_*`` functions take such an instance, with keyword overrides on top.
@@ -417,10 +418,29 @@ class GenerateOptions(CheckpointOptions):
         return {**{name: getattr(self, name) for name in names}, "sampling": self.sampling(), "guidance": guidance}
 
 
+@dataclass(frozen=True, kw_only=True)
+class RefitOptions(CheckpointOptions):
+    """``disentangle refit-encoder`` (the encoder alone fit to the decoder's own posterior, :mod:`encoder_refit`)."""
+
+    output_dir: str = option(REQUIRED, "the new run directory the refit writes (must not exist, or be empty)")
+    data: str = option("train", "the pairs to fit on: " + _DATA_HELP + " (default: the run's training split)")
+    max_examples: int | None = ranged(None, "use at most this many examples of --data (seeded subset)", Range(1))
+    epochs: int = ranged(30, "passes over the pairs", Range(1))
+    lr: float = ranged(1e-3, "Adam's learning rate of the encoder", Range(0, integer=False, low_open=True))
+    holdout: float = ranged(
+        0.1,
+        "share of the pairs held out to choose the epoch kept (0: the last epoch's)",
+        Range(0, 0.5, integer=False),
+    )
+    batch_size: int = ranged(16, "examples per forward pass and per step", Range(1))
+    progress: bool = option(True, "progress bars")
+
+
 #: The options dataclass of each subcommand built here.
 SUBCOMMAND_OPTIONS: dict[str, type] = {
     "eval": EvalOptions,
     "generate": GenerateOptions,
     "inspect": InspectOptions,
     "encode": EncodeOptions,
+    "refit-encoder": RefitOptions,
 }

@@ -1,0 +1,305 @@
+"""Refitting a trained discrete CVAE's encoder to its decoder's own posterior (``disentangle refit-encoder``).
+
+    disentangle refit-encoder RUN --data train|FILE.jsonl --output-dir REFIT [--epochs 30] [--lr 1e-3]
+        [--holdout 0.1] [--batch-size 16] [--max-examples N] [--seed S]
+
+The encoder is amortised: one network gives every response its code, and at the end of training it picks the code
+the decoder finds likeliest, ``argmax_k p(k | x) p(y | x, k)``, for only part of the responses (about half on
+DailyDialog, docs/what-the-cvae-adds.md section 28), while the decoder would gain more under its own choice (eval's
+``decoder_posterior``). The decoder-posterior term (``decoder_posterior_weight``) teaches the encoder that choice
+during training, on the batches of its last steps, while the decoder still moves. Here the decoder is done: with
+the decoder, the codebook, the prior and every other weight fixed, the exact posterior ``r(k | x, y)`` of every
+pair of ``--data`` is computed once (:func:`decoder_posteriors`: every code combination decoded, no gradients)
+and the encoder alone is fit to it for ``--epochs`` passes (:func:`fit_encoder`), with the term the run trained
+with (``decoder_posterior_target``: ``hard``, the cross-entropy of ``argmax r``; ``soft``, ``KL(r || q)``),
+keeping the epoch whose codes agree most with ``r`` on a held-out share of the pairs (``--holdout``; epoch 0 is
+the encoder as trained, so that agreement never falls). The closing step of the lagging-encoder remedy (He et
+al., 2019: train the encoder to its optimum before the decoder moves again), run once.
+
+Only ``q(z | x, y)`` changes: the prior-mixture NLL of any data is the same number as before, and the latent gain
+moves by the posterior NLL alone; codes read off data (``encode``, ``eval``) are the refit encoder's, and
+generation under a code is the decoder's, unchanged. The refit writes a new run directory: the source's
+``config.yaml`` and ``data_stats.json``, one checkpoint at the source's step with the refit weights (and the
+source's optimizer and scheduler states, so that ``train --resume auto --output-dir REFIT`` would go on from it),
+its ``trainer_state.json`` recording the refit (``encoder_refit``), ``encoder_refit.json``, the report
+(:func:`refit_encoder`), and ``decoder_posterior.safetensors``, ``log_r`` ``[E, M, K]`` of every pair of ``--data``
+in its order. Only the discrete family has codes to enumerate (``K^M`` at most
+``config.DECODER_POSTERIOR_LIMIT``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save as save_safetensors_bytes
+from tqdm.auto import tqdm
+
+from .config import DECODER_POSTERIOR_LIMIT
+from .data import collate
+from .reference import eval_mode
+
+if TYPE_CHECKING:
+    from .cvae_base import CVAEBase
+    from .data import Example
+    from .features import FeatureCache
+    from .options import RefitOptions
+
+#: The report's name in the refit run's directory, and that of ``log r`` ``[E, M, K]`` of every pair fit.
+REPORT_FILE = "encoder_refit.json"
+POSTERIOR_FILE = "decoder_posterior.safetensors"
+
+
+def check_refittable(model: CVAEBase) -> None:
+    """A ``ValueError`` unless ``model`` has codes whose every combination can be decoded."""
+    size = getattr(model, "codebook_size", None)
+    if size is None:
+        raise ValueError(
+            f"refit-encoder needs a discrete model (codes whose posterior can be enumerated); this run's latent is "
+            f"{model.latent_space.kind!r}"
+        )
+    combinations = size**model.num_slots
+    if combinations > DECODER_POSTERIOR_LIMIT:
+        raise ValueError(
+            f"refit-encoder decodes every code combination of every pair: this model has {combinations} "
+            f"(K={size}, M={model.num_slots}), more than {DECODER_POSTERIOR_LIMIT}"
+        )
+
+
+def _length_order(examples: Sequence[Example], indices: Sequence[int]) -> list[int]:
+    return sorted(indices, key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
+
+
+@torch.no_grad()
+def decoder_posteriors(
+    model: CVAEBase,
+    examples: Sequence[Example],
+    cache: FeatureCache,
+    pad_token_id: int,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> torch.Tensor:
+    """``log r(k | x, y)`` ``[E, M, K]`` (float64, in example order, on the CPU): the exact posterior of the codes
+    under the model's decoder and prior, ``r ∝ prod_m p(k_m | x) p(y | x, k_1..k_M)`` over every combination, then per
+    slot its marginal (as the training term and eval compute it: ``PriorMixture.decoder_posterior``). In eval mode,
+    in batches of similar length."""
+    check_refittable(model)
+    device = next(model.parameters()).device
+    order = _length_order(examples, range(len(examples)))
+    out = torch.empty(len(examples), model.num_slots, model.codebook_size, dtype=torch.float64)
+    with eval_mode(model):
+        starts = range(0, len(order), batch_size)
+        for start in tqdm(starts, desc="decoder posterior", disable=not progress, unit="batch"):
+            chunk = order[start : start + batch_size]
+            batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
+            features = cache.features(batch)
+            mixture = model.prior_mixture(features, exact_limit=DECODER_POSTERIOR_LIMIT)
+            with model.reusing_decodes(batch):  # the between placement's prompt runs once for every code
+                sequence_nll = torch.stack(
+                    [model.conditioned_token_nll(batch, vector)[0].double().sum(-1) for vector in mixture.vectors]
+                )  # [S, B]
+            out[chunk] = mixture.decoder_posterior(sequence_nll, model.codebook_size).cpu()
+    return out
+
+
+def encoder_parameters(model: CVAEBase) -> list[torch.nn.Parameter]:
+    """What the refit trains: the weights between the frozen features and the encoder's outputs ``e`` (its MLP,
+    and where the run has them its attention pool, its block and its own adapters); never the codebook, the prior,
+    the latent's projection or the decoder."""
+    parts = [model.encoder, model.encoder_pool, model.encoder_block, model.encoder_adapters]
+    return [p for part in parts if part is not None for p in part.parameters()]
+
+
+@torch.no_grad()
+def encoder_codes(
+    model: CVAEBase,
+    examples: Sequence[Example],
+    cache: FeatureCache,
+    indices: Sequence[int],
+    pad_token_id: int,
+    batch_size: int = 64,
+) -> torch.Tensor:
+    """The encoder's codes ``[len(indices), M]`` of ``examples[indices]``, in the order of ``indices``."""
+    device = next(model.parameters()).device
+    parts = []
+    for start in range(0, len(indices), batch_size):
+        chunk = list(indices[start : start + batch_size])
+        batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
+        parts.append(model.posterior_latents(cache.features(batch))["codes"].cpu())
+    return torch.cat(parts) if parts else torch.empty(0, model.num_slots, dtype=torch.long)
+
+
+def agreement(
+    model: CVAEBase,
+    examples: Sequence[Example],
+    cache: FeatureCache,
+    log_r: torch.Tensor,
+    indices: Sequence[int],
+    pad_token_id: int,
+) -> float | None:
+    """The share of ``examples[indices]`` whose encoder codes are, in every slot, the argmax of ``log_r`` (None for
+    none)."""
+    if not len(indices):
+        return None
+    codes = encoder_codes(model, examples, cache, indices, pad_token_id)
+    return float((codes == log_r[list(indices)].argmax(-1)).all(-1).double().mean())
+
+
+def fit_encoder(
+    model: CVAEBase,
+    examples: Sequence[Example],
+    cache: FeatureCache,
+    log_r: torch.Tensor,
+    pad_token_id: int,
+    *,
+    epochs: int = 30,
+    lr: float = 1e-3,
+    holdout: float = 0.1,
+    batch_size: int = 16,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Fit :func:`encoder_parameters` (Adam at ``lr``) to ``log_r`` ``[E, M, K]`` with the model's
+    ``decoder_posterior_kl`` (its ``decoder_posterior_target``), ``epochs`` shuffled passes over all but a seeded
+    ``holdout`` share of the examples, in eval mode (no dropout). The weights kept are those of the epoch (0: as
+    given) of the highest held-out agreement with ``argmax r`` (without a held-out share: the last epoch's). Returns
+    the history (per epoch: the mean loss and both agreements), the epoch kept and the split's sizes."""
+    if not 0 <= holdout < 1:
+        raise ValueError(f"holdout must be in [0, 1), got {holdout!r}")
+    params = encoder_parameters(model)
+    generator = torch.Generator().manual_seed(seed)
+    permutation = torch.randperm(len(examples), generator=generator).tolist()
+    held = sorted(permutation[: int(round(holdout * len(examples)))])
+    fit = sorted(permutation[len(held) :])
+    if not fit:
+        raise ValueError(f"no examples left to fit after holding out {len(held)} of {len(examples)}")
+    device = next(model.parameters()).device
+
+    def measure(epoch: int, loss: float | None) -> dict[str, Any]:
+        fit_share = agreement(model, examples, cache, log_r, fit, pad_token_id)
+        held_share = agreement(model, examples, cache, log_r, held, pad_token_id)
+        return {"epoch": epoch, "loss": loss, "fit_agreement": fit_share, "holdout_agreement": held_share}
+
+    def score(entry: dict[str, Any]) -> float:
+        return entry["holdout_agreement"] if held else entry["epoch"]
+
+    flags = [p.requires_grad for p in params]
+    optimizer = torch.optim.Adam(params, lr=lr)
+    with eval_mode(model):
+        history = [measure(0, None)]
+        best, best_state = history[0], [p.detach().clone() for p in params]
+        try:
+            for p in params:
+                p.requires_grad_(True)
+            for epoch in tqdm(range(1, epochs + 1), desc="refit", disable=not progress, unit="epoch"):
+                order = [fit[i] for i in torch.randperm(len(fit), generator=generator).tolist()]
+                total, count = 0.0, 0
+                for start in range(0, len(order), batch_size):
+                    chunk = order[start : start + batch_size]
+                    batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
+                    e = model.encoder_outputs(cache.features(batch))  # [B, M, C]
+                    loss = model.decoder_posterior_kl(log_r[chunk].to(device), e)
+                    optimizer.zero_grad(set_to_none=True)
+                    model.zero_grad(set_to_none=True)  # a soft target reaches the codebook, which stays as it is
+                    loss.backward()
+                    optimizer.step()
+                    total, count = total + loss.item() * len(chunk), count + len(chunk)
+                history.append(measure(epoch, total / count))
+                if score(history[-1]) > score(best):
+                    best, best_state = history[-1], [p.detach().clone() for p in params]
+        finally:
+            for p, flag in zip(params, flags, strict=True):
+                p.requires_grad_(flag)
+            model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for p, kept in zip(params, best_state, strict=True):
+            p.copy_(kept)
+    return {"history": history, "kept_epoch": best["epoch"], "fit_examples": len(fit), "holdout_examples": len(held)}
+
+
+def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, **overrides: Any) -> dict[str, Any]:
+    """``disentangle refit-encoder`` (module docstring): load ``checkpoint``, compute ``r`` on ``options.data``, fit
+    the encoder, write the refit run to ``options.output_dir``; returns the report (also written there)."""
+    from . import runs
+    from .checkpoints import read_checkpoint, save_checkpoint
+    from .options import RefitOptions, with_overrides
+    from .safe_io import atomic_write, write_json
+
+    options = with_overrides(RefitOptions, options, overrides)
+    source_checkpoint, source_run = runs.resolve_run(checkpoint)
+    output_dir = Path(options.output_dir)
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
+        raise ValueError(f"--output-dir {output_dir} exists and is not an empty directory: the refit writes a new run")
+    if output_dir.resolve() == source_run.resolve():
+        raise ValueError(f"--output-dir {output_dir} is the source run; the refit writes a new run beside it")
+    runs.check_writable_target(output_dir, "--output-dir", directory=True)
+    runs.check_data_option(checkpoint, options.data)
+    model, tokenizer, config, state, source_checkpoint, source_run = runs.load_checkpoint(
+        checkpoint, device=options.device
+    )
+    check_refittable(model)
+    examples, description = runs.load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
+    pad = tokenizer.pad_token_id
+    cache = runs.stored_features(model, examples, pad, options.batch_size, progress=options.progress)
+    started = time.perf_counter()
+    log_r = decoder_posteriors(model, examples, cache, pad, options.batch_size, options.progress)
+    posterior_seconds = time.perf_counter() - started
+    fitted = fit_encoder(
+        model,
+        examples,
+        cache,
+        log_r,
+        pad,
+        epochs=options.epochs,
+        lr=options.lr,
+        holdout=options.holdout,
+        batch_size=options.batch_size,
+        seed=options.seed,
+        progress=options.progress,
+    )
+    targets = log_r.argmax(-1)  # [E, M]
+    report = {
+        "source": str(source_checkpoint),
+        "data": description,
+        "examples": len(examples),
+        "target": model.latent_cfg.decoder_posterior_target,
+        "epochs": options.epochs,
+        "lr": options.lr,
+        "holdout": options.holdout,
+        "seed": options.seed,
+        "target_code_counts": [
+            torch.bincount(targets[:, m], minlength=model.codebook_size).tolist() for m in range(model.num_slots)
+        ],
+        "decoder_posterior_seconds": posterior_seconds,
+        "fit_seconds": time.perf_counter() - started - posterior_seconds,
+        **fitted,
+    }
+    first, kept = fitted["history"][0], fitted["history"][fitted["kept_epoch"]]
+    report["agreement_before"] = {k: first[k] for k in ("fit_agreement", "holdout_agreement")}
+    report["agreement_after"] = {k: kept[k] for k in ("fit_agreement", "holdout_agreement")}
+    contents = read_checkpoint(source_checkpoint, for_resume=True)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("config.yaml", "data_stats.json"):
+        if (source_run / name).is_file():
+            (output_dir / name).write_bytes((source_run / name).read_bytes())
+    record = {k: v for k, v in report.items() if k not in ("history",)}
+    trainer_state = {k: v for k, v in state.items() if k not in ("files", "format")}
+    trainer_state["encoder_refit"] = record
+    report["checkpoint"] = str(
+        save_checkpoint(
+            output_dir,
+            int(state["step"]),
+            model.trainable_state_dict(),
+            contents.optimizer_state,
+            contents.scheduler_state,
+            trainer_state,
+            contents.config,
+        )
+    )
+    # the exact posterior of every pair, in the order of --data (with --max-examples, of the seeded subset)
+    atomic_write(output_dir / POSTERIOR_FILE, save_safetensors_bytes({"log_r": log_r.contiguous()}), output_dir)
+    write_json(output_dir / REPORT_FILE, report, output_dir, indent=1)
+    return report
