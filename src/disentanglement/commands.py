@@ -444,6 +444,18 @@ def inspect_main(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- encode
 
 
+def encode_main(args: argparse.Namespace) -> int:
+    from .encode import encode_to_file
+
+    options = options_from(EncodeOptions, args)
+    path, count = encode_to_file(args.checkpoint, options)
+    print(f"wrote {count} rows to {path}")
+    return 0
+
+
+# --------------------------------------------------------------------------- refit-encoder
+
+
 def refit_main(args: argparse.Namespace) -> int:
     from .encoder_refit import REPORT_FILE, refit_encoder
 
@@ -458,13 +470,4 @@ def refit_main(args: argparse.Namespace) -> int:
     )
     print(f"checkpoint: {report['checkpoint']}")
     print(f"report:     {Path(args.output_dir) / REPORT_FILE}")
-    return 0
-
-
-def encode_main(args: argparse.Namespace) -> int:
-    from .encode import encode_to_file
-
-    options = options_from(EncodeOptions, args)
-    path, count = encode_to_file(args.checkpoint, options)
-    print(f"wrote {count} rows to {path}")
     return 0

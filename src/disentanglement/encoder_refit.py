@@ -4,16 +4,17 @@
         [--holdout 0.1] [--batch-size 16] [--max-examples N] [--seed S]
 
 The encoder is amortised: one network gives every response its code, and at the end of training it picks the code
-the decoder finds likeliest, ``argmax_k p(k | x) p(y | x, k)``, for only part of the responses (about half on
-DailyDialog, docs/what-the-cvae-adds.md section 28), while the decoder would gain more under its own choice (eval's
-``decoder_posterior``). The decoder-posterior term (``decoder_posterior_weight``) teaches the encoder that choice
-during training, on the batches of its last steps, while the decoder still moves. Here the decoder is done: with
+the decoder finds likeliest, ``argmax_k p(k | x) p(y | x, k)``, for only part of the responses (a third to a half of
+DailyDialog's held-out responses, docs/what-the-cvae-adds.md sections 25-28), while the decoder would gain more under
+its own choice (eval's ``decoder_posterior``). The decoder-posterior term (``decoder_posterior_weight``) teaches the
+encoder that choice during training, on the batches of its last steps, while the decoder still moves. Here the decoder is done: with
 the decoder, the codebook, the prior and every other weight fixed, the exact posterior ``r(k | x, y)`` of every
 pair of ``--data`` is computed once (:func:`decoder_posteriors`: every code combination decoded, no gradients)
-and the encoder alone is fit to it for ``--epochs`` passes (:func:`fit_encoder`), with the term the run trained
-with (``decoder_posterior_target``: ``hard``, the cross-entropy of ``argmax r``; ``soft``, ``KL(r || q)``),
-keeping the epoch whose codes agree most with ``r`` on a held-out share of the pairs (``--holdout``; epoch 0 is
-the encoder as trained, so that agreement never falls). The closing step of the lagging-encoder remedy (He et
+and the encoder alone is fit to it for ``--epochs`` passes (:func:`fit_encoder`), with the run's
+``decoder_posterior_target`` (``hard``, the default, also for a run trained without the term: the cross-entropy of
+``argmax r``; ``soft``, ``KL(r || q)``), keeping the epoch whose codes agree most with ``r`` on a held-out share of
+the pairs (``--holdout``, at least one pair; epoch 0 is the encoder as trained, so that agreement never falls; with
+``--holdout 0`` the last epoch is kept). The closing step of the lagging-encoder remedy (He et
 al., 2019: train the encoder to its optimum before the decoder moves again), run once.
 
 Only ``q(z | x, y)`` changes: the prior-mixture NLL of any data is the same number as before, and the latent gain
@@ -29,6 +30,7 @@ in its order. Only the discrete family has codes to enumerate (``K^M`` at most
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,11 +40,14 @@ import torch
 from safetensors.torch import save as save_safetensors_bytes
 from tqdm.auto import tqdm
 
+from .checkpoints import replace_file_durably
 from .config import DECODER_POSTERIOR_LIMIT
 from .data import collate
+from .evaluation import conditioned_nll
 from .reference import eval_mode
 
 if TYPE_CHECKING:
+    from .config import RunConfig
     from .cvae_base import CVAEBase
     from .data import Example
     from .features import FeatureCache
@@ -98,9 +103,7 @@ def decoder_posteriors(
             features = cache.features(batch)
             mixture = model.prior_mixture(features, exact_limit=DECODER_POSTERIOR_LIMIT)
             with model.reusing_decodes(batch):  # the between placement's prompt runs once for every code
-                sequence_nll = torch.stack(
-                    [model.conditioned_token_nll(batch, vector)[0].double().sum(-1) for vector in mixture.vectors]
-                )  # [S, B]
+                sequence_nll = torch.stack([conditioned_nll(model, batch, v) for v in mixture.vectors]).double().sum(-1)
             out[chunk] = mixture.decoder_posterior(sequence_nll, model.codebook_size).cpu()
     return out
 
@@ -166,13 +169,15 @@ def fit_encoder(
     ``decoder_posterior_kl`` (its ``decoder_posterior_target``), ``epochs`` shuffled passes over all but a seeded
     ``holdout`` share of the examples, in eval mode (no dropout). The weights kept are those of the epoch (0: as
     given) of the highest held-out agreement with ``argmax r`` (without a held-out share: the last epoch's). Returns
-    the history (per epoch: the mean loss and both agreements), the epoch kept and the split's sizes."""
+    the history (per epoch: the mean loss and both agreements), the epoch kept, the split's sizes and ``stopped``:
+    None, or why the fit ended early (an epoch whose loss or weights are not finite ends it, unrecorded; the kept
+    weights are then the best earlier epoch's)."""
     if not 0 <= holdout < 1:
         raise ValueError(f"holdout must be in [0, 1), got {holdout!r}")
     params = encoder_parameters(model)
     generator = torch.Generator().manual_seed(seed)
     permutation = torch.randperm(len(examples), generator=generator).tolist()
-    held = sorted(permutation[: int(round(holdout * len(examples)))])
+    held = sorted(permutation[: max(int(round(holdout * len(examples))), 1 if holdout > 0 else 0)])
     fit = sorted(permutation[len(held) :])
     if not fit:
         raise ValueError(f"no examples left to fit after holding out {len(held)} of {len(examples)}")
@@ -188,6 +193,7 @@ def fit_encoder(
 
     flags = [p.requires_grad for p in params]
     optimizer = torch.optim.Adam(params, lr=lr)
+    stopped = None
     with eval_mode(model):
         history = [measure(0, None)]
         best, best_state = history[0], [p.detach().clone() for p in params]
@@ -207,6 +213,9 @@ def fit_encoder(
                     loss.backward()
                     optimizer.step()
                     total, count = total + loss.item() * len(chunk), count + len(chunk)
+                if not math.isfinite(total) or not all(bool(torch.isfinite(p).all()) for p in params):
+                    stopped = f"epoch {epoch}: the loss or the encoder's weights are not finite (lower --lr)"
+                    break
                 history.append(measure(epoch, total / count))
                 if score(history[-1]) > score(best):
                     best, best_state = history[-1], [p.detach().clone() for p in params]
@@ -217,30 +226,55 @@ def fit_encoder(
     with torch.no_grad():
         for p, kept in zip(params, best_state, strict=True):
             p.copy_(kept)
-    return {"history": history, "kept_epoch": best["epoch"], "fit_examples": len(fit), "holdout_examples": len(held)}
+    return {
+        "history": history,
+        "kept_epoch": best["epoch"],
+        "fit_examples": len(fit),
+        "holdout_examples": len(held),
+        "stopped": stopped,
+    }
+
+
+def check_refittable_config(config: RunConfig, where: Path) -> None:
+    """:func:`check_refittable` from a run's config alone, before any model loads (``where``: the file read)."""
+    latent = config.latent
+    if latent.latent != "discrete":
+        raise ValueError(
+            f"refit-encoder needs a discrete model (codes whose posterior can be enumerated); {where} has latent "
+            f"{latent.latent!r}"
+        )
+    combinations = latent.codebook_size**latent.num_slots
+    if combinations > DECODER_POSTERIOR_LIMIT:
+        raise ValueError(
+            f"refit-encoder decodes every code combination of every pair: {where} has {combinations} "
+            f"(codebook_size {latent.codebook_size}, num_slots {latent.num_slots}), more than {DECODER_POSTERIOR_LIMIT}"
+        )
 
 
 def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, **overrides: Any) -> dict[str, Any]:
     """``disentangle refit-encoder`` (module docstring): load ``checkpoint``, compute ``r`` on ``options.data``, fit
-    the encoder, write the refit run to ``options.output_dir``; returns the report (also written there)."""
+    the encoder, write the refit run to ``options.output_dir``; returns the report (also written there). Every
+    refusal (the output folder, the data, the family, a checkpoint that cannot be resumed) comes before the model
+    loads, and nothing is written until the fit is done and finite."""
     from . import runs
-    from .checkpoints import read_checkpoint, save_checkpoint
+    from .checkpoints import nonfinite_tensors, read_checkpoint, save_checkpoint, set_rng_state
     from .options import RefitOptions, with_overrides
     from .safe_io import atomic_write, write_json
 
     options = with_overrides(RefitOptions, options, overrides)
     source_checkpoint, source_run = runs.resolve_run(checkpoint)
     output_dir = Path(options.output_dir)
+    if output_dir.exists() and output_dir.resolve() == source_run.resolve():
+        raise ValueError(f"--output-dir {output_dir} is the source run; the refit writes a new run beside it")
     if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
         raise ValueError(f"--output-dir {output_dir} exists and is not an empty directory: the refit writes a new run")
-    if output_dir.resolve() == source_run.resolve():
-        raise ValueError(f"--output-dir {output_dir} is the source run; the refit writes a new run beside it")
     runs.check_writable_target(output_dir, "--output-dir", directory=True)
     runs.check_data_option(checkpoint, options.data)
+    contents = read_checkpoint(source_checkpoint, for_resume=True)  # the states the refit run keeps for a resume
+    check_refittable_config(contents.config, source_checkpoint / "config.yaml")
     model, tokenizer, config, state, source_checkpoint, source_run = runs.load_checkpoint(
         checkpoint, device=options.device
     )
-    check_refittable(model)
     examples, description = runs.load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
     pad = tokenizer.pad_token_id
     cache = runs.stored_features(model, examples, pad, options.batch_size, progress=options.progress)
@@ -280,19 +314,24 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
     first, kept = fitted["history"][0], fitted["history"][fitted["kept_epoch"]]
     report["agreement_before"] = {k: first[k] for k in ("fit_agreement", "holdout_agreement")}
     report["agreement_after"] = {k: kept[k] for k in ("fit_agreement", "holdout_agreement")}
-    contents = read_checkpoint(source_checkpoint, for_resume=True)
+    weights = model.trainable_state_dict()
+    bad = nonfinite_tensors(weights) + nonfinite_tensors(log_r)
+    if bad:  # the kept epoch is finite (fit_encoder); a decoder whose scores are not is refused here, unwritten
+        raise ValueError(f"refit-encoder: non-finite values in {', '.join(bad[:4])}; nothing written")
     output_dir.mkdir(parents=True, exist_ok=True)
     for name in ("config.yaml", "data_stats.json"):
         if (source_run / name).is_file():
-            (output_dir / name).write_bytes((source_run / name).read_bytes())
-    record = {k: v for k, v in report.items() if k not in ("history",)}
-    trainer_state = {k: v for k, v in state.items() if k not in ("files", "format")}
-    trainer_state["encoder_refit"] = record
+            replace_file_durably(output_dir / name, (source_run / name).read_bytes(), output_dir)
+    # the source's trainer state but its parameter norms (those of the old encoder: a resume measures them again)
+    dropped = ("files", "format", "param_norms", "param_norm_reference", "suspect")
+    trainer_state = {k: v for k, v in state.items() if k not in dropped}
+    trainer_state["encoder_refit"] = {k: v for k, v in report.items() if k != "history"}
+    set_rng_state(contents.rng_state)  # a resume draws what the source's would have
     report["checkpoint"] = str(
         save_checkpoint(
             output_dir,
             int(state["step"]),
-            model.trainable_state_dict(),
+            weights,
             contents.optimizer_state,
             contents.scheduler_state,
             trainer_state,

@@ -43,6 +43,8 @@ RUN_ARTEFACTS = frozenset(
         "tensorboard",
         "eval",
         "inspect",
+        "encoder_refit.json",  # a refit-encoder run's (encoder_refit.py)
+        "decoder_posterior.safetensors",
     }
 )
 #: The advisory lock a training process holds in its run directory.
