@@ -468,6 +468,8 @@ def refit_main(args: argparse.Namespace) -> int:
         f" -> {share(after['holdout_agreement'])} of the {report['holdout_examples']} held out (epoch "
         f"{report['kept_epoch']} of {report['epochs']} kept)"
     )
+    if report["stopped"]:
+        print(f"stopped early: {report['stopped']}")
     print(f"checkpoint: {report['checkpoint']}")
     print(f"report:     {Path(args.output_dir) / REPORT_FILE}")
     return 0
