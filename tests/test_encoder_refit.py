@@ -173,6 +173,18 @@ def test_cli_refit_encoder_writes_a_run_that_eval_reads(discrete_run, tmp_path, 
     log_r = load_file(out / POSTERIOR_FILE)["log_r"]
     assert log_r.shape == (report["examples"], 1, NUM_FACTORS)
     torch.testing.assert_close(log_r.exp().sum(-1), torch.ones(report["examples"], 1, dtype=torch.float64))
+    # a second refit takes that posterior (no decodes): the same targets; on other data it is refused
+    again = tmp_path / "again"
+    args = ["refit-encoder", str(discrete_run.run_dir), "--output-dir", str(again), "--epochs", "1", "--no-progress"]
+    assert main([*args, "--posterior", str(out / POSTERIOR_FILE)]) == 0
+    torch.testing.assert_close(load_file(again / POSTERIOR_FILE)["log_r"], log_r, rtol=0, atol=0)
+    assert json.loads((again / REPORT_FILE).read_text())["posterior"] == str(out / POSTERIOR_FILE)
+    capsys.readouterr()
+    other = tmp_path / "other"
+    assert (
+        main([*args[:3], str(other), *args[4:], "--posterior", str(out / POSTERIOR_FILE), "--max-examples", "9"]) == 2
+    )
+    assert "its data is" in capsys.readouterr().err and not other.exists()
     # eval reads it; the prior side is the source's, number for number
     reports = [
         run_eval(path, data="validation", output=str(tmp_path / f"{name}.json"), progress=False)[0]

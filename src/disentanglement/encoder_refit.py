@@ -24,7 +24,8 @@ generation under a code is the decoder's, unchanged. The refit writes a new run 
 source's optimizer and scheduler states, so that ``train --resume auto --output-dir REFIT`` would go on from it),
 its ``trainer_state.json`` recording the refit (``encoder_refit``), ``encoder_refit.json``, the report
 (:func:`refit_encoder`), and ``decoder_posterior.safetensors``, ``log_r`` ``[E, M, K]`` of every pair of ``--data``
-in its order. Only the discrete family has codes to enumerate (``K^M`` at most
+in its order, with what it was computed from (the weights' SHA-256, ``--data``): another refit of the same checkpoint
+on the same data takes it with ``--posterior`` and skips the decodes, the refit's whole cost but seconds. Only the discrete family has codes to enumerate (``K^M`` at most
 ``config.DECODER_POSTERIOR_LIMIT``).
 """
 
@@ -165,7 +166,7 @@ def fit_encoder(
     seed: int = 0,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Fit :func:`encoder_parameters` (Adam at ``lr``) to ``log_r`` ``[E, M, K]`` with the model's
+    """Fit :func:`encoder_parameters` (Adam from ``lr``, cosine-decayed to 0 over the fit) to ``log_r`` ``[E, M, K]`` with the model's
     ``decoder_posterior_kl`` (its ``decoder_posterior_target``), ``epochs`` shuffled passes over all but a seeded
     ``holdout`` share of the examples, in eval mode (no dropout). The weights kept are those of the epoch (0: as
     given) of the highest held-out agreement with ``argmax r`` (without a held-out share: the last epoch's). Returns
@@ -193,6 +194,8 @@ def fit_encoder(
 
     flags = [p.requires_grad for p in params]
     optimizer = torch.optim.Adam(params, lr=lr)
+    steps = epochs * math.ceil(len(fit) / batch_size)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)  # to 0 at the last step
     stopped = None
     with eval_mode(model):
         history = [measure(0, None)]
@@ -212,6 +215,7 @@ def fit_encoder(
                     model.zero_grad(set_to_none=True)  # a soft target reaches the codebook, which stays as it is
                     loss.backward()
                     optimizer.step()
+                    schedule.step()
                     total, count = total + loss.item() * len(chunk), count + len(chunk)
                 if not math.isfinite(total) or not all(bool(torch.isfinite(p).all()) for p in params):
                     stopped = f"epoch {epoch}: the loss or the encoder's weights are not finite (lower --lr)"
@@ -233,6 +237,36 @@ def fit_encoder(
         "holdout_examples": len(held),
         "stopped": stopped,
     }
+
+
+def posterior_metadata(trainer_state: dict[str, Any], description: str) -> dict[str, str]:
+    """What a saved ``log r`` was computed from: the checkpoint's weights (their SHA-256) and ``--data``."""
+    return {"source_model_sha256": trainer_state.get("files", {}).get("model.safetensors", ""), "data": description}
+
+
+def read_posteriors(path: str | Path, expected: dict[str, str], shape: tuple[int, ...]) -> torch.Tensor:
+    """``log_r`` ``[E, M, K]`` of an earlier refit's :data:`POSTERIOR_FILE`, checked to be of the same weights and
+    data (``expected``, :func:`posterior_metadata`), of ``shape`` and finite; else a ``ValueError`` naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as handle:
+            metadata = handle.metadata() or {}
+            log_r = handle.get_tensor("log_r")
+    except (OSError, SafetensorError, KeyError, ValueError) as exc:
+        raise ValueError(f"--posterior {path}: not a {POSTERIOR_FILE} written by refit-encoder ({exc})") from exc
+    for key, value in expected.items():
+        if metadata.get(key) != value:
+            raise ValueError(
+                f"--posterior {path}: its {key} is {metadata.get(key)!r}, this refit's {value!r}: it was computed for "
+                "other weights or other data"
+            )
+    if tuple(log_r.shape) != shape or log_r.dtype != torch.float64 or not bool(torch.isfinite(log_r).all()):
+        raise ValueError(
+            f"--posterior {path}: expected finite float64 log_r of shape {list(shape)}, got {log_r.dtype} "
+            f"{list(log_r.shape)}"
+        )
+    return log_r
 
 
 def check_refittable_config(config: RunConfig, where: Path) -> None:
@@ -270,6 +304,8 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
         raise ValueError(f"--output-dir {output_dir} exists and is not an empty directory: the refit writes a new run")
     runs.check_writable_target(output_dir, "--output-dir", directory=True)
     runs.check_data_option(checkpoint, options.data)
+    if options.posterior is not None and not Path(options.posterior).is_file():
+        raise ValueError(f"--posterior {options.posterior}: not a file (a refit run's {POSTERIOR_FILE})")
     contents = read_checkpoint(source_checkpoint, for_resume=True)  # the states the refit run keeps for a resume
     check_refittable_config(contents.config, source_checkpoint / "config.yaml")
     model, tokenizer, config, state, source_checkpoint, source_run = runs.load_checkpoint(
@@ -279,7 +315,12 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
     pad = tokenizer.pad_token_id
     cache = runs.stored_features(model, examples, pad, options.batch_size, progress=options.progress)
     started = time.perf_counter()
-    log_r = decoder_posteriors(model, examples, cache, pad, options.batch_size, options.progress)
+    metadata = posterior_metadata(state, description)
+    if options.posterior is not None:
+        shape = (len(examples), contents.config.latent.num_slots, contents.config.latent.codebook_size)
+        log_r = read_posteriors(options.posterior, metadata, shape)
+    else:
+        log_r = decoder_posteriors(model, examples, cache, pad, options.batch_size, options.progress)
     posterior_seconds = time.perf_counter() - started
     fitted = fit_encoder(
         model,
@@ -304,6 +345,7 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
         "lr": options.lr,
         "holdout": options.holdout,
         "seed": options.seed,
+        "posterior": options.posterior,
         "target_code_counts": [
             torch.bincount(targets[:, m], minlength=model.codebook_size).tolist() for m in range(model.num_slots)
         ],
@@ -339,6 +381,7 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
         )
     )
     # the exact posterior of every pair, in the order of --data (with --max-examples, of the seeded subset)
-    atomic_write(output_dir / POSTERIOR_FILE, save_safetensors_bytes({"log_r": log_r.contiguous()}), output_dir)
+    posterior = save_safetensors_bytes({"log_r": log_r.contiguous()}, metadata=metadata)
+    atomic_write(output_dir / POSTERIOR_FILE, posterior, output_dir)
     write_json(output_dir / REPORT_FILE, report, output_dir, indent=1)
     return report

@@ -433,6 +433,11 @@ class RefitOptions(CheckpointOptions):
         Range(0, 0.5, integer=False),
     )
     batch_size: int = ranged(16, "examples per forward pass and per step", Range(1))
+    posterior: str | None = option(
+        None,
+        "reuse the decoder's posterior an earlier refit of this checkpoint computed on this --data (its "
+        "decoder_posterior.safetensors) instead of decoding every pair again",
+    )
     progress: bool = option(True, "progress bars")
 
 
