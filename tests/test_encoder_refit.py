@@ -5,6 +5,7 @@ command's run directory (a checkpoint eval reads, the prior NLL unchanged, resum
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -23,15 +24,17 @@ from disentanglement.encoder_refit import (
     REPORT_FILE,
     agreement,
     check_refittable_config,
+    combination_index,
     decoder_posteriors,
     encoder_codes,
     encoder_parameters,
+    expected_regret,
     fit_encoder,
 )
 from disentanglement.features import build_feature_cache
 from disentanglement.metrics import kmeans_assignments
 from disentanglement.runs import load_examples
-from test_decoder_posterior import brute_force_posterior
+from test_decoder_posterior import brute_force_posterior, every_combination
 from test_evaluation import untrained
 
 
@@ -40,12 +43,16 @@ def test_decoder_posteriors_are_the_exact_posterior_in_example_order(slots, size
     model, tok, examples, cache = untrained(num_slots=slots, codebook_size=size, latent_placement="between")
     examples = examples[:7]
     # batches of 3 in length order: rows of several lengths in a batch, and the result back in example order
-    log_r = decoder_posteriors(model, examples, cache, tok.pad_token_id, batch_size=3)
+    log_r, regret = decoder_posteriors(model, examples, cache, tok.pad_token_id, batch_size=3)
     batch = collate(examples, tok.pad_token_id, indices=range(7))
     with torch.no_grad():
         expected = brute_force_posterior(model, batch, cache.features(batch))
+        combos, _, nlls = every_combination(model, batch, cache.features(batch))  # [B, S], product order
     assert log_r.shape == (7, slots, size) and log_r.dtype == torch.float64
     torch.testing.assert_close(log_r, expected, rtol=1e-4, atol=1e-5)
+    assert combos == list(itertools.product(range(size), repeat=slots)) and regret.shape == (7, size**slots)
+    torch.testing.assert_close(regret, nlls - nlls.min(-1, keepdim=True).values, rtol=1e-4, atol=1e-4)
+    assert (regret.min(-1).values == 0).all()
 
 
 def _scrambled(discrete_run, count: int = 96):
@@ -66,13 +73,13 @@ def test_the_fit_moves_the_encoder_alone_and_keeps_its_best_held_out_epoch(discr
     model, tok, _, examples, cache = _scrambled(discrete_run)
     pad = tok.pad_token_id
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    log_r = decoder_posteriors(model, examples, cache, pad)
+    log_r, regret = decoder_posteriors(model, examples, cache, pad)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()), "computing r changes nothing"
     trained = {id(p) for p in encoder_parameters(model)}
     names = {n for n, p in model.named_parameters() if id(p) in trained}
     assert names and all(n.startswith("encoder.") for n in names), names
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
-    fitted = fit_encoder(model, examples, cache, log_r, pad, epochs=6, lr=3e-3, holdout=0.25, seed=0)
+    fitted = fit_encoder(model, examples, cache, log_r, pad, regret=regret, epochs=6, lr=3e-3, holdout=0.25, seed=0)
     after = model.state_dict()
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     assert changed and changed <= names, f"only the encoder moves: {sorted(changed - names)}"
@@ -81,10 +88,14 @@ def test_the_fit_moves_the_encoder_alone_and_keeps_its_best_held_out_epoch(discr
     assert [h["epoch"] for h in history] == list(range(7)) and history[0]["loss"] is None
     assert fitted["holdout_examples"] == 24 and fitted["fit_examples"] == 72
     kept = history[fitted["kept_epoch"]]
-    assert kept["holdout_agreement"] == max(h["holdout_agreement"] for h in history)
+    assert kept["holdout_regret"] == min(h["holdout_regret"] for h in history)
     # the weights left on the model are the kept epoch's: its agreements, measured again
     held = sorted(torch.randperm(96, generator=torch.Generator().manual_seed(0))[:24].tolist())
     assert agreement(model, examples, cache, log_r, held, pad) == kept["holdout_agreement"]
+    codes = encoder_codes(model, examples, cache, held, pad)
+    index = combination_index(codes, NUM_FACTORS)
+    regret_per_token = regret[held, index].sum() / sum(len(examples[i].response_ids) for i in held)
+    assert float(regret_per_token) == pytest.approx(kept["holdout_regret"], rel=1e-12)
     # epoch 0 is the encoder as given: held-out targets that are its own codes and fit targets that are not make every
     # later epoch agree less on the held-out pairs, so epoch 0 is kept, weights and all
     model2, _, _, _, _ = _scrambled(discrete_run)
@@ -92,17 +103,21 @@ def test_the_fit_moves_the_encoder_alone_and_keeps_its_best_held_out_epoch(discr
     own = encoder_codes(model2, examples, cache, range(96), pad)  # [E, M]
     targets = torch.nn.functional.one_hot((own + 1) % NUM_FACTORS, NUM_FACTORS).double()
     targets[held] = torch.nn.functional.one_hot(own[held], NUM_FACTORS).double()
-    fitted2 = fit_encoder(model2, examples, cache, targets.clamp_min(1e-9).log(), pad, epochs=3, lr=3e-2, holdout=0.25)
+    fitted2 = fit_encoder(
+        model2, examples, cache, targets.clamp_min(1e-9).log(), pad, objective="target", epochs=3, lr=3e-2, holdout=0.25
+    )
     assert fitted2["history"][0]["holdout_agreement"] == 1.0 and fitted2["history"][0]["fit_agreement"] == 0.0
     assert fitted2["history"][1]["fit_agreement"] > 0.5, "the fit moved the encoder"
     assert fitted2["kept_epoch"] == 0 and fitted2["stopped"] is None
     assert all(torch.equal(start[n], p) for n, p in model2.named_parameters())
     # a fit that blows up stops, unrecorded, and keeps the best finite epoch
-    blown = fit_encoder(model2, examples, cache, log_r, pad, epochs=3, lr=1e30, holdout=0.25)
+    blown = fit_encoder(model2, examples, cache, log_r, pad, regret=regret, epochs=3, lr=1e30, holdout=0.25)
     assert blown["stopped"] is not None and "not finite" in blown["stopped"]
     assert all(torch.isfinite(p).all() for p in model2.parameters())
     with pytest.raises(ValueError, match="holdout must be in"):
-        fit_encoder(model, examples, cache, log_r, pad, holdout=1.0)
+        fit_encoder(model, examples, cache, log_r, pad, regret=regret, holdout=1.0)
+    with pytest.raises(ValueError, match="objective 'nll' needs the regret"):
+        fit_encoder(model, examples, cache, log_r, pad)
 
 
 def test_a_refit_rebuilds_an_encoder_from_the_decoder_alone(discrete_run):
@@ -113,7 +128,7 @@ def test_a_refit_rebuilds_an_encoder_from_the_decoder_alone(discrete_run):
     pad = tok.pad_token_id
     validation, _ = load_examples("validation", config, tok)
     val_cache = build_feature_cache(model, validation, pad, progress=False)
-    val_r = decoder_posteriors(model, validation, val_cache, pad)
+    val_r, _ = decoder_posteriors(model, validation, val_cache, pad)
     every = range(len(validation))
     labels = [int(ex.label) for ex in validation]
 
@@ -129,8 +144,9 @@ def test_a_refit_rebuilds_an_encoder_from_the_decoder_alone(discrete_run):
         return float((prior - posterior).sum() / batch.target_mask.sum())
 
     start_agreement, start_gain = agreement(model, validation, val_cache, val_r, every, pad), gain()
-    log_r = decoder_posteriors(model, examples, cache, pad)
-    fit_encoder(model, examples, cache, log_r, pad, epochs=40, lr=3e-3, holdout=0.0)
+    log_r, regret = decoder_posteriors(model, examples, cache, pad)
+    # "target": a fresh encoder's confident wrong codes leave the expected regret ("nll") little gradient (0.75 here)
+    fit_encoder(model, examples, cache, log_r, pad, regret=regret, objective="target", epochs=40, lr=3e-3, holdout=0)
     codes = encoder_codes(model, validation, val_cache, every, pad)[:, 0].tolist()
     end_agreement, end_gain = agreement(model, validation, val_cache, val_r, every, pad), gain()
     batch = collate(validation, pad, indices=every)
@@ -170,7 +186,9 @@ def test_cli_refit_encoder_writes_a_run_that_eval_reads(discrete_run, tmp_path, 
     assert state["encoder_refit"]["kept_epoch"] == report["kept_epoch"]
     assert state["zfree_reference_scale"] == source.trainer_state["zfree_reference_scale"]
     assert (out / "config.yaml").read_bytes() == (discrete_run.run_dir / "config.yaml").read_bytes()
-    log_r = load_file(out / POSTERIOR_FILE)["log_r"]
+    saved = load_file(out / POSTERIOR_FILE)
+    log_r = saved["log_r"]
+    assert saved["regret"].shape == (report["examples"], NUM_FACTORS) and (saved["regret"] >= 0).all()
     assert log_r.shape == (report["examples"], 1, NUM_FACTORS)
     torch.testing.assert_close(log_r.exp().sum(-1), torch.ones(report["examples"], 1, dtype=torch.float64))
     # a second refit takes that posterior (no decodes): the same targets; on other data it is refused
@@ -191,8 +209,8 @@ def test_cli_refit_encoder_writes_a_run_that_eval_reads(discrete_run, tmp_path, 
         for name, path in (("source", discrete_run.checkpoint), ("refit", out))
     ]
     assert reports[1]["prior_nll_nats_per_token"] == pytest.approx(reports[0]["prior_nll_nats_per_token"], abs=1e-9)
-    before, after = report["agreement_before"], report["agreement_after"]
-    assert after["holdout_agreement"] >= before["holdout_agreement"] and after["fit_agreement"] is not None
+    before, after = report["before"], report["after"]
+    assert after["holdout_regret"] <= before["holdout_regret"] and report["objective"] == "nll"
 
 
 def test_cli_refit_encoder_refusals(discrete_run, continuous_run, tmp_path, injected_loader, capsys):
@@ -230,7 +248,21 @@ def test_the_fit_trains_the_attention_pool_and_block_too(view, block):
     assert any(n.startswith("encoder_pool.") for n in names)
     assert any(n.startswith("encoder_block.") for n in names) == (block != "none")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    log_r = decoder_posteriors(model, examples, cache, tok.pad_token_id)
-    fit_encoder(model, examples, cache, log_r, tok.pad_token_id, epochs=3, lr=1e-2, holdout=0.0)
+    log_r, regret = decoder_posteriors(model, examples, cache, tok.pad_token_id)
+    fit_encoder(model, examples, cache, log_r, tok.pad_token_id, regret=regret, epochs=3, lr=1e-2, holdout=0.0)
     changed = {n for n, v in model.state_dict().items() if not torch.equal(v, before[n])}
     assert changed <= names and any(n.startswith("encoder_pool.") for n in changed), changed
+
+
+def test_expected_regret_and_the_combination_index_by_hand():
+    model, _, _, _ = untrained(num_slots=2, codebook_size=3, posterior_temperature=2.0)
+    e = torch.randn(4, 2, model.latent_cfg.code_dim, generator=torch.Generator().manual_seed(0))
+    regret = torch.rand(4, 9, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with torch.no_grad():
+        q = torch.softmax(-((e.unsqueeze(2) - model.codebook) ** 2).sum(-1) / 2.0, -1)  # [B, M, K]
+    expected = sum(
+        q[:, 0, a] * q[:, 1, b] * regret[:, i] for i, (a, b) in enumerate(itertools.product(range(3), repeat=2))
+    ).mean()
+    torch.testing.assert_close(expected_regret(model, e, regret).double(), expected.double(), rtol=1e-5, atol=1e-6)
+    codes = torch.tensor(list(itertools.product(range(3), repeat=2)))
+    assert combination_index(codes, 3).tolist() == list(range(9))

@@ -460,13 +460,14 @@ def refit_main(args: argparse.Namespace) -> int:
     from .encoder_refit import REPORT_FILE, refit_encoder
 
     report = refit_encoder(args.checkpoint, options_from(RefitOptions, args))
-    before, after = report["agreement_before"], report["agreement_after"]
+    before, after = report["before"], report["after"]
     share = lambda value: "-" if value is None else f"{value:.3f}"  # noqa: E731
     print(
         f"the encoder's code is the decoder's likeliest on {share(before['fit_agreement'])} -> "
         f"{share(after['fit_agreement'])} of the {report['fit_examples']} pairs fit, {share(before['holdout_agreement'])}"
-        f" -> {share(after['holdout_agreement'])} of the {report['holdout_examples']} held out (epoch "
-        f"{report['kept_epoch']} of {report['epochs']} kept)"
+        f" -> {share(after['holdout_agreement'])} of the {report['holdout_examples']} held out; the NLL under its codes "
+        f"above the best codes' {share(before['holdout_regret'])} -> {share(after['holdout_regret'])} nats per response "
+        f"token held out (epoch {report['kept_epoch']} of {report['epochs']} kept)"
     )
     if report["stopped"]:
         print(f"stopped early: {report['stopped']}")

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save as save_safetensors_bytes
 from tqdm.auto import tqdm
 
@@ -87,15 +88,18 @@ def decoder_posteriors(
     pad_token_id: int,
     batch_size: int = 16,
     progress: bool = False,
-) -> torch.Tensor:
-    """``log r(k | x, y)`` ``[E, M, K]`` (float64, in example order, on the CPU): the exact posterior of the codes
-    under the model's decoder and prior, ``r ∝ prod_m p(k_m | x) p(y | x, k_1..k_M)`` over every combination, then per
-    slot its marginal (as the training term and eval compute it: ``PriorMixture.decoder_posterior``). In eval mode,
-    in batches of similar length."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_r, regret)``, float64, in example order, on the CPU: ``log r(k | x, y)`` ``[E, M, K]``, the exact
+    posterior of the codes under the model's decoder and prior, ``r ∝ prod_m p(k_m | x) p(y | x, k_1..k_M)`` over every
+    combination, then per slot its marginal (as the training term and eval compute it:
+    ``PriorMixture.decoder_posterior``); and ``regret`` ``[E, S]``, each code combination's sequence NLL minus the
+    lowest (nats per response; the combinations in the order of ``itertools.product(range(K), repeat=M)``, the exact
+    prior mixture's). In eval mode, in batches of similar length."""
     check_refittable(model)
     device = next(model.parameters()).device
     order = _length_order(examples, range(len(examples)))
     out = torch.empty(len(examples), model.num_slots, model.codebook_size, dtype=torch.float64)
+    regret = torch.empty(len(examples), model.codebook_size**model.num_slots, dtype=torch.float64)
     with eval_mode(model):
         starts = range(0, len(order), batch_size)
         for start in tqdm(starts, desc="decoder posterior", disable=not progress, unit="batch"):
@@ -106,7 +110,8 @@ def decoder_posteriors(
             with model.reusing_decodes(batch):  # the between placement's prompt runs once for every code
                 sequence_nll = torch.stack([conditioned_nll(model, batch, v) for v in mixture.vectors]).double().sum(-1)
             out[chunk] = mixture.decoder_posterior(sequence_nll, model.codebook_size).cpu()
-    return out
+            regret[chunk] = (sequence_nll - sequence_nll.min(0).values).T.cpu()
+    return out, regret
 
 
 def encoder_parameters(model: CVAEBase) -> list[torch.nn.Parameter]:
@@ -136,6 +141,13 @@ def encoder_codes(
     return torch.cat(parts) if parts else torch.empty(0, model.num_slots, dtype=torch.long)
 
 
+def combination_index(codes: torch.Tensor, codebook_size: int) -> torch.Tensor:
+    """``[N, M]`` codes -> ``[N]`` their combination's index in ``itertools.product(range(K), repeat=M)`` order."""
+    M = codes.shape[-1]
+    place = codebook_size ** torch.arange(M - 1, -1, -1, device=codes.device)
+    return (codes * place).sum(-1)
+
+
 def agreement(
     model: CVAEBase,
     examples: Sequence[Example],
@@ -152,6 +164,21 @@ def agreement(
     return float((codes == log_r[list(indices)].argmax(-1)).all(-1).double().mean())
 
 
+def expected_regret(model: CVAEBase, e: torch.Tensor, regret: torch.Tensor) -> torch.Tensor:
+    """``mean_b sum_s q(s | x_b, y_b) regret_bs``: the decoder's NLL under the encoder's codes above the best codes',
+    in expectation under ``q(s) = prod_m q_m(k_m)``, ``q_m`` the softmax of the posterior logits of ``e [B, M, C]``
+    (the codebook detached), ``regret [B, K^M]`` in ``itertools.product`` order (:func:`decoder_posteriors`)."""
+    log_q = F.log_softmax(model.posterior_logits(e, detach_codebook=True).float(), dim=-1)  # [B, M, K]
+    M, K = log_q.shape[1:]
+    every = torch.cartesian_prod(*[torch.arange(K, device=e.device)] * M).view(-1, M)  # [S, M]
+    log_q_s = log_q[:, torch.arange(M, device=e.device), every].sum(-1)  # [B, S]
+    return (log_q_s.exp() * regret.to(log_q_s.dtype)).sum(-1).mean()
+
+
+#: ``fit_encoder``'s objectives: the expected regret under q, or the run's decoder-posterior term.
+OBJECTIVES = ("nll", "target")
+
+
 def fit_encoder(
     model: CVAEBase,
     examples: Sequence[Example],
@@ -159,22 +186,37 @@ def fit_encoder(
     log_r: torch.Tensor,
     pad_token_id: int,
     *,
+    regret: torch.Tensor | None = None,
+    objective: str = "nll",
     epochs: int = 30,
-    lr: float = 1e-3,
+    lr: float = 1e-4,
     holdout: float = 0.1,
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Fit :func:`encoder_parameters` (Adam from ``lr``, cosine-decayed to 0 over the fit) to ``log_r`` ``[E, M, K]`` with the model's
-    ``decoder_posterior_kl`` (its ``decoder_posterior_target``), ``epochs`` shuffled passes over all but a seeded
-    ``holdout`` share of the examples, in eval mode (no dropout). The weights kept are those of the epoch (0: as
-    given) of the highest held-out agreement with ``argmax r`` (without a held-out share: the last epoch's). Returns
-    the history (per epoch: the mean loss and both agreements), the epoch kept, the split's sizes and ``stopped``:
-    None, or why the fit ended early (an epoch whose loss or weights are not finite ends it, unrecorded; the kept
-    weights are then the best earlier epoch's)."""
+    """Fit :func:`encoder_parameters` (Adam from ``lr``, cosine-decayed to 0 over the fit) for ``epochs`` shuffled
+    passes over all but a seeded ``holdout`` share of the examples (at least one where ``holdout > 0``), in eval mode
+    (no dropout), to the decoder's scores of every pair: ``log_r`` ``[E, M, K]`` and ``regret`` ``[E, S]``
+    (:func:`decoder_posteriors`).
+
+    ``objective`` "nll": the expected regret under the encoder, ``sum_s q(s | x, y) regret_s`` (``q(s)`` the product
+    of the slots' softmax of the posterior logits, the codebook fixed), so that a code the encoder gets wrong costs
+    what it costs the decoder; "target": the run's decoder-posterior term (:meth:`decoder_posterior_kl`, its
+    ``decoder_posterior_target``: the cross-entropy of ``argmax r``, or ``KL(r || q)``), which prices every wrong
+    code alike. "nll" refines a trained encoder; an encoder whose codes are confidently far from the decoder's (a
+    fresh one) gets little gradient from it (``q`` of the right codes near 0) and learns them with "target". The
+    weights kept are those of the epoch (0: as given) of the lowest held-out regret per response
+    token (without ``regret``: the highest agreement with ``argmax r``; without a held-out share: the last epoch's).
+    Returns the history (per epoch: the mean loss, the agreements and regrets of the fit and held-out pairs), the
+    epoch kept, the split's sizes and ``stopped``: None, or why the fit ended early (an epoch whose loss or weights
+    are not finite ends it, unrecorded; the kept weights are then the best earlier epoch's)."""
     if not 0 <= holdout < 1:
         raise ValueError(f"holdout must be in [0, 1), got {holdout!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if objective == "nll" and regret is None:
+        raise ValueError("objective 'nll' needs the regret of every code combination (decoder_posteriors)")
     params = encoder_parameters(model)
     generator = torch.Generator().manual_seed(seed)
     permutation = torch.randperm(len(examples), generator=generator).tolist()
@@ -183,14 +225,33 @@ def fit_encoder(
     if not fit:
         raise ValueError(f"no examples left to fit after holding out {len(held)} of {len(examples)}")
     device = next(model.parameters()).device
+    K = log_r.shape[-1]
+    tokens = torch.tensor([len(ex.response_ids) for ex in examples], dtype=torch.float64)
+
+    def regret_per_token(indices: list[int]) -> float | None:
+        if regret is None or not indices:
+            return None
+        codes = encoder_codes(model, examples, cache, indices, pad_token_id)
+        return float(regret[indices, combination_index(codes, K)].sum() / tokens[indices].sum())
 
     def measure(epoch: int, loss: float | None) -> dict[str, Any]:
-        fit_share = agreement(model, examples, cache, log_r, fit, pad_token_id)
-        held_share = agreement(model, examples, cache, log_r, held, pad_token_id)
-        return {"epoch": epoch, "loss": loss, "fit_agreement": fit_share, "holdout_agreement": held_share}
+        entry: dict[str, Any] = {"epoch": epoch, "loss": loss}
+        for name, indices in (("fit", fit), ("holdout", held)):
+            entry[f"{name}_agreement"] = agreement(model, examples, cache, log_r, indices, pad_token_id)
+            entry[f"{name}_regret"] = regret_per_token(indices)
+        return entry
 
-    def score(entry: dict[str, Any]) -> float:
-        return entry["holdout_agreement"] if held else entry["epoch"]
+    def better(entry: dict[str, Any], than: dict[str, Any]) -> bool:
+        if not held:
+            return True
+        if regret is not None:
+            return entry["holdout_regret"] < than["holdout_regret"]
+        return entry["holdout_agreement"] > than["holdout_agreement"]
+
+    def loss_of(chunk: list[int], e: torch.Tensor) -> torch.Tensor:
+        if objective == "target":
+            return model.decoder_posterior_kl(log_r[chunk].to(device), e)
+        return expected_regret(model, e, regret[chunk].to(device))
 
     flags = [p.requires_grad for p in params]
     optimizer = torch.optim.Adam(params, lr=lr)
@@ -209,8 +270,7 @@ def fit_encoder(
                 for start in range(0, len(order), batch_size):
                     chunk = order[start : start + batch_size]
                     batch = collate([examples[i] for i in chunk], pad_token_id, indices=chunk).to(device)
-                    e = model.encoder_outputs(cache.features(batch))  # [B, M, C]
-                    loss = model.decoder_posterior_kl(log_r[chunk].to(device), e)
+                    loss = loss_of(chunk, model.encoder_outputs(cache.features(batch)))  # e: [B, M, C]
                     optimizer.zero_grad(set_to_none=True)
                     model.zero_grad(set_to_none=True)  # a soft target reaches the codebook, which stays as it is
                     loss.backward()
@@ -221,7 +281,7 @@ def fit_encoder(
                     stopped = f"epoch {epoch}: the loss or the encoder's weights are not finite (lower --lr)"
                     break
                 history.append(measure(epoch, total / count))
-                if score(history[-1]) > score(best):
+                if better(history[-1], best):
                     best, best_state = history[-1], [p.detach().clone() for p in params]
         finally:
             for p, flag in zip(params, flags, strict=True):
@@ -244,15 +304,18 @@ def posterior_metadata(trainer_state: dict[str, Any], description: str) -> dict[
     return {"source_model_sha256": trainer_state.get("files", {}).get("model.safetensors", ""), "data": description}
 
 
-def read_posteriors(path: str | Path, expected: dict[str, str], shape: tuple[int, ...]) -> torch.Tensor:
-    """``log_r`` ``[E, M, K]`` of an earlier refit's :data:`POSTERIOR_FILE`, checked to be of the same weights and
-    data (``expected``, :func:`posterior_metadata`), of ``shape`` and finite; else a ``ValueError`` naming the file."""
+def read_posteriors(
+    path: str | Path, expected: dict[str, str], shape: tuple[int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_r [E, M, K], regret [E, K^M])`` of an earlier refit's :data:`POSTERIOR_FILE`, checked to be of the same
+    weights and data (``expected``, :func:`posterior_metadata`), of ``shape`` ``(E, M, K)``, float64 and finite (the
+    regrets >= 0); else a ``ValueError`` naming the file."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), "pt") as handle:
             metadata = handle.metadata() or {}
-            log_r = handle.get_tensor("log_r")
+            log_r, regret = handle.get_tensor("log_r"), handle.get_tensor("regret")
     except (OSError, SafetensorError, KeyError, ValueError) as exc:
         raise ValueError(f"--posterior {path}: not a {POSTERIOR_FILE} written by refit-encoder ({exc})") from exc
     for key, value in expected.items():
@@ -261,12 +324,16 @@ def read_posteriors(path: str | Path, expected: dict[str, str], shape: tuple[int
                 f"--posterior {path}: its {key} is {metadata.get(key)!r}, this refit's {value!r}: it was computed for "
                 "other weights or other data"
             )
-    if tuple(log_r.shape) != shape or log_r.dtype != torch.float64 or not bool(torch.isfinite(log_r).all()):
-        raise ValueError(
-            f"--posterior {path}: expected finite float64 log_r of shape {list(shape)}, got {log_r.dtype} "
-            f"{list(log_r.shape)}"
-        )
-    return log_r
+    E, M, K = shape
+    for name, tensor, want in (("log_r", log_r, [E, M, K]), ("regret", regret, [E, K**M])):
+        if list(tensor.shape) != want or tensor.dtype != torch.float64 or not bool(torch.isfinite(tensor).all()):
+            raise ValueError(
+                f"--posterior {path}: expected finite float64 {name} of shape {want}, got {tensor.dtype} "
+                f"{list(tensor.shape)}"
+            )
+    if bool((regret < 0).any()):
+        raise ValueError(f"--posterior {path}: regret holds negative values (each is an NLL minus the lowest)")
+    return log_r, regret
 
 
 def check_refittable_config(config: RunConfig, where: Path) -> None:
@@ -318,9 +385,9 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
     metadata = posterior_metadata(state, description)
     if options.posterior is not None:
         shape = (len(examples), contents.config.latent.num_slots, contents.config.latent.codebook_size)
-        log_r = read_posteriors(options.posterior, metadata, shape)
+        log_r, regret = read_posteriors(options.posterior, metadata, shape)
     else:
-        log_r = decoder_posteriors(model, examples, cache, pad, options.batch_size, options.progress)
+        log_r, regret = decoder_posteriors(model, examples, cache, pad, options.batch_size, options.progress)
     posterior_seconds = time.perf_counter() - started
     fitted = fit_encoder(
         model,
@@ -328,6 +395,8 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
         cache,
         log_r,
         pad,
+        regret=regret,
+        objective=options.objective,
         epochs=options.epochs,
         lr=options.lr,
         holdout=options.holdout,
@@ -340,6 +409,7 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
         "source": str(source_checkpoint),
         "data": description,
         "examples": len(examples),
+        "objective": options.objective,
         "target": model.latent_cfg.decoder_posterior_target,
         "epochs": options.epochs,
         "lr": options.lr,
@@ -354,10 +424,11 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
         **fitted,
     }
     first, kept = fitted["history"][0], fitted["history"][fitted["kept_epoch"]]
-    report["agreement_before"] = {k: first[k] for k in ("fit_agreement", "holdout_agreement")}
-    report["agreement_after"] = {k: kept[k] for k in ("fit_agreement", "holdout_agreement")}
+    measured = ("fit_agreement", "holdout_agreement", "fit_regret", "holdout_regret")
+    report["before"] = {k: first[k] for k in measured}
+    report["after"] = {k: kept[k] for k in measured}
     weights = model.trainable_state_dict()
-    bad = nonfinite_tensors(weights) + nonfinite_tensors(log_r)
+    bad = nonfinite_tensors(weights) + nonfinite_tensors({"log_r": log_r, "regret": regret})
     if bad:  # the kept epoch is finite (fit_encoder); a decoder whose scores are not is refused here, unwritten
         raise ValueError(f"refit-encoder: non-finite values in {', '.join(bad[:4])}; nothing written")
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -381,7 +452,7 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
         )
     )
     # the exact posterior of every pair, in the order of --data (with --max-examples, of the seeded subset)
-    posterior = save_safetensors_bytes({"log_r": log_r.contiguous()}, metadata=metadata)
+    posterior = save_safetensors_bytes({"log_r": log_r.contiguous(), "regret": regret.contiguous()}, metadata=metadata)
     atomic_write(output_dir / POSTERIOR_FILE, posterior, output_dir)
     write_json(output_dir / REPORT_FILE, report, output_dir, indent=1)
     return report
