@@ -1,32 +1,34 @@
 """Refitting a trained discrete CVAE's encoder to its decoder's own posterior (``disentangle refit-encoder``).
 
-    disentangle refit-encoder RUN --data train|FILE.jsonl --output-dir REFIT [--epochs 30] [--lr 1e-3]
-        [--holdout 0.1] [--batch-size 16] [--max-examples N] [--seed S]
+    disentangle refit-encoder RUN --data train|FILE.jsonl --output-dir REFIT [--objective nll|target] [--lr 1e-4]
+        [--epochs 30] [--holdout 0.1] [--posterior FILE] [--batch-size 16] [--max-examples N] [--seed S]
 
 The encoder is amortised: one network gives every response its code, and at the end of training it picks the code
 the decoder finds likeliest, ``argmax_k p(k | x) p(y | x, k)``, for only part of the responses (a third to a half of
-DailyDialog's held-out responses, docs/what-the-cvae-adds.md sections 25-28), while the decoder would gain more under
-its own choice (eval's ``decoder_posterior``). The decoder-posterior term (``decoder_posterior_weight``) teaches the
-encoder that choice during training, on the batches of its last steps, while the decoder still moves. Here the decoder is done: with
-the decoder, the codebook, the prior and every other weight fixed, the exact posterior ``r(k | x, y)`` of every
-pair of ``--data`` is computed once (:func:`decoder_posteriors`: every code combination decoded, no gradients)
-and the encoder alone is fit to it for ``--epochs`` passes (:func:`fit_encoder`), with the run's
-``decoder_posterior_target`` (``hard``, the default, also for a run trained without the term: the cross-entropy of
-``argmax r``; ``soft``, ``KL(r || q)``), keeping the epoch whose codes agree most with ``r`` on a held-out share of
-the pairs (``--holdout``, at least one pair; epoch 0 is the encoder as trained, so that agreement never falls; with
-``--holdout 0`` the last epoch is kept). The closing step of the lagging-encoder remedy (He et
-al., 2019: train the encoder to its optimum before the decoder moves again), run once.
+DailyDialog's held-out responses, docs/what-the-cvae-adds.md sections 25-28), while the decoder would gain more
+under its own choice (eval's ``decoder_posterior``). The decoder-posterior term (``decoder_posterior_weight``)
+teaches the encoder that choice during training, on the batches of its last steps, while the decoder still moves.
+Here the decoder is done: with the decoder, the codebook, the prior and every other weight fixed, the exact
+posterior ``r(k | x, y)`` of every pair of ``--data`` is computed once (:func:`decoder_posteriors`: every code
+combination decoded, no gradients) and the encoder alone is fit to it for ``--epochs`` passes (:func:`fit_encoder`):
+by default to the decoder's NLL under its codes in expectation (``--objective nll``: each code's NLL above the best
+code's, the regret, weighted by ``q``), or with the run's ``decoder_posterior_target`` (``--objective target``:
+``hard``, also for a run trained without the term, the cross-entropy of ``argmax r``; ``soft``, ``KL(r || q)``),
+keeping the epoch of the lowest regret under the encoder's codes on a held-out share of the pairs (``--holdout``, at
+least one pair; epoch 0 is the encoder as trained, so that regret never rises; with ``--holdout 0`` the last epoch
+is kept). The closing step of the lagging-encoder remedy (He et al., 2019: train the encoder to its optimum before
+the decoder moves again), run once.
 
 Only ``q(z | x, y)`` changes: the prior-mixture NLL of any data is the same number as before, and the latent gain
-moves by the posterior NLL alone; codes read off data (``encode``, ``eval``) are the refit encoder's, and
-generation under a code is the decoder's, unchanged. The refit writes a new run directory: the source's
-``config.yaml`` and ``data_stats.json``, one checkpoint at the source's step with the refit weights (and the
-source's optimizer and scheduler states, so that ``train --resume auto --output-dir REFIT`` would go on from it),
-its ``trainer_state.json`` recording the refit (``encoder_refit``), ``encoder_refit.json``, the report
+moves by the posterior NLL alone; codes read off data (``encode``, ``eval``) are the refit encoder's, and generation
+under a code is the decoder's, unchanged. The refit writes a new run directory: the source's ``config.yaml`` and
+``data_stats.json``, one checkpoint at the source's step with the refit weights (and the source's optimizer and
+scheduler states, so that ``train --resume auto --output-dir REFIT`` would go on from it), its
+``trainer_state.json`` recording the refit (``encoder_refit``), ``encoder_refit.json``, the report
 (:func:`refit_encoder`), and ``decoder_posterior.safetensors``, ``log_r`` ``[E, M, K]`` of every pair of ``--data``
-in its order, with what it was computed from (the weights' SHA-256, ``--data``): another refit of the same checkpoint
-on the same data takes it with ``--posterior`` and skips the decodes, the refit's whole cost but seconds. Only the discrete family has codes to enumerate (``K^M`` at most
-``config.DECODER_POSTERIOR_LIMIT``).
+in its order, with what it was computed from (the weights' SHA-256, ``--data``): another refit of the same
+checkpoint on the same data takes it with ``--posterior`` and skips the decodes, the refit's whole cost but seconds.
+Only the discrete family has codes to enumerate (``K^M`` at most ``config.DECODER_POSTERIOR_LIMIT``).
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ def decoder_posteriors(
     progress: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_r, regret)``, float64, in example order, on the CPU: ``log r(k | x, y)`` ``[E, M, K]``, the exact
-    posterior of the codes under the model's decoder and prior, ``r ∝ prod_m p(k_m | x) p(y | x, k_1..k_M)`` over every
-    combination, then per slot its marginal (as the training term and eval compute it:
+    posterior of the codes under the model's decoder and prior, ``r ∝ prod_m p(k_m | x) p(y | x, k_1..k_M)`` over
+    every combination, then per slot its marginal (as the training term and eval compute it:
     ``PriorMixture.decoder_posterior``); and ``regret`` ``[E, S]``, each code combination's sequence NLL minus the
     lowest (nats per response; the combinations in the order of ``itertools.product(range(K), repeat=M)``, the exact
     prior mixture's). In eval mode, in batches of similar length."""
