@@ -432,11 +432,16 @@ def one_run(
     return reports
 
 
+def refit_dir(out: Path, name: str, recipe: str, seed: int) -> Path:
+    """Where ``--refit`` writes a trained run's refit run: beside it, ``seed-S-refit``."""
+    return out / "runs" / f"{name}-{recipe}" / f"seed-{seed}-refit"
+
+
 def refit_commands(out: Path, name: str, recipe: str, seed: int, evaluate: str) -> tuple[list[list[str]], Path]:
     """``refit-encoder`` of a trained run into ``RUN-refit`` (on the run's training split), then ``eval`` of the refit
     run as the run itself is evaluated: the commands and the report's path."""
     run = out / "runs" / f"{name}-{recipe}" / f"seed-{seed}"
-    refit = run.with_name(f"seed-{seed}-refit")
+    refit = refit_dir(out, name, recipe, seed)
     report = out / "evals" / f"{name}-{recipe}-seed-{seed}-refit.json"
     return [
         [*DISENTANGLE, "refit-encoder", str(run), "--output-dir", str(refit), "--no-progress"],
@@ -450,7 +455,7 @@ def refit_run(out: Path, name: str, recipe: str, seed: int, dailydialog: Path | 
     commands, report = refit_commands(out, name, recipe, seed, data_files(out, name, dailydialog)[1])
     if report.exists():
         return report
-    refit = Path(commands[0][commands[0].index("--output-dir") + 1])
+    refit = refit_dir(out, name, recipe, seed)
     log = refit.parent / f"seed-{seed}-refit.log"
     if not (refit / "encoder_refit.json").exists():
         shutil.rmtree(refit, ignore_errors=True)  # an interrupted refit starts again

@@ -762,6 +762,12 @@ class DataOrder:
         return {"epoch": self.epoch, "position": self.position, **({"batch": self.batch} if self.grouped else {})}
 
 
+def length_order(examples: Sequence[Example]) -> list[int]:
+    """The indices of ``examples`` by prompt plus response length, shortest first (ties in data order): batches taken
+    in this order carry little padding, and every command that scores a data set batches it so."""
+    return sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
+
+
 def length_groups(lengths: Sequence[int], call_cost: float, max_groups: int = 4) -> list[list[int]]:
     """The rows of a right-padded batch in groups that run at their own width: the split, by sorted length,
     into at most ``max_groups`` groups of consecutive lengths that minimises the positions computed

@@ -83,7 +83,7 @@ def encode_examples(
     import torch
     from tqdm.auto import tqdm
 
-    from .data import collate
+    from .data import collate, length_order
     from .evaluation import score_batch
     from .reference import eval_mode
 
@@ -102,7 +102,7 @@ def encode_examples(
     device = next(model.parameters()).device
     E = len(examples)
     # evaluate's order: the same batches, so the same prior and importance samples
-    order = sorted(range(E), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
+    order = length_order(examples)
     scores: list[dict[str, Any] | None] = [None] * E
     with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         torch.manual_seed(seed)

@@ -46,12 +46,12 @@ from tqdm.auto import tqdm
 
 from .checkpoints import replace_file_durably
 from .config import DECODER_POSTERIOR_LIMIT
-from .data import collate
+from .data import collate, length_order
 from .evaluation import conditioned_nll
 from .reference import eval_mode
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from .config import LatentConfig, RunConfig
     from .cvae_base import CVAEBase
     from .data import Example
     from .features import FeatureCache
@@ -62,24 +62,20 @@ REPORT_FILE = "encoder_refit.json"
 POSTERIOR_FILE = "decoder_posterior.safetensors"
 
 
-def check_refittable(model: CVAEBase) -> None:
-    """A ``ValueError`` unless ``model`` has codes whose every combination can be decoded."""
-    size = getattr(model, "codebook_size", None)
-    if size is None:
+def check_refittable(latent: LatentConfig, where: object) -> None:
+    """A ``ValueError`` unless the latent ``latent`` configures has codes whose every combination can be decoded
+    (``where``: what the message names, a config file or a model)."""
+    if latent.latent != "discrete":
         raise ValueError(
-            f"refit-encoder needs a discrete model (codes whose posterior can be enumerated); this run's latent is "
-            f"{model.latent_space.kind!r}"
+            f"refit-encoder needs a discrete model (codes whose posterior can be enumerated); {where} has latent "
+            f"{latent.latent!r}"
         )
-    combinations = size**model.num_slots
+    combinations = latent.codebook_size**latent.num_slots
     if combinations > DECODER_POSTERIOR_LIMIT:
         raise ValueError(
-            f"refit-encoder decodes every code combination of every pair: this model has {combinations} "
-            f"(K={size}, M={model.num_slots}), more than {DECODER_POSTERIOR_LIMIT}"
+            f"refit-encoder decodes every code combination of every pair: {where} has {combinations} "
+            f"(codebook_size {latent.codebook_size}, num_slots {latent.num_slots}), more than {DECODER_POSTERIOR_LIMIT}"
         )
-
-
-def _length_order(examples: Sequence[Example], indices: Sequence[int]) -> list[int]:
-    return sorted(indices, key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
 
 
 @torch.no_grad()
@@ -97,9 +93,9 @@ def decoder_posteriors(
     ``PriorMixture.decoder_posterior``); and ``regret`` ``[E, S]``, each code combination's sequence NLL minus the
     lowest (nats per response; the combinations in the order of ``itertools.product(range(K), repeat=M)``, the exact
     prior mixture's). In eval mode, in batches of similar length."""
-    check_refittable(model)
+    check_refittable(model.latent_cfg, f"this {type(model).__name__}")
     device = next(model.parameters()).device
-    order = _length_order(examples, range(len(examples)))
+    order = length_order(examples)
     out = torch.empty(len(examples), model.num_slots, model.codebook_size, dtype=torch.float64)
     regret = torch.empty(len(examples), model.codebook_size**model.num_slots, dtype=torch.float64)
     with eval_mode(model):
@@ -162,8 +158,12 @@ def agreement(
     none)."""
     if not len(indices):
         return None
-    codes = encoder_codes(model, examples, cache, indices, pad_token_id)
-    return float((codes == log_r[list(indices)].argmax(-1)).all(-1).double().mean())
+    return agreement_of(encoder_codes(model, examples, cache, indices, pad_token_id), log_r[list(indices)])
+
+
+def agreement_of(codes: torch.Tensor, log_r: torch.Tensor) -> float:
+    """The share of rows whose codes ``[N, M]`` are, in every slot, the argmax of their ``log_r`` ``[N, M, K]``."""
+    return float((codes == log_r.argmax(-1)).all(-1).double().mean())
 
 
 def expected_regret(model: CVAEBase, e: torch.Tensor, regret: torch.Tensor) -> torch.Tensor:
@@ -230,17 +230,17 @@ def fit_encoder(
     K = log_r.shape[-1]
     tokens = torch.tensor([len(ex.response_ids) for ex in examples], dtype=torch.float64)
 
-    def regret_per_token(indices: list[int]) -> float | None:
-        if regret is None or not indices:
-            return None
-        codes = encoder_codes(model, examples, cache, indices, pad_token_id)
-        return float(regret[indices, combination_index(codes, K)].sum() / tokens[indices].sum())
-
     def measure(epoch: int, loss: float | None) -> dict[str, Any]:
         entry: dict[str, Any] = {"epoch": epoch, "loss": loss}
         for name, indices in (("fit", fit), ("holdout", held)):
-            entry[f"{name}_agreement"] = agreement(model, examples, cache, log_r, indices, pad_token_id)
-            entry[f"{name}_regret"] = regret_per_token(indices)
+            entry[f"{name}_agreement"] = entry[f"{name}_regret"] = None
+            if not indices:
+                continue
+            codes = encoder_codes(model, examples, cache, indices, pad_token_id)  # [N, M], once for both figures
+            entry[f"{name}_agreement"] = agreement_of(codes, log_r[indices])
+            if regret is not None:
+                chosen = regret[indices, combination_index(codes, K)]
+                entry[f"{name}_regret"] = float(chosen.sum() / tokens[indices].sum())
         return entry
 
     def better(entry: dict[str, Any], than: dict[str, Any]) -> bool:
@@ -340,18 +340,7 @@ def read_posteriors(
 
 def check_refittable_config(config: RunConfig, where: Path) -> None:
     """:func:`check_refittable` from a run's config alone, before any model loads (``where``: the file read)."""
-    latent = config.latent
-    if latent.latent != "discrete":
-        raise ValueError(
-            f"refit-encoder needs a discrete model (codes whose posterior can be enumerated); {where} has latent "
-            f"{latent.latent!r}"
-        )
-    combinations = latent.codebook_size**latent.num_slots
-    if combinations > DECODER_POSTERIOR_LIMIT:
-        raise ValueError(
-            f"refit-encoder decodes every code combination of every pair: {where} has {combinations} "
-            f"(codebook_size {latent.codebook_size}, num_slots {latent.num_slots}), more than {DECODER_POSTERIOR_LIMIT}"
-        )
+    check_refittable(config.latent, where)
 
 
 def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, **overrides: Any) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from .config import DEFAULT_SCORING, Scoring
 from .cvae_base import CVAEBase, FrozenFeatures, PosteriorSummary, PriorMixture
-from .data import Batch, Example, collate, label_factor_names, label_factors
+from .data import Batch, Example, collate, label_factor_names, label_factors, length_order
 from .distributed import gather_objects, rank_and_size
 from .features import FeatureCache
 from .latent_space import LatentSpace, latent_space_of_latents
@@ -593,7 +593,7 @@ def score_examples(
     records are equal in distribution, not number for number."""
     device = next(model.parameters()).device
     rank, size = rank_and_size(state)
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
+    order = length_order(examples)
     batches: list[tuple[int, BatchRecords]] = []
     with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)

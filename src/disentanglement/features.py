@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from . import reference as reference_pass
 from .checkpoints import replace_file_durably
 from .cvae_base import ATTENTION_VIEWS, CVAEBase, FrozenFeatures, WeightingParams
-from .data import Batch, Example, collate
+from .data import Batch, Example, collate, length_order
 from .distributed import barrier, gather_objects, is_main, rank_and_size
 from .token_weighting import TokenWeighting, token_weighting_from_base_nll
 
@@ -223,7 +223,7 @@ class FeatureCache:
 
 def frozen_pass_batches(examples: Sequence[Example], batch_size: int = 16) -> list[list[int]]:
     """The frozen pass's batches: example indices in length order (little padding), ``batch_size`` at a time."""
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].response_ids))
+    order = length_order(examples)
     return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
 
