@@ -371,6 +371,9 @@ PLAN = [  # (set, recipe, seeds)
     ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-480", (0, 1, 2)),
     # section 27: past one epoch (item 4's latent gain)
     ("dailydialog", "centered-full-between-random-dpost-hard-late-bow-wd-960", (0, 1, 2)),
+    # section 29: the encoder refit on style-in-content (item 2's 0.8, run with --refit), and five codes there: at
+    # K = 4 seed 2's decoder named two codes by one style (section 20)
+    ("style-in-content", "centered-full-between-random-dpost-hard-late-k5", (0, 1, 2)),
 ]
 
 
