@@ -36,6 +36,12 @@ def one_hot_kl(log_p: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     return -log_p.gather(-1, codes.unsqueeze(-1)).squeeze(-1)
 
 
+def code_combinations(K: int, M: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Every combination of ``M`` slots' codes out of ``K``, ``[K^M, M]``, in ``itertools.product(range(K),
+    repeat=M)`` order: the exact prior mixture's order, and that of every per-combination score computed from it."""
+    return torch.tensor(list(itertools.product(range(K), repeat=M)), device=device).view(-1, M)
+
+
 class SharedDiscreteCVAE(CVAEBase):
     def __init__(self, decoder, latent, reconstruction, kl, divergence=None, **kwargs) -> None:
         super().__init__(decoder, latent, reconstruction, kl, divergence, **kwargs)
@@ -252,7 +258,7 @@ class SharedDiscreteCVAE(CVAEBase):
         if combinations > exact_limit:
             vectors = self.prior_vectors(features, num_samples, log_p=log_p)  # [S, B, L]
             return PriorMixture(vectors, log_p.new_full((num_samples, B), -math.log(num_samples)), "samples")
-        every_code = torch.tensor(list(itertools.product(range(K), repeat=M)), device=log_p.device)  # [S, M]
+        every_code = code_combinations(K, M, log_p.device)  # [S, M]
         vectors = self.codes_to_vector(every_code).unsqueeze(1).expand(-1, B, -1)  # [S, B, L]
         slots = torch.arange(M, device=log_p.device)
         log_weights = torch.stack([log_p[:, slots, codes].sum(-1) for codes in every_code])  # [S, B]
