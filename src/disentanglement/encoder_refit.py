@@ -49,7 +49,7 @@ from .config import DECODER_POSTERIOR_LIMIT
 from .data import collate, length_order
 from .evaluation import conditioned_nll
 from .reference import eval_mode
-from .shared_discrete_cvae import code_combinations
+from .shared_discrete_cvae import code_combinations, combination_log_probs
 
 if TYPE_CHECKING:
     from .config import LatentConfig, RunConfig
@@ -173,8 +173,7 @@ def expected_regret(model: CVAEBase, e: torch.Tensor, regret: torch.Tensor) -> t
     (the codebook detached), ``regret [B, K^M]`` in ``itertools.product`` order (:func:`decoder_posteriors`)."""
     log_q = F.log_softmax(model.posterior_logits(e, detach_codebook=True).float(), dim=-1)  # [B, M, K]
     M, K = log_q.shape[1:]
-    every = code_combinations(K, M, e.device)  # [S, M]
-    log_q_s = log_q[:, torch.arange(M, device=e.device), every].sum(-1)  # [B, S]
+    log_q_s = combination_log_probs(log_q, code_combinations(K, M, e.device))  # [B, S]
     return (log_q_s.exp() * regret.to(log_q_s.dtype)).sum(-1).mean()
 
 

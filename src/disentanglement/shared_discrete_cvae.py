@@ -42,6 +42,14 @@ def code_combinations(K: int, M: int, device: torch.device | str | None = None) 
     return torch.tensor(list(itertools.product(range(K), repeat=M)), device=device).view(-1, M)
 
 
+def combination_log_probs(log_p: torch.Tensor, combinations: torch.Tensor) -> torch.Tensor:
+    """``sum_m log p_m(k_m)`` ``[B, S]`` for each row's per-slot log-probabilities ``log_p [B, M, K]`` and each of the
+    ``S`` code combinations ``[S, M]`` (:func:`code_combinations`): the log weight of a combination under a
+    distribution that factorises over the slots (the prior's mixture weights, the encoder's soft posterior)."""
+    slots = torch.arange(log_p.shape[1], device=log_p.device)
+    return log_p[:, slots, combinations].sum(-1)
+
+
 class SharedDiscreteCVAE(CVAEBase):
     def __init__(self, decoder, latent, reconstruction, kl, divergence=None, **kwargs) -> None:
         super().__init__(decoder, latent, reconstruction, kl, divergence, **kwargs)
@@ -260,8 +268,7 @@ class SharedDiscreteCVAE(CVAEBase):
             return PriorMixture(vectors, log_p.new_full((num_samples, B), -math.log(num_samples)), "samples")
         every_code = code_combinations(K, M, log_p.device)  # [S, M]
         vectors = self.codes_to_vector(every_code).unsqueeze(1).expand(-1, B, -1)  # [S, B, L]
-        slots = torch.arange(M, device=log_p.device)
-        log_weights = torch.stack([log_p[:, slots, codes].sum(-1) for codes in every_code])  # [S, B]
+        log_weights = combination_log_probs(log_p, every_code).T  # [S, B]
         return PriorMixture(vectors, log_weights, "exact", codes=every_code)
 
     def importance_samples(
