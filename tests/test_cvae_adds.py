@@ -427,6 +427,10 @@ def test_questions_counts_each_codes_generations_that_ask_and_the_real_acts(tmp_
     assert questions.main([str(tmp_path / "gens.json"), "--data", str(tmp_path / "data.jsonl")]) == 0
     out = capsys.readouterr().out
     assert "| codes=1 | 3 | 0.667 |" in out and "| codes=0 | 3 | 0.333 |" in out and "| inform | 2 | 0.500 |" in out
+    # by hand: H(act) = 1.5 ln 2, H(asks) = ln 2, every (act, asks) pair once so H(joint) = 2 ln 2, I = 0.5 ln 2,
+    # NMI = 2 I / (H(act) + H(asks)) = ln 2 / (2.5 ln 2) = 0.4
+    assert questions.question_mark_nmi(pairs) == pytest.approx(0.4)
+    assert "the act's NMI with a question mark (asks or not): 0.400" in out
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "p", "response": "r", "label": {"mood": "x"}}) + "\n")
     with pytest.raises(questions.DataError, match=r"bad\.jsonl:1: expected a label with an 'act' factor"):
         questions.share_by_act(questions.load_jsonl(tmp_path / "bad.jsonl"))

@@ -7,7 +7,8 @@ No detector reads a dialogue act from text (eval reads it with a classifier on f
 the surface: a response labelled ``question`` asks one. Per code of ``gens.json`` (``disentangle generate --json``):
 the generations and the share of them with a question mark. With ``--data`` (a labelled JSONL, ``label.act``) it also
 prints that share among the real responses of each act, the yardstick: a code that stands for ``question`` should
-ask about as often as real questions do, one that stands for another act about as rarely as those.
+ask about as often as real questions do, one that stands for another act about as rarely as those; and the act's
+NMI with that one bit (asks or not), what a surface rule holds of the act beside what the codes hold.
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ def share_by_act(pairs: Sequence[PromptResponse]) -> dict[str, tuple[int, float]
     return dict(sorted(share_that_ask((act(pair), pair.response) for pair in pairs).items()))
 
 
+def question_mark_nmi(pairs: Sequence[PromptResponse]) -> float:
+    """The NMI (scikit-learn's, arithmetic normalisation, as ``eval``) of the act with one bit of the response's
+    surface, whether it asks: what a rule with no training and two clusters holds of the act, beside the codes'."""
+    from sklearn.metrics import normalized_mutual_info_score
+
+    return float(normalized_mutual_info_score([act(pair) for pair in pairs], [asks(pair.response) for pair in pairs]))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("generations", type=Path, help="the JSON of disentangle generate --json --output")
@@ -69,8 +78,10 @@ def main(argv=None) -> int:
         print(f"| {latent} | {count} | {share:.3f} |")
     if args.data is not None:
         print("\n| real responses: act | responses | share with a question mark |\n| --- | --- | --- |")
-        for name, (count, share) in share_by_act(load_jsonl(args.data)).items():
+        pairs = load_jsonl(args.data)
+        for name, (count, share) in share_by_act(pairs).items():
             print(f"| {name} | {count} | {share:.3f} |")
+        print(f"\nthe act's NMI with a question mark (asks or not): {question_mark_nmi(pairs):.3f}")
     return 0
 
 
