@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from disentanglement.data import DataError, PromptResponse, label_factors, load_jsonl  # noqa: E402
+from disentanglement.metrics import label_agreement  # noqa: E402
 
 
 def asks(text: str) -> bool:
@@ -58,11 +59,10 @@ def share_by_act(pairs: Sequence[PromptResponse]) -> dict[str, tuple[int, float]
 
 
 def question_mark_nmi(pairs: Sequence[PromptResponse]) -> float:
-    """The NMI (scikit-learn's, arithmetic normalisation, as ``eval``) of the act with one bit of the response's
-    surface, whether it asks: what a rule with no training and two clusters holds of the act, beside the codes'."""
-    from sklearn.metrics import normalized_mutual_info_score
-
-    return float(normalized_mutual_info_score([act(pair) for pair in pairs], [asks(pair.response) for pair in pairs]))
+    """The NMI of the act with one bit of the response's surface, whether it asks (``eval``'s
+    :func:`~disentanglement.metrics.label_agreement`): what a rule with no training and two clusters holds of the act,
+    beside the codes'."""
+    return label_agreement([asks(pair.response) for pair in pairs], [act(pair) for pair in pairs])["nmi"]
 
 
 def main(argv=None) -> int:

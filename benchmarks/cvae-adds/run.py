@@ -211,7 +211,7 @@ RECIPES = {
     # the steps raised the word-dropout recipe's gain and act (sections 26-27)
     "centered-full-between-random-dpost-hard-late-bow-480": teaching_last_60(480, DPOST_HARD_LATE_BOW),
     # two codes: a question mark alone holds DailyDialog's act at NMI 0.43 (600 held-out responses), more than any
-    # latent (at most 0.244); at K = 4 one code held the questions and three split the rest by content (section 30)
+    # latent (at most 0.244); at K = 4 one code was mostly questions and the others mixed the other acts (section 30)
     "centered-full-between-random-dpost-hard-late-bow-k2": [*DPOST_HARD_LATE_BOW, "--codebook-size", "2"],
     # the bag-of-words loss at three times the weight: does a code made to predict more of the words hold more of the
     # act (item 2's +0.2 over the view) and give the decoder more (item 4's gain)?
