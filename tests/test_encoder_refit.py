@@ -30,6 +30,7 @@ from disentanglement.encoder_refit import (
     encoder_parameters,
     expected_regret,
     fit_encoder,
+    widening,
 )
 from disentanglement.features import build_feature_cache
 from disentanglement.metrics import kmeans_assignments
@@ -266,3 +267,99 @@ def test_expected_regret_and_the_combination_index_by_hand():
     torch.testing.assert_close(expected_regret(model, e, regret).double(), expected.double(), rtol=1e-5, atol=1e-6)
     codes = torch.tensor(list(itertools.product(range(3), repeat=2)))
     assert combination_index(codes, 3).tolist() == list(range(9))
+
+
+def test_a_widened_encoder_starts_as_the_trained_one_and_its_refit_run_loads_and_resumes(
+    discrete_run, tmp_path, injected_loader, capsys
+):
+    """``--encoder-view attention --encoder-block transformer`` on a ``mean_last`` run: the pool's query at zero and the
+    block the identity give the trained encoder's outputs exactly; the fit moves them; the refit run records the
+    widened encoder (a load builds it with the fitted weights) and its optimizer state fits a resume's optimizer,
+    every old parameter's Adam moments where they were."""
+    from disentanglement.checkpoints import check_optimizer_state
+    from disentanglement.runs import load_checkpoint
+    from disentanglement.trainer import make_optimizer
+
+    assert discrete_run.config.latent.encoder_view == "mean_last"
+    widen = {"encoder_view": "attention", "encoder_block": "transformer"}
+    source, tok, config, _, _, _ = load_checkpoint(discrete_run.checkpoint, device="cpu")
+    wide, _, wide_config, _, _, _ = load_checkpoint(discrete_run.checkpoint, device="cpu", latent_overrides=widen)
+    assert wide.encoder_pool is not None and wide.encoder_block is not None
+    assert wide_config.latent.encoder_view == "attention" and source.encoder_pool is None
+    examples, _ = load_examples("train", config, tok)
+    batch = collate(examples[:24], tok.pad_token_id, indices=range(24))
+    with torch.no_grad():
+        e = source.encoder_outputs(build_feature_cache(source, examples[:24], tok.pad_token_id).features(batch))
+        wide_cache = build_feature_cache(wide, examples[:24], tok.pad_token_id)
+        e_wide = wide.encoder_outputs(wide_cache.features(batch))
+    torch.testing.assert_close(e_wide, e, rtol=1e-5, atol=1e-5)
+
+    plain, out = tmp_path / "plain", tmp_path / "wide"
+    args = ["refit-encoder", str(discrete_run.run_dir), "--epochs", "3", "--no-progress"]
+    assert main([*args, "--output-dir", str(plain)]) == 0
+    posterior = ["--posterior", str(plain / POSTERIOR_FILE)]
+    flags = ["--encoder-view", "attention", "--encoder-block", "transformer"]
+    assert main([*args, "--output-dir", str(out), *posterior, *flags]) == 0
+    assert "the encoder widened: encoder_view attention, encoder_block transformer" in (capsys.readouterr().out)
+    reports = [json.loads((d / REPORT_FILE).read_text()) for d in (plain, out)]
+    assert reports[1]["widened"] == widen and reports[0]["widened"] == {}
+    for key in ("fit_agreement", "holdout_agreement", "fit_regret", "holdout_regret"):  # epoch 0: the same encoder
+        assert reports[1]["history"][0][key] == pytest.approx(reports[0]["history"][0][key], abs=1e-9), key
+    assert reports[1]["after"]["holdout_regret"] <= reports[1]["before"]["holdout_regret"]
+    # the run: its config widened, the source's weights but the encoder's, the new modules' fitted weights loaded
+    checkpoint = out / "checkpoints" / discrete_run.checkpoint.name
+    saved = read_checkpoint(checkpoint, for_resume=True)
+    original = read_checkpoint(discrete_run.checkpoint, for_resume=True)
+    assert saved.config.latent == wide_config.latent and "encoder_view: attention" in (out / "config.yaml").read_text()
+    assert {k for k in saved.model_state if k not in original.model_state} == {
+        k for k in wide.trainable_state_dict() if k.startswith(("encoder_pool.", "encoder_block."))
+    }
+    for name, tensor in original.model_state.items():
+        if not name.startswith("encoder"):
+            assert torch.equal(saved.model_state[name], tensor), name
+    loaded, _, loaded_config, _, _, _ = load_checkpoint(out, device="cpu")
+    assert loaded_config.latent.encoder_block == "transformer"
+    torch.testing.assert_close(loaded.encoder_pool.query, saved.model_state["encoder_pool.query"])
+    # a resume's optimizer takes the state: the old parameters' moments carried over by name, the new ones empty
+    optimizer = make_optimizer(loaded, loaded_config)
+    check_optimizer_state(saved.optimizer_state, optimizer, checkpoint / "optimizer.pt")
+    optimizer.load_state_dict(saved.optimizer_state)
+    before = make_optimizer(source, config)
+    before.load_state_dict(original.optimizer_state)
+    by_name = {n: p for n, p in source.named_parameters()}
+    for name, param in loaded.named_parameters():
+        if not param.requires_grad:
+            continue
+        state = optimizer.state.get(param, {})
+        if name.startswith(("encoder_pool.", "encoder_block.")):
+            assert not state, name
+        else:
+            torch.testing.assert_close(state["exp_avg_sq"], before.state[by_name[name]]["exp_avg_sq"], msg=name)
+
+
+def test_widening_refusals(discrete_run, tmp_path, injected_loader, capsys):
+    out = tmp_path / "wide"
+    args = ["refit-encoder", str(discrete_run.run_dir), "--output-dir", str(out), "--no-progress"]
+    assert main([*args, "--encoder-view", "token_weighted_attention"]) == 2
+    assert "can only widen a pool to the attention view that starts as it (attention)" in capsys.readouterr().err
+    assert main([*args, "--encoder-block", "mlp"]) == 2
+    assert "add --encoder-view attention" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_widening_maps_each_pool_to_the_attention_view_that_starts_as_it():
+    latent = build_config({"latent": "discrete", "encoder_view": "token_weighted", "data": "x.jsonl"}).latent
+    assert widening(latent, None, None, "run") == {}
+    assert widening(latent, "token_weighted", None, "run") == {}  # the run's own view: nothing to widen
+    assert widening(latent, "token_weighted_attention", "mlp", "run") == {
+        "encoder_view": "token_weighted_attention",
+        "encoder_block": "mlp",
+    }
+    with pytest.raises(ValueError, match=r"run has encoder_view 'token_weighted'.*\(token_weighted_attention\)"):
+        widening(latent, "attention", None, "run")
+    attention = dataclasses.replace(latent, encoder_view="attention", encoder_block="mlp")
+    assert widening(attention, None, "mlp", "run") == {}
+    with pytest.raises(ValueError, match="it is an attention view already"):
+        widening(attention, "token_weighted_attention", None, "run")
+    with pytest.raises(ValueError, match="the refit adds a block where there is none, it does not replace one"):
+        widening(attention, None, "transformer", "run")

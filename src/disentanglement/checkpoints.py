@@ -599,10 +599,14 @@ def read_resumable(output_dir: str | Path) -> CheckpointContents | None:
 # weights onto a model
 
 
-def apply_trainable_weights(model, state: dict[str, torch.Tensor], checkpoint: Path) -> None:
-    """Put a checkpoint's trainable weights and buffers on ``model``; every tensor must match by name and shape."""
+def apply_trainable_weights(
+    model, state: dict[str, torch.Tensor], checkpoint: Path, fresh: tuple[str, ...] = ()
+) -> None:
+    """Put a checkpoint's trainable weights and buffers on ``model``; every tensor must match by name and shape,
+    but those of the modules named in ``fresh`` (name prefixes), which keep their start where the checkpoint has
+    none (an encoder widened by ``refit-encoder``)."""
     expected = model.trainable_state_dict()
-    missing = sorted(set(expected) - set(state))
+    missing = sorted(k for k in set(expected) - set(state) if not k.startswith(fresh))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise CheckpointError(
@@ -612,7 +616,7 @@ def apply_trainable_weights(model, state: dict[str, torch.Tensor], checkpoint: P
     wrong = [
         f"{k} {tuple(state[k].shape)} (model {tuple(v.shape)})"
         for k, v in expected.items()
-        if state[k].shape != v.shape
+        if k in state and state[k].shape != v.shape
     ]
     if wrong:
         raise CheckpointError(f"{checkpoint / 'model.safetensors'}: tensors of the wrong shape: {wrong}")
@@ -626,10 +630,19 @@ def load_trainable_weights(model, checkpoint: Path) -> None:
     apply_trainable_weights(model, read_model_state(checkpoint, state), checkpoint)
 
 
-def load_trained(checkpoint: str | Path, model_and_tokenizer: tuple[Any, Any] | None = None, device: Any = "cpu"):
+def load_trained(
+    checkpoint: str | Path,
+    model_and_tokenizer: tuple[Any, Any] | None = None,
+    device: Any = "cpu",
+    latent_overrides: dict[str, Any] | None = None,
+):
     """Rebuild a trained CVAE from a checkpoint, run or export directory: ``(model, tokenizer, config,
     trainer_state)``. An export refuses a base decoder whose weights do not hash to its record
     (``export.verify_base_model``).
+
+    ``latent_overrides`` (``refit-encoder --encoder-view/--encoder-block``): fields of the latent config replaced
+    before the model is built; the modules they add (the encoder's attention pool, its block) keep their start,
+    the identity of the view the run was trained with, and the returned config is the one with the overrides.
 
     The decoder is loaded (on the CPU) in the dtype its config resolves to for ``device``, where the caller
     will run it: ``dtype: auto`` is bf16 on CUDA whatever the CPU supports, as in training.
@@ -653,6 +666,7 @@ def load_trained(checkpoint: str | Path, model_and_tokenizer: tuple[Any, Any] | 
         config,
         model=dataclasses.replace(config.model, model_cache_dir=None),
         train=dataclasses.replace(config.train, feature_cache_dir=None),
+        latent=dataclasses.replace(config.latent, **(latent_overrides or {})),
     )
     if model_and_tokenizer is None:
         from .lm import load_model_and_tokenizer, resolve_dtype
@@ -667,7 +681,8 @@ def load_trained(checkpoint: str | Path, model_and_tokenizer: tuple[Any, Any] | 
     if has_export_marker(checkpoint_dir):  # the base model's weights must be the ones the export was trained on
         verify_base_model(checkpoint_dir, decoder)
     model = build_cvae(config, decoder)
-    apply_trainable_weights(model, contents.model_state, checkpoint_dir)
+    fresh = ("encoder_pool.", "encoder_block.") if latent_overrides else ()
+    apply_trainable_weights(model, contents.model_state, checkpoint_dir, fresh)
     model.zfree_reference_scale = float(contents.trainer_state["zfree_reference_scale"])
     model.eval()
     return model, tokenizer, config, contents.trainer_state

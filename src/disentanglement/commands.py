@@ -469,6 +469,8 @@ def refit_main(args: argparse.Namespace) -> int:
         f"above the best codes' {share(before['holdout_regret'])} -> {share(after['holdout_regret'])} nats per response "
         f"token held out (epoch {report['kept_epoch']} of {report['epochs']} kept)"
     )
+    if report["widened"]:
+        print(f"the encoder widened: encoder_view {report['encoder_view']}, encoder_block {report['encoder_block']}")
     if report["stopped"]:
         print(f"stopped early: {report['stopped']}")
     print(f"checkpoint: {report['checkpoint']}")

@@ -2,6 +2,7 @@
 
     disentangle refit-encoder RUN --data train|FILE.jsonl --output-dir REFIT [--objective nll|target] [--lr 1e-4]
         [--epochs 30] [--holdout 0.1] [--posterior FILE] [--batch-size 16] [--max-examples N] [--seed S]
+        [--encoder-view attention|token_weighted_attention] [--encoder-block mlp|transformer]
 
 The encoder is amortised: one network gives every response its code, and at the end of training it picks the code
 the decoder finds likeliest, ``argmax_k p(k | x) p(y | x, k)``, for only part of the responses (a third to a half of
@@ -29,10 +30,18 @@ scheduler states, so that ``train --resume auto --output-dir REFIT`` would go on
 in its order, with what it was computed from (the weights' SHA-256, ``--data``): another refit of the same
 checkpoint on the same data takes it with ``--posterior`` and skips the decodes, the refit's whole cost but seconds.
 Only the discrete family has codes to enumerate (``K^M`` at most ``config.DECODER_POSTERIOR_LIMIT``).
+
+The fit may also widen the encoder (:func:`widening`): ``--encoder-view`` puts a learned query's attention pool where
+the run's pool was (its logits start at that pool's weights: the fit starts from the encoder as trained) and
+``--encoder-block`` a trainable block over the per-token states before it (the identity at the start), so that the
+encoder can read from the response more than its fixed pool holds, with the targets the decoder gives every pair. The
+refit run's config records the widened encoder (eval, encode and generate build it), and its optimizer state takes
+the new weights in (:func:`widened_optimizer_state`), so it resumes as any run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -41,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+import yaml
 from safetensors.torch import save as save_safetensors_bytes
 from tqdm.auto import tqdm
 
@@ -343,6 +353,72 @@ def check_refittable_config(config: RunConfig, where: Path) -> None:
     check_refittable(config.latent, where)
 
 
+#: The attention view that starts as each pooled view (its query at zero): the view ``--encoder-view`` may widen to.
+WIDER_VIEW = {"mean_last": "attention", "token_weighted": "token_weighted_attention"}
+
+#: The modules a widened encoder adds, which start where the run's encoder is (the checkpoint has no weights for them).
+WIDENED_MODULES = ("encoder_pool.", "encoder_block.")
+
+
+def widening(latent: LatentConfig, view: str | None, block: str | None, where: object) -> dict[str, str]:
+    """The latent config's fields ``--encoder-view`` and ``--encoder-block`` change (empty: none), refused unless the
+    widened encoder starts exactly as the run's: the attention view of the run's own pool (its query at zero gives
+    that pool, :class:`cvae_base.AttentionPool`), a block (the identity at the start) only over an attention view
+    and only where the run has none, or the one it has."""
+    overrides: dict[str, str] = {}
+    if view is not None and view != latent.encoder_view:
+        if WIDER_VIEW.get(latent.encoder_view) != view:
+            starts = WIDER_VIEW.get(latent.encoder_view)
+            raise ValueError(
+                f"--encoder-view {view}: {where} has encoder_view {latent.encoder_view!r}, and the refit can only "
+                "widen a pool to the attention view that starts as it"
+                + (f" ({starts})" if starts else " (it is an attention view already)")
+            )
+        overrides["encoder_view"] = view
+    if block is not None and block != latent.encoder_block:
+        if latent.encoder_block != "none":
+            raise ValueError(
+                f"--encoder-block {block}: {where} has encoder_block {latent.encoder_block!r} trained; the refit adds "
+                "a block where there is none, it does not replace one"
+            )
+        if overrides.get("encoder_view", latent.encoder_view) not in WIDER_VIEW.values():
+            raise ValueError(
+                f"--encoder-block {block}: works on the per-token states an attention view pools, and {where} has "
+                f"encoder_view {latent.encoder_view!r}: add --encoder-view {WIDER_VIEW[latent.encoder_view]}"
+            )
+        overrides["encoder_block"] = block
+    return overrides
+
+
+def widened_optimizer_state(saved: dict[str, Any], model: CVAEBase, config: RunConfig) -> dict[str, Any]:
+    """The source's optimizer state for the widened ``model`` (its ``config``): the parameters' indices renumbered in
+    the optimizer's order, which the new modules' (:data:`WIDENED_MODULES`, in the ``encoder`` group, no state yet:
+    Adam starts theirs at their first step) enter; so a resume of the refit run goes on as the source's would."""
+    from .trainer import optimizer_groups
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = optimizer_groups(model, config)
+    if [g.get("name") for g in saved["param_groups"]] != list(groups):
+        raise ValueError(
+            f"the source's optimizer has the groups {[g.get('name') for g in saved['param_groups']]}, the widened "
+            f"model {list(groups)}"
+        )
+    old_index, new_index, renumbered, new_params = 0, 0, {}, []
+    for params in groups.values():
+        new_params.append(list(range(new_index, new_index + len(params))))
+        for param in params:
+            if not names[id(param)].startswith(WIDENED_MODULES):
+                renumbered[old_index] = new_index
+                old_index += 1
+            new_index += 1
+    if old_index != sum(len(g["params"]) for g in saved["param_groups"]):
+        raise ValueError(f"the source's optimizer has other parameters than the widened model's ({old_index} kept)")
+    return {
+        "state": {renumbered[int(k)]: v for k, v in saved["state"].items()},
+        "param_groups": [dict(g, params=p) for g, p in zip(saved["param_groups"], new_params, strict=True)],
+    }
+
+
 def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, **overrides: Any) -> dict[str, Any]:
     """``disentangle refit-encoder`` (module docstring): load ``checkpoint``, compute ``r`` on ``options.data``, fit
     the encoder, write the refit run to ``options.output_dir``; returns the report (also written there). Every
@@ -366,9 +442,13 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
         raise ValueError(f"--posterior {options.posterior}: not a file (a refit run's {POSTERIOR_FILE})")
     contents = read_checkpoint(source_checkpoint, for_resume=True)  # the states the refit run keeps for a resume
     check_refittable_config(contents.config, source_checkpoint / "config.yaml")
-    model, tokenizer, config, state, source_checkpoint, source_run = runs.load_checkpoint(
-        checkpoint, device=options.device
+    overrides = widening(
+        contents.config.latent, options.encoder_view, options.encoder_block, source_checkpoint / "config.yaml"
     )
+    model, tokenizer, config, state, source_checkpoint, source_run = runs.load_checkpoint(
+        checkpoint, device=options.device, latent_overrides=overrides
+    )
+    run_config = dataclasses.replace(contents.config, latent=config.latent)  # the source's, the encoder widened
     examples, description = runs.load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
     pad = tokenizer.pad_token_id
     cache = runs.stored_features(model, examples, pad, options.batch_size, progress=options.progress)
@@ -407,6 +487,9 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
         "holdout": options.holdout,
         "seed": options.seed,
         "posterior": options.posterior,
+        "encoder_view": config.latent.encoder_view,
+        "encoder_block": config.latent.encoder_block,
+        "widened": overrides,
         "target_code_counts": [
             torch.bincount(targets[:, m], minlength=model.codebook_size).tolist() for m in range(model.num_slots)
         ],
@@ -422,10 +505,16 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
     bad = nonfinite_tensors(weights) + nonfinite_tensors({"log_r": log_r, "regret": regret})
     if bad:  # the kept epoch is finite (fit_encoder); a decoder whose scores are not is refused here, unwritten
         raise ValueError(f"refit-encoder: non-finite values in {', '.join(bad[:4])}; nothing written")
+    optimizer_state = contents.optimizer_state
+    if overrides:
+        optimizer_state = widened_optimizer_state(optimizer_state, model, run_config)
     output_dir.mkdir(parents=True, exist_ok=True)
     for name in ("config.yaml", "data_stats.json"):
         if (source_run / name).is_file():
-            replace_file_durably(output_dir / name, (source_run / name).read_bytes(), output_dir)
+            data = (source_run / name).read_bytes()
+            if name == "config.yaml" and overrides:
+                data = yaml.safe_dump(run_config.to_dict(), sort_keys=False).encode()
+            replace_file_durably(output_dir / name, data, output_dir)
     # the source's trainer state but its parameter norms (those of the old encoder: a resume measures them again)
     dropped = ("files", "format", "param_norms", "param_norm_reference", "suspect")
     trainer_state = {k: v for k, v in state.items() if k not in dropped}
@@ -436,10 +525,10 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
             output_dir,
             int(state["step"]),
             weights,
-            contents.optimizer_state,
+            optimizer_state,
             contents.scheduler_state,
             trainer_state,
-            contents.config,
+            run_config,
         )
     )
     # the exact posterior of every pair, in the order of --data (with --max-examples, of the seeded subset)

@@ -443,6 +443,17 @@ class RefitOptions(CheckpointOptions):
         "reuse the decoder's posterior an earlier refit of this checkpoint computed on this --data (its "
         "decoder_posterior.safetensors) instead of decoding every pair again",
     )
+    encoder_view: Literal["attention", "token_weighted_attention"] | None = option(
+        None,
+        "widen the encoder before the fit: the attention pool over the response's per-token states, its query at "
+        "zero so that the fit starts from the run's own pool (attention for a mean_last run, "
+        "token_weighted_attention for a token_weighted one; default: the run's view)",
+    )
+    encoder_block: Literal["mlp", "transformer"] | None = option(
+        None,
+        "add a trainable block over the per-token states before the attention pool, the identity at the start "
+        "(needs an attention view: the run's or --encoder-view; default: the run's block)",
+    )
     progress: bool = option(True, "progress bars")
 
 

@@ -58,9 +58,11 @@ def stored_features(model, examples, pad_token_id: int, batch_size: int, progres
     )
 
 
-def load_checkpoint(checkpoint: str | Path, model_and_tokenizer=None, device: str = "auto", state=None):
+def load_checkpoint(
+    checkpoint: str | Path, model_and_tokenizer=None, device: str = "auto", state=None, latent_overrides=None
+):
     """``(model, tokenizer, config, trainer_state, checkpoint_dir, run_dir)``, the model in eval mode on ``device``
-    (several processes, ``state``: on this process's device).
+    (several processes, ``state``: on this process's device); ``latent_overrides``: ``load_trained``'s.
 
     Loads through ``trainer.load_trained`` (looked up at call time, so tests can replace it).
     """
@@ -68,7 +70,8 @@ def load_checkpoint(checkpoint: str | Path, model_and_tokenizer=None, device: st
 
     checkpoint_dir, run_dir = resolve_run(checkpoint)
     target = trainer.choose_device(device) if state is None else state.device
-    model, tokenizer, config, state = trainer.load_trained(checkpoint_dir, model_and_tokenizer, device=target)
+    extra = {"latent_overrides": latent_overrides} if latent_overrides else {}
+    model, tokenizer, config, state = trainer.load_trained(checkpoint_dir, model_and_tokenizer, device=target, **extra)
     model = model.to(target).eval()
     return model, tokenizer, config, state, checkpoint_dir, run_dir
 

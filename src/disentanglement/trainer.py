@@ -202,13 +202,16 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: RunConfig) -> torch
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
+def optimizer_groups(model: CVAEBase, config: RunConfig) -> dict[str, list[torch.nn.Parameter]]:
+    """The optimizer's parameter groups, by name, in its order (the empty ones left out)."""
+    separate = config.train.codebook_lr is not None or config.train.encoder_hold_steps > 0
+    return {name: params for name, params in model.parameter_groups(separate_codebook=separate).items() if params}
+
+
 def make_optimizer(model: CVAEBase, config: RunConfig) -> torch.optim.Optimizer:
     lrs = group_learning_rates(config)
-    separate = config.train.codebook_lr is not None or config.train.encoder_hold_steps > 0
     groups = [
-        {"params": params, "lr": lrs[name], "name": name}
-        for name, params in model.parameter_groups(separate_codebook=separate).items()
-        if params
+        {"params": params, "lr": lrs[name], "name": name} for name, params in optimizer_groups(model, config).items()
     ]
     # The fused kernel is one call per step instead of one per tensor (measurably cheaper for small heads).
     return torch.optim.AdamW(groups, weight_decay=config.train.weight_decay, fused=True)
