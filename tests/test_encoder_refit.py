@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from disentanglement.encoder_refit import (
     encoder_parameters,
     expected_regret,
     fit_encoder,
+    widened_optimizer_state,
     widening,
 )
 from disentanglement.features import build_feature_cache
@@ -363,3 +365,36 @@ def test_widening_maps_each_pool_to_the_attention_view_that_starts_as_it():
         widening(attention, "token_weighted_attention", None, "run")
     with pytest.raises(ValueError, match="the refit adds a block where there is none, it does not replace one"):
         widening(attention, None, "transformer", "run")
+
+
+def test_a_block_added_over_a_trained_attention_pool_keeps_the_pools_optimizer_state():
+    """Only the modules an override adds start without Adam moments: a block added to a run whose attention pool
+    trained keeps the pool's (and every other parameter's) moments, renumbered into the widened optimizer's order."""
+    from disentanglement.checkpoints import apply_trainable_weights
+    from disentanglement.trainer import make_optimizer
+
+    source, tok, examples, cache = untrained(codebook_size=3, encoder_view="attention")
+    config = build_config({"latent": "discrete", "codebook_size": 3, "encoder_view": "attention", "data": "x.jsonl"})
+    optimizer = make_optimizer(source, config)
+    batch = collate(examples[:6], tok.pad_token_id, indices=range(6))
+    source.encoder_outputs(cache.features(batch)).square().sum().backward()  # moments for the encoder's weights
+    optimizer.step()
+    overrides = widening(config.latent, None, "mlp", "run")
+    assert overrides == {"encoder_block": "mlp"}
+    wide_config = dataclasses.replace(config, latent=dataclasses.replace(config.latent, **overrides))
+    wide, *_ = untrained(codebook_size=3, encoder_view="attention", encoder_block="mlp")
+    apply_trainable_weights(wide, source.trainable_state_dict(), Path("source"), ("encoder_block.",))
+    state = widened_optimizer_state(optimizer.state_dict(), wide, wide_config, overrides)
+    widened = make_optimizer(wide, wide_config)
+    widened.load_state_dict(state)
+    by_name = dict(source.named_parameters())
+    for name, param in wide.named_parameters():
+        if not param.requires_grad:
+            continue
+        if name.startswith("encoder_block."):
+            assert param not in widened.state, name
+        elif by_name[name] in optimizer.state:
+            torch.testing.assert_close(
+                widened.state[param]["exp_avg"], optimizer.state[by_name[name]]["exp_avg"], msg=name
+            )
+    assert widened.state[wide.encoder_pool.query]["exp_avg"].abs().sum() > 0, "the pool's moments carried over"

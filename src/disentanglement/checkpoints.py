@@ -630,6 +630,11 @@ def load_trainable_weights(model, checkpoint: Path) -> None:
     apply_trainable_weights(model, read_model_state(checkpoint, state), checkpoint)
 
 
+#: The modules a latent override adds to a trained model (``refit-encoder``'s widened encoder), by the field that
+#: adds them: their weights are not in the checkpoint, and they keep their start (the trained encoder's view).
+WIDENED_MODULES = {"encoder_view": "encoder_pool.", "encoder_block": "encoder_block."}
+
+
 def load_trained(
     checkpoint: str | Path,
     model_and_tokenizer: tuple[Any, Any] | None = None,
@@ -681,7 +686,7 @@ def load_trained(
     if has_export_marker(checkpoint_dir):  # the base model's weights must be the ones the export was trained on
         verify_base_model(checkpoint_dir, decoder)
     model = build_cvae(config, decoder)
-    fresh = ("encoder_pool.", "encoder_block.") if latent_overrides else ()
+    fresh = tuple(prefix for field, prefix in WIDENED_MODULES.items() if field in (latent_overrides or {}))
     apply_trainable_weights(model, contents.model_state, checkpoint_dir, fresh)
     model.zfree_reference_scale = float(contents.trainer_state["zfree_reference_scale"])
     model.eval()

@@ -54,7 +54,7 @@ import yaml
 from safetensors.torch import save as save_safetensors_bytes
 from tqdm.auto import tqdm
 
-from .checkpoints import replace_file_durably
+from .checkpoints import WIDENED_MODULES, replace_file_durably
 from .config import DECODER_POSTERIOR_LIMIT
 from .data import collate, length_order
 from .evaluation import conditioned_nll
@@ -356,9 +356,6 @@ def check_refittable_config(config: RunConfig, where: Path) -> None:
 #: The attention view that starts as each pooled view (its query at zero): the view ``--encoder-view`` may widen to.
 WIDER_VIEW = {"mean_last": "attention", "token_weighted": "token_weighted_attention"}
 
-#: The modules a widened encoder adds, which start where the run's encoder is (the checkpoint has no weights for them).
-WIDENED_MODULES = ("encoder_pool.", "encoder_block.")
-
 
 def widening(latent: LatentConfig, view: str | None, block: str | None, where: object) -> dict[str, str]:
     """The latent config's fields ``--encoder-view`` and ``--encoder-block`` change (empty: none), refused unless the
@@ -390,12 +387,16 @@ def widening(latent: LatentConfig, view: str | None, block: str | None, where: o
     return overrides
 
 
-def widened_optimizer_state(saved: dict[str, Any], model: CVAEBase, config: RunConfig) -> dict[str, Any]:
-    """The source's optimizer state for the widened ``model`` (its ``config``): the parameters' indices renumbered in
-    the optimizer's order, which the new modules' (:data:`WIDENED_MODULES`, in the ``encoder`` group, no state yet:
-    Adam starts theirs at their first step) enter; so a resume of the refit run goes on as the source's would."""
+def widened_optimizer_state(
+    saved: dict[str, Any], model: CVAEBase, config: RunConfig, overrides: dict[str, str]
+) -> dict[str, Any]:
+    """The source's optimizer state for the ``model`` widened by ``overrides`` (:func:`widening`; its ``config``): the
+    parameters' indices renumbered in the optimizer's order, which the modules the overrides add
+    (:data:`checkpoints.WIDENED_MODULES`, in the ``encoder`` group, no state yet: Adam starts theirs at their first
+    step) enter; so a resume of the refit run goes on as the source's would."""
     from .trainer import optimizer_groups
 
+    new = tuple(prefix for field, prefix in WIDENED_MODULES.items() if field in overrides)
     names = {id(p): n for n, p in model.named_parameters()}
     groups = optimizer_groups(model, config)
     if [g.get("name") for g in saved["param_groups"]] != list(groups):
@@ -407,7 +408,7 @@ def widened_optimizer_state(saved: dict[str, Any], model: CVAEBase, config: RunC
     for params in groups.values():
         new_params.append(list(range(new_index, new_index + len(params))))
         for param in params:
-            if not names[id(param)].startswith(WIDENED_MODULES):
+            if not names[id(param)].startswith(new):
                 renumbered[old_index] = new_index
                 old_index += 1
             new_index += 1
@@ -507,7 +508,7 @@ def refit_encoder(checkpoint: str | Path, options: RefitOptions | None = None, *
         raise ValueError(f"refit-encoder: non-finite values in {', '.join(bad[:4])}; nothing written")
     optimizer_state = contents.optimizer_state
     if overrides:
-        optimizer_state = widened_optimizer_state(optimizer_state, model, run_config)
+        optimizer_state = widened_optimizer_state(optimizer_state, model, run_config, overrides)
     output_dir.mkdir(parents=True, exist_ok=True)
     for name in ("config.yaml", "data_stats.json"):
         if (source_run / name).is_file():

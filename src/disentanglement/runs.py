@@ -70,8 +70,9 @@ def load_checkpoint(
 
     checkpoint_dir, run_dir = resolve_run(checkpoint)
     target = trainer.choose_device(device) if state is None else state.device
-    extra = {"latent_overrides": latent_overrides} if latent_overrides else {}
-    model, tokenizer, config, state = trainer.load_trained(checkpoint_dir, model_and_tokenizer, device=target, **extra)
+    model, tokenizer, config, state = trainer.load_trained(
+        checkpoint_dir, model_and_tokenizer, device=target, latent_overrides=latent_overrides
+    )
     model = model.to(target).eval()
     return model, tokenizer, config, state, checkpoint_dir, run_dir
 
