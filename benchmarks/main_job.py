@@ -15,7 +15,7 @@ of the caches); ``user`` leaves the folders to the config and the environment (`
 it). Each run goes to its own temporary output folder, deleted afterwards (``--keep`` keeps them).
 
 After the table of seconds, the **floor**: each phase's useful FLOPs (``flops.job_flops``: the frozen pass over
-every example, the steps' forward and input-gradient backward, validation, and the verdict's decodes under
+every distinct example, the steps' forward and input-gradient backward, validation, and the verdict's decodes under
 every code) and the seconds they would take at 100 % of ``torch.matmul``'s rate on this CPU at the step's
 shapes, beside the seconds measured: the shortest the job could be on this machine without less work.
 
@@ -62,7 +62,7 @@ from step_cost import matmul_rate_at  # noqa: E402
 
 from disentanglement import feature_store, trainer  # noqa: E402
 from disentanglement.config import build_config, read_config_file  # noqa: E402
-from disentanglement.features import shared_prefix_positions  # noqa: E402
+from disentanglement.features import first_copies, frozen_pass_batches, shared_prefix_positions  # noqa: E402
 from disentanglement.flops import DecoderShape, job_flops  # noqa: E402
 from disentanglement.options import EvalOptions  # noqa: E402
 from disentanglement.verdict import train_verdict  # noqa: E402
@@ -119,20 +119,22 @@ class Timers:
 
 
 def padding(examples, batch_size: int) -> dict[str, int]:
-    """Tokens and padding of the frozen pass's batches (``features.build_feature_cache``: sorted by length)."""
+    """Tokens and padding of the frozen pass's batches (``features.frozen_pass_batches``: each distinct example
+    once, sorted by length)."""
     lengths = [len(e.prompt_ids) + len(e.response_ids) for e in examples]
     prompts = [len(e.prompt_ids) for e in examples]
-    order = sorted(range(len(examples)), key=lambda i: lengths[i])
+    batches = frozen_pass_batches(examples, batch_size)
+    passed = [i for batch in batches for i in batch]
     padded = head = 0
-    for start in range(0, len(order), batch_size):
-        batch = order[start : start + batch_size]
+    for batch in batches:
         width = max(lengths[i] for i in batch)
         padded += width * len(batch)
         head += len(batch) * (width - min(prompts[i] for i in batch))  # positions from min(prompt) - 1 on
     return {
-        "tokens": sum(lengths),
-        "padded_tokens": padded - sum(lengths),
-        "response_tokens": sum(len(e.response_ids) for e in examples),
+        "passed": len(passed),
+        "tokens": sum(lengths[i] for i in passed),
+        "padded_tokens": padded - sum(lengths[i] for i in passed),
+        "response_tokens": sum(len(examples[i].response_ids) for i in passed),
         "head_positions": head,
     }
 
@@ -309,6 +311,7 @@ def useful_flops(
     shape = DecoderShape.from_config(decoder.config)
     train = [(len(e.prompt_ids), len(e.response_ids)) for e in examples["train"]]
     validation = [(len(e.prompt_ids), len(e.response_ids)) for e in examples["validation"]]
+    passed = examples["train"] + examples["validation"]  # the frozen pass: each distinct example once
     out = job_flops(
         shape,
         train,
@@ -319,9 +322,8 @@ def useful_flops(
         validated=validation[: config.train.eval_batches * config.train.batch_size],  # validation.validate's
         validations=validations,
         verdict_decodes=verdict_decodes(config) if validation else 0,
-        shared_prefix_positions=shared_prefix_positions(
-            examples["train"] + examples["validation"], pad_token_id, max(config.train.batch_size, 16)
-        ),
+        shared_prefix_positions=shared_prefix_positions(passed, pad_token_id, max(config.train.batch_size, 16)),
+        frozen=[(len(passed[i].prompt_ids), len(passed[i].response_ids)) for i in set(first_copies(passed))],
     )
     mean_length = statistics.fmean(p + r for p, r in train) + config.latent.latent_tokens
     out["matmul_rows"] = round(config.train.batch_size * mean_length)
@@ -414,7 +416,8 @@ def print_table(runs: list[dict], args) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
     pad = runs[0]["padding"]
     print(
-        f"frozen pass packing ({runs[0]['examples']} examples, sorted by length, batches of 16): "
+        f"frozen pass packing ({pad['passed']} distinct of {runs[0]['examples']} examples, sorted by length, "
+        "batches of 16): "
         f"{pad['padded_tokens']} padding tokens of {pad['tokens'] + pad['padded_tokens']} "
         f"({100 * pad['padded_tokens'] / max(1, pad['tokens'] + pad['padded_tokens']):.2f}%); LM head at "
         f"{pad['head_positions']} positions for {pad['response_tokens']} response tokens"

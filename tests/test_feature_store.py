@@ -19,6 +19,7 @@ from disentanglement.config import build_config
 from disentanglement.cvae_base import CVAEBase
 from disentanglement.data import tokenize_pairs
 from disentanglement.features import build_feature_cache
+from disentanglement.losses import estimate_zfree_reference_scale
 from disentanglement.models import build_cvae
 from disentanglement.testing import make_hidden_factor_pairs
 from disentanglement.trainer import train
@@ -239,6 +240,44 @@ def test_two_writers_at_once_leave_one_valid_entry_per_example_and_one_pass(tmp_
     for e in examples:
         key = feature_store.example_key(ref, e)
         assert feature_store.read_entry(feature_store._entry_path(tmp_path / ref, key), key, len(e.response_ids))
+
+
+def assert_rows_equal(a, b):
+    """Every field of two caches bit for bit, row by row (dtypes and shapes included)."""
+    assert_same(a, b)
+    for x, y in zip(a.response_entropy, b.response_entropy, strict=True):
+        assert x.dtype == y.dtype == torch.float32 and torch.equal(x, y)
+    assert a.response_hidden.dtype == b.response_hidden.dtype == torch.float32
+    assert torch.equal(a.response_hidden, b.response_hidden)
+
+
+def test_copies_of_an_example_get_the_row_the_store_keeps_so_computing_equals_reading(
+    tmp_path, tokenizer, pairs, passes
+):
+    """An example that occurs several times (the chatterbot corpus holds 1,176 distinct pairs in 2,306) has one
+    entry. Its copies used to be passed in different batches, whose rounding differs (a batch of copies alone
+    shares all but its last token), and each kept its own row in memory while the store kept the last one
+    written: a bf16 run that computed its features and one that read them got different c_base (3.6901, 3.6887)."""
+    copies = pairs + [pairs[3]] * 9  # with a batch of 4: copies with other examples and a batch of copies only
+    overrides = dict(encoder_view="attention", token_weight_source="entropy")  # every field an entry can hold
+    model, examples = setup(tokenizer, copies, **overrides)
+    model = model.to(torch.bfloat16)
+    computed = feature_store.load_or_build_features(
+        model, examples, tokenizer.pad_token_id, tmp_path, 4, progress=False
+    )
+    passed, stored = sum(passes), len(entries(tmp_path))
+    assert feature_store.last_stats.computed == len(examples)
+    passes.clear()
+    read = feature_store.load_or_build_features(model, examples, tokenizer.pad_token_id, tmp_path, 4, progress=False)
+    assert passes == [] and feature_store.last_stats.hits == len(examples)
+    assert_rows_equal(computed, read)
+    assert passed == stored == len(pairs)  # each distinct example passed and written once
+    for i in range(len(pairs), len(examples)):  # every copy holds the one row of its example
+        assert torch.equal(computed.response_nll[i], computed.response_nll[3])
+        assert torch.equal(computed.encoder_features[i], computed.encoder_features[3])
+    assert estimate_zfree_reference_scale(computed.example_base_losses()) == estimate_zfree_reference_scale(
+        read.example_base_losses()
+    )
 
 
 def _entry(path, size):

@@ -71,6 +71,20 @@ def test_a_jobs_flops_by_phase_counted_by_hand():
         shared_prefix_positions=3,
     )
     assert job["frozen_pass"] - shared["frozen_pass"] == 3 * 240
+    # the pass over each distinct example once: a copy of the first training example adds nothing to it
+    copied = job_flops(
+        shape,
+        [*train, (1, 1)],
+        validation,
+        1,
+        steps=3,
+        batch_size=2,
+        validated=validation,
+        validations=5,
+        verdict_decodes=4,
+        frozen=[*train, *validation],
+    )
+    assert copied["frozen_pass"] == job["frozen_pass"]
     assert {k: shared[k] for k in ("steps", "validation", "verdict")} == {
         k: job[k] for k in ("steps", "validation", "verdict")
     }

@@ -224,6 +224,47 @@ def test_the_positions_a_shared_prefix_saves_counted_by_hand():
     assert shared_prefix_positions(examples, 0, batch_size=5) == 4 * 11
     short = [example([7] * 3 + [i], [2]) for i in range(4)]  # 3 shared tokens: below MIN_SHARED_PREFIX
     assert shared_prefix_positions(short, 0, batch_size=4) == 0
+    # copies are passed once: two more copies of example 4 and one of example 0 change nothing
+    assert shared_prefix_positions([*examples, examples[4], examples[0], examples[4]], 0, batch_size=2) == 11 + 13
+
+
+def test_copies_of_an_example_are_passed_once_and_share_its_row(monkeypatch):
+    """build_feature_cache without the store: each distinct (prompt, response) is passed once, in the same batches
+    as the distinct examples alone, and every copy holds its row (the same values in the same order as the
+    examples)."""
+    from disentanglement.features import build_feature_cache, first_copies, frozen_pass_batches
+
+    tokenizer = tiny_tokenizer()
+    pairs = make_hidden_factor_pairs([f"what about the {'item ' * (1 + i % 4)}{i}" for i in range(6)], kind="clean")
+    config = build_config(dict(codebook_size=4, encoder_view="token_weighted_attention"))
+    distinct, _ = tokenize_pairs(pairs, tokenizer, config.data)
+    order = [0, 3, 0, 1, 2, 3, 4, 5, 3, 3]  # copies of 0 and 3, the first copy not always first in length order
+    examples = [distinct[i] for i in order]
+    assert first_copies(examples) == [0, 1, 0, 3, 4, 1, 6, 7, 1, 1]
+    assert sorted(i for b in frozen_pass_batches(examples, 4) for i in b) == [0, 1, 3, 4, 6, 7]
+    torch.manual_seed(0)
+    model = build_cvae(config, tiny_llama(len(tokenizer))).eval()
+    rows = []
+    original = cvae_base.CVAEBase.frozen_pass
+    monkeypatch.setattr(
+        cvae_base.CVAEBase,
+        "frozen_pass",
+        lambda self, batch: rows.append(len(batch.input_ids)) or original(self, batch),
+    )
+    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, 4, progress=False)
+    alone = build_feature_cache(model, distinct, tokenizer.pad_token_id, 4, progress=False)
+    assert rows == [4, 2, 4, 2]  # 6 distinct examples in batches of 4, twice
+    for i, j in enumerate(order):
+        assert torch.equal(cache.response_nll[i], alone.response_nll[j])
+        assert torch.equal(cache.prior_features[i], alone.prior_features[j])
+        assert torch.equal(cache.encoder_features[i], alone.encoder_features[j])
+    starts = [0, *itertools.accumulate(len(e.response_ids) for e in examples)]
+    starts_alone = [0, *itertools.accumulate(len(e.response_ids) for e in distinct)]
+    for i, j in enumerate(order):
+        assert torch.equal(
+            cache.response_hidden[starts[i] : starts[i + 1]],
+            alone.response_hidden[starts_alone[j] : starts_alone[j + 1]],
+        )
 
 
 @pytest.fixture(scope="module")

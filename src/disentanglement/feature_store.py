@@ -220,7 +220,7 @@ class _Lookup:
     def store(self, missing: list[int]) -> None:
         try:
             _write_about(self.folder, self.model)
-            for i in missing:
+            for i in {self.keys[i]: i for i in missing}.values():  # copies of an example share one entry
                 write_entry(_entry_path(self.folder, self.keys[i]), self.keys[i], self.rows[i])
         except OSError as exc:  # the store only saves time: the run goes on without it
             logger.warning("feature cache: could not write to %s (%s); continuing without it", self.folder, exc)
@@ -245,7 +245,9 @@ def load_or_build_features(
     runs starting together do the pass once. With several processes (``state``) the main one decides what is
     missing, all share the pass (:func:`features.build_feature_cache`), and the main one writes.
     An example's cached entropy or hidden states are used only when this model's pass makes them (so the
-    result equals a fresh pass's); an entry without what this model needs is recomputed and replaced.
+    result equals a fresh pass's); an entry without what this model needs is recomputed and replaced. Copies of
+    an example share one entry and one row (:func:`features.build_feature_cache`), so the features are the same,
+    bit for bit, whether this call computed or read them.
     """
     global last_stats
     root = store_dir(root)

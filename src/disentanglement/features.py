@@ -221,9 +221,18 @@ class FeatureCache:
         )
 
 
+def first_copies(examples: Sequence[Example]) -> list[int]:
+    """For each example, the index of its first copy (the first example with the same prompt and response ids)."""
+    first: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    return [first.setdefault((tuple(e.prompt_ids), tuple(e.response_ids)), i) for i, e in enumerate(examples)]
+
+
 def frozen_pass_batches(examples: Sequence[Example], batch_size: int = 16) -> list[list[int]]:
-    """The frozen pass's batches: example indices in length order (little padding), ``batch_size`` at a time."""
-    order = length_order(examples)
+    """The frozen pass's batches: the indices of the examples' first copies (:func:`first_copies`: a corpus that
+    repeats a pair, as chatterbot's does, is passed over it once) in length order (little padding), ``batch_size``
+    at a time."""
+    firsts = first_copies(examples)
+    order = [i for i in length_order(examples) if firsts[i] == i]
     return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
 
@@ -252,7 +261,9 @@ def build_feature_cache(
     state=None,
 ) -> FeatureCache:
     """Run the frozen pass once over ``examples`` (in length order, to pad little), on ``device``
-    (default: where the model is).
+    (default: where the model is). Copies of an example (the same prompt and response ids) are passed once and
+    share its row: the pass's rounding depends on the batch, so copies passed apart would differ, and the feature
+    store, which keeps one entry per example, would hand a later run other numbers than this one's.
 
     With several processes (``state``, accelerate's ``PartialState``) each process runs every
     ``N``-th batch of the same length-ordered batches and the results are gathered: every process
@@ -282,7 +293,7 @@ def build_feature_cache(
             )
     if size > 1:
         rows = {index: value for part in gather_objects(state, rows) for index, value in part.items()}
-    ordered = [rows[i] for i in range(len(examples))]
+    ordered = [rows[first] for first in first_copies(examples)]
     entropy = [r[1] for r in ordered] if ordered and ordered[0][1] is not None else None
     hidden = torch.cat([r[2] for r in ordered]) if ordered and ordered[0][2] is not None else None  # [sum_b n_b, H]
     return FeatureCache(

@@ -130,10 +130,12 @@ def job_flops(
     validations: int,
     verdict_decodes: int,
     shared_prefix_positions: int = 0,
+    frozen: Sequence[tuple[int, int]] | None = None,
 ) -> dict[str, float]:
     """Useful FLOPs of a training run by phase, from its examples' ``(prompt, response)`` lengths:
 
-    - ``frozen_pass``: one forward over ``[x][y]`` of every example, train and validation, less the linear
+    - ``frozen_pass``: one forward over ``[x][y]`` of every example of ``frozen`` (default: train and validation;
+      the pass runs over each distinct example once, :func:`.features.first_copies`), less the linear
       layers of the ``shared_prefix_positions`` that it computes once per batch instead of once per row
       (:func:`.features.shared_prefix_positions`; the attention they save is left counted);
     - ``steps``: ``steps x batch_size`` examples, each the mean training example's forward over ``[z][x][y]``
@@ -154,7 +156,7 @@ def job_flops(
 
     prefix = shared_prefix_positions * forward_flops(shape, 1, 0)["linear"]
     out = {
-        "frozen_pass": float(total([*train, *validation], 0, False) - prefix),
+        "frozen_pass": float(total([*train, *validation] if frozen is None else frozen, 0, False) - prefix),
         "steps": total(train, latent_tokens, True) / max(1, len(train)) * steps * batch_size,
         "validation": float(total(validated, latent_tokens, False) * validations),
         "verdict": float(total(validation, latent_tokens, False) * verdict_decodes),
