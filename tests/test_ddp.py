@@ -223,6 +223,7 @@ def test_only_the_main_process_writes(two_processes):
         "data_stats.json",
         "feature_cache",
         "metrics.jsonl",
+        "verdict.json",  # the verdict train ends with, written by the main process
     ]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000003", "step-000006"]
     # The store (feature_store): its eviction lock and one reference folder, written by the main process.

@@ -201,9 +201,17 @@ def test_train_ends_with_the_verdict_on_its_validation_split(tmp_path, monkeypat
     from disentanglement.commands import run_eval
 
     report, _, _ = run_eval(run, output=str(tmp_path / "eval.json"), progress=False, device="cpu")
+    assert block[-1] == f"verdict report: {run / 'verdict.json'} (the numbers 'disentangle eval {run}' gives)"
+    block = block[:-1]
     assert block == verdict_lines(report)
     assert report["verdict"]["verdict"] == block[-1].split(" (")[0].removeprefix("verdict: ")
     assert block[0].startswith("code usage:  slot 0 ") and block[2].startswith("factor label: NMI ")
+    # the run keeps it: eval's report on the same split, its verdict and step
+    saved = json.loads((run / "verdict.json").read_text())
+    assert saved["verdict"] == report["verdict"] and saved["step"] == report["step"] == 6
+    same = {k for k in report if k not in ("title", "data")}
+    assert {k: saved[k] for k in same} == {k: report[k] for k in same} and same <= set(saved)
+    assert saved["data"] == "the run's validation split (15 examples)"
     assert block[-1].startswith("verdict: ") and report["verdict"]["verdict"] in VERDICTS
 
 

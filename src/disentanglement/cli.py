@@ -166,9 +166,28 @@ def _run_train(args: argparse.Namespace) -> int:
     if judged is None:
         print("verdict: none (the run has no validation split to judge the latent on)")
     else:
+        report, verdict = judged
         print(f"on the validation split ({len(result.data.validation)} examples):")
-        print("\n".join(verdict_lines(*judged)))
+        print("\n".join(verdict_lines(report, verdict)))
+        saved = _write_verdict(result, report, verdict)
+        print(f"verdict report: {saved} (the numbers 'disentangle eval {result.output_dir}' gives)")
     return 0
+
+
+def _write_verdict(result, report: dict, verdict: dict) -> Path:
+    """The verdict's report in the run folder, ``RUN/verdict.json``: what ``eval``'s report on the validation split
+    holds, with the verdict, so that it outlives the terminal."""
+    from .commands import _write_json
+
+    report = {
+        "title": f"The verdict of {result.checkpoint} on its validation split",
+        "checkpoint": str(result.checkpoint),
+        "step": result.final_step,
+        "data": f"the run's validation split ({len(result.data.validation)} examples)",
+        **report,
+        "verdict": {"verdict": verdict["verdict"], "reason": verdict["reason"]},
+    }
+    return _write_json(Path(result.output_dir) / "verdict.json", report, root=result.output_dir)
 
 
 def _record_command(run_dir: Path, argv: Sequence[str] | None) -> None:

@@ -6,6 +6,7 @@ Layout::
       config.yaml              resolved config of the run
       metrics.jsonl            one JSON object per optimizer step (+ validation records)
       data_stats.json          data counts, truncation counts and c_base
+      verdict.json             the verdict train ends with: eval's report on the validation split
       feature_cache/           (older versions only) the frozen pass; now in the shared store, feature_store.py
       checkpoints/step-000050/ a complete checkpoint (see ``checkpoints.py``)
 
@@ -43,6 +44,7 @@ RUN_ARTEFACTS = frozenset(
         "tensorboard",
         "eval",
         "inspect",
+        "verdict.json",  # the verdict train ends with (cli.py)
         "encoder_refit.json",  # a refit-encoder run's (encoder_refit.py)
         "decoder_posterior.safetensors",
     }
