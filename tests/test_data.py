@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from collections import Counter
 
 import pytest
@@ -421,6 +422,47 @@ def test_split_is_deterministic_disjoint_and_covering():
     assert split_train_validation(items, 0.0, seed=0) == (items, [])
     assert len(split_train_validation([1, 2], 0.01, seed=0)[1]) == 1
     assert split_train_validation([1], 0.5, seed=0) == ([1], [])
+
+
+def test_a_split_by_key_keeps_each_pairs_copies_on_one_side():
+    items = list(range(50))
+    # no two items share a key: the split without one
+    assert split_train_validation(items, 0.2, seed=1, key=lambda i: i) == split_train_validation(items, 0.2, seed=1)
+    # 30 distinct items, ten of them three times over: no key on both sides, the count asked, deterministic
+    copied = [i % 30 for i in range(50)]
+    for seed in range(20):
+        train, val = split_train_validation(copied, 0.2, seed=seed, key=lambda i: i)
+        assert not set(train) & set(val) and sorted(train + val) == sorted(copied) and len(val) == 10
+        assert (train, val) == split_train_validation(copied, 0.2, seed=seed, key=lambda i: i)
+        walked = list(range(50))  # by hand: the permutation walked, a group held out where it fits in the count
+        random.Random(seed).shuffle(walked)
+        held: list[int] = []
+        for i in walked:
+            group = [j for j in range(50) if copied[j] == copied[i]]
+            if i not in held and len(held) + len(group) <= 10:
+                held += group
+        assert val == [copied[j] for j in sorted(held)]
+    # every group larger than the count: the first of the permutation, whole; never every item
+    two = ["a"] * 5 + ["b"] * 5
+    train, val = split_train_validation(two, 0.2, seed=0, key=str)
+    assert sorted(val) in (["a"] * 5, ["b"] * 5) and len(train) == 5
+    assert split_train_validation(["a"] * 4, 0.5, seed=0, key=str) == (["a"] * 4, [])
+
+
+def test_a_runs_split_keeps_copies_of_a_pair_on_one_side(caplog):
+    from disentanglement.config import build_config
+    from disentanglement.data import pair_ids
+    from disentanglement.splits import prepare_data
+
+    distinct = [PromptResponse(f"question {i}", f"answer {i}", None, f"s:{i}") for i in range(20)]
+    pairs = distinct + [distinct[3]] * 6 + [distinct[7]] * 2  # 28 pairs, 20 distinct
+    config = build_config(dict(chat_template=False, validation_fraction=0.25))
+    with caplog.at_level(logging.INFO, logger="disentanglement.splits"):
+        data = prepare_data(config, tiny_tokenizer(), pairs)
+    train, validation = {pair_ids(e) for e in data.train}, {pair_ids(e) for e in data.validation}
+    assert not train & validation and len(data.train) + len(data.validation) == 28
+    assert len(data.validation) == 7 and data.stats["copied_examples"] == 8
+    assert "8 of 28 examples are copies of another pair" in caplog.text
 
 
 def make_example(prompt, response, label=None):

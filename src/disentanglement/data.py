@@ -14,7 +14,7 @@ import json
 import logging
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -463,6 +463,11 @@ class Example:
     source: str
 
 
+def pair_ids(example: Example) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """An example's prompt and response ids: what makes two examples copies of one pair."""
+    return tuple(example.prompt_ids), tuple(example.response_ids)
+
+
 def _uses_template(tokenizer: Any, cfg: DataConfig) -> bool:
     return bool(cfg.chat_template and getattr(tokenizer, "chat_template", None))
 
@@ -659,13 +664,40 @@ def _log_tokenized(stats: dict, cfg: DataConfig) -> None:
 # split and batching
 
 
-def split_train_validation(items: Sequence[T], validation_fraction: float, seed: int) -> tuple[list[T], list[T]]:
+def _whole_groups(items: Sequence[T], order: list[int], count: int, key: Callable[[T], Hashable]) -> set[int]:
+    """:func:`split_train_validation`'s validation indices with ``key``: whole groups, walked in ``order``."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(key(item), []).append(i)
+    chosen: set[int] = set()
+    for i in order:
+        if len(chosen) == count:
+            break
+        group = groups[key(items[i])]
+        if i not in chosen and len(chosen) + len(group) <= count:
+            chosen.update(group)
+    if not chosen and count:  # every group is larger than the count: the first that leaves training something
+        group = next((groups[key(items[i])] for i in order if len(groups[key(items[i])]) < len(items)), [])
+        chosen.update(group)
+        if not group:
+            logger.warning("no validation set: all %d examples are copies of one pair", len(items))
+    return chosen
+
+
+def split_train_validation(
+    items: Sequence[T], validation_fraction: float, seed: int, key: Callable[[T], Hashable] | None = None
+) -> tuple[list[T], list[T]]:
     """A deterministic, disjoint, covering split into ``(train, validation)``.
 
     A ``random.Random(seed)`` permutation picks ``round(len(items) * validation_fraction)`` validation
     items, at least one when the fraction is positive and there are at least two items, and never all
     of them. Both parts keep the items' original order. When the fraction is positive but the split
     holds out nothing (fewer than two items), a WARNING says that there is no validation set and why.
+
+    With ``key``, items of one key (copies of one example) go to the same side: the permutation is walked and
+    an item's whole group goes to validation where it fits in what is left of the count, else the group stays
+    in training. Where no two items share a key the split is the one without ``key``; where no group fits, the
+    first group of the permutation that is not every item is held out whole, larger than asked.
     """
     if not 0 <= validation_fraction < 1:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
@@ -686,7 +718,7 @@ def split_train_validation(items: Sequence[T], validation_fraction: float, seed:
         )
     order = list(range(n))
     random.Random(seed).shuffle(order)
-    val_index = set(order[:n_val])
+    val_index = set(order[:n_val]) if key is None else _whole_groups(items, order, n_val, key)
     train = [item for i, item in enumerate(items) if i not in val_index]
     val = [item for i, item in enumerate(items) if i in val_index]
     return train, val

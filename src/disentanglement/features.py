@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from . import reference as reference_pass
 from .checkpoints import replace_file_durably
 from .cvae_base import ATTENTION_VIEWS, CVAEBase, FrozenFeatures, WeightingParams
-from .data import Batch, Example, collate, length_order
+from .data import Batch, Example, collate, length_order, pair_ids
 from .distributed import barrier, gather_objects, is_main, rank_and_size
 from .token_weighting import TokenWeighting, token_weighting_from_base_nll
 
@@ -224,7 +224,7 @@ class FeatureCache:
 def first_copies(examples: Sequence[Example]) -> list[int]:
     """For each example, the index of its first copy (the first example with the same prompt and response ids)."""
     first: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
-    return [first.setdefault((tuple(e.prompt_ids), tuple(e.response_ids)), i) for i, e in enumerate(examples)]
+    return [first.setdefault(pair_ids(e), i) for i, e in enumerate(examples)]
 
 
 def frozen_pass_batches(examples: Sequence[Example], batch_size: int = 16) -> list[list[int]]:
