@@ -430,3 +430,205 @@ def test_the_disentangle_command_writes_a_set_that_train_can_read(tmp_path, caps
     assert len(pairs) == 40 and set(pairs[0].label) == {"A", "B"}
     assert cli.main(["data", "synth", "two-factor", "--output", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ held-out files (--heldout)
+
+ALL_SETS = (*GENERATED, "chatterbot-style")
+HELDOUT_CASES = [(name, 800, 200, seed) for name in ALL_SETS for seed in (0, 1)] + [
+    ("clean", 40, 13, 2),
+    ("two-factor", 333, None, 3),
+    ("style-in-echo", 250, 60, 4),
+    ("style-in-content", 1000, 100, 5),
+    ("chatterbot-style", None, None, 0),
+    ("chatterbot-style", None, 300, 1),
+]
+
+
+@pytest.fixture(scope="module")
+def splits():
+    cache: dict = {}
+
+    def get(name, rows=800, heldout_rows=200, seed=0):
+        key = (name, rows, heldout_rows, seed)
+        if key not in cache:
+            cache[key] = synthetic.make_split(*key)
+        return cache[key]
+
+    return get
+
+
+def pairs_of(rows):
+    return {(row["prompt"], row["response"]) for row in rows}
+
+
+#: The sha256 (first 16 hex digits) of each (set, rows, seed)'s JSONL file as written before --heldout existed.
+UNCHANGED = {
+    ("clean", 800, 0): "8d1e3dff9d26800a",
+    ("clean", 37, 5): "ce2fe752fde2a94d",
+    ("two-factor", 800, 0): "e95d61e4e37b9675",
+    ("two-factor", 333, 1): "458ae95e0c554b13",
+    ("style-in-content", 800, 2): "93aecdb1a2e29053",
+    ("style-in-content", 1000, 0): "7fe87721dc6036cf",
+    ("style-in-echo", 800, 0): "5d0ff4f9de69b1a9",
+    ("style-in-echo", 250, 3): "1d709c5161869b61",
+    ("chatterbot-style", None, 0): "3f44cbbe1a901e4c",
+    ("chatterbot-style", 300, 1): "e71bd75a5493f43e",
+}
+
+
+@pytest.mark.parametrize(("name", "rows", "seed"), list(UNCHANGED))
+def test_without_heldout_the_rows_are_unchanged(name, rows, seed, tmp_path):
+    import hashlib
+
+    out = tmp_path / "rows.jsonl"
+    write_synthetic(name, out, rows, seed)
+    assert hashlib.sha256(out.read_bytes()).hexdigest()[:16] == UNCHANGED[name, rows, seed]
+    make = SYNTHETIC_SETS[name].make
+    assert make(rows, seed, part=None, heldout_share=0.5) == make(rows, seed)  # the share matters only to parts
+
+
+@pytest.mark.parametrize(("name", "rows", "heldout_rows", "seed"), HELDOUT_CASES)
+def test_heldout_prompts_never_occur_in_training(name, rows, heldout_rows, seed, splits):
+    train, heldout = splits(name, rows, heldout_rows, seed)
+    if rows is None and heldout_rows is None:  # chatterbot-style by default: every pair, about a fifth held out
+        assert len(train) + len(heldout) == len(synthetic._chatterbot_pairs())
+        assert 0.15 <= len(heldout) / len(train + heldout) <= 0.3
+    elif rows is not None:
+        assert len(train) == rows
+    if heldout_rows is not None or rows is not None:
+        assert len(heldout) == (heldout_rows if heldout_rows is not None else max(1, rows // 4))
+    assert not {row["prompt"] for row in train} & {row["prompt"] for row in heldout}
+    assert not {row["prompt"].strip() for row in train} & {row["prompt"].strip() for row in heldout}
+    assert not pairs_of(train) & pairs_of(heldout)
+    assert [row["source"] for row in train] == [f"synth/{name}:#{i}" for i in range(len(train))]
+    assert [row["source"] for row in heldout] == [f"synth/{name}:heldout#{i}" for i in range(len(heldout))]
+    for factor in SYNTHETIC_SETS[name].factors:  # every value of every factor in both parts
+        assert set(values(train, factor)) == set(values(heldout, factor)), factor
+
+
+@pytest.mark.parametrize(("name", "rows", "heldout_rows", "seed"), HELDOUT_CASES)
+def test_each_part_is_balanced(name, rows, heldout_rows, seed, splits):
+    train, heldout = splits(name, rows, heldout_rows, seed)
+    for part in (train, heldout):
+        if name == "chatterbot-style":  # the style within each category, as without --heldout
+            per_category: dict[str, Counter] = defaultdict(Counter)
+            for row in part:
+                per_category[row["label"]["category"]][row["label"]["style"]] += 1
+            for category, c in per_category.items():
+                assert max(c.values()) - min(c[s] for s in STYLE_MARKERS) <= 1, (category, c)
+            continue
+        for factor in SYNTHETIC_SETS[name].factors:
+            counts = Counter(values(part, factor))
+            assert len(counts) == (8 if factor == "topic" else 4)
+            # the tolerance of the whole set's design: at most 5 apart at these sizes (see balanced_design)
+            assert max(counts.values()) - min(counts.values()) <= 5, (factor, counts)
+    if name == "two-factor":  # A and B stay crossed in each part
+        for part in (train, heldout):
+            joint = Counter(zip(values(part, "A"), values(part, "B"), strict=True))
+            assert len(joint) == 16 and max(joint.values()) - min(joint.values()) <= 2, joint
+
+
+def test_what_each_set_holds_out_at_800_and_200_rows(splits):
+    counts = {}
+    for name in ALL_SETS:
+        train, heldout = splits(name)
+        counts[name] = (len(pairs_of(train)), len(pairs_of(heldout)))
+    assert counts["clean"] == (8 * 4, 2 * 4)  # 2 of 10 prompts held out
+    assert counts["two-factor"] == (8 * 16, 2 * 16)
+    assert counts["style-in-content"] == (8 * 4 * 5 * 4, 8 * 1 * 5 * 4)  # 1 of 5 questions per topic held out
+    assert counts["style-in-echo"] == (8 * 4 * 5 * 4, 8 * 1 * 5 * 4)  # 1 of 5 sentences per topic held out
+    # style-in-content: the answers are the topic's 5 in both parts, the questions differ
+    train, heldout = splits("style-in-content")
+    content = {synthetic._strip_style_marker(row["response"]) for row in heldout}
+    assert content == {synthetic._strip_style_marker(row["response"]) for row in train}
+    # style-in-echo: the held-out sentences occur nowhere in training, prompt or response
+    train, heldout = splits("style-in-echo")
+    unseen = {synthetic._strip_style_marker(row["response"]) for row in heldout}
+    assert len(unseen) == 8 and not any(s in row["prompt"] or s in row["response"] for row in train for s in unseen)
+
+
+@pytest.mark.parametrize("name", ALL_SETS)
+def test_the_split_is_deterministic_and_follows_the_seed(name):
+    rows = 400 if name == "chatterbot-style" else 200
+    assert synthetic.make_split(name, rows, 50, 7) == synthetic.make_split(name, rows, 50, 7)
+    axes = {frozenset(row["prompt"] for row in synthetic.make_split(name, rows, 50, seed)[1]) for seed in range(6)}
+    assert len(axes) >= 3  # another seed holds out other prompts
+
+
+@pytest.mark.parametrize(("name", "rows", "heldout_rows", "seed"), HELDOUT_CASES)
+def test_detect_factor_reads_every_heldout_row(name, rows, heldout_rows, seed, splits):
+    for row in splits(name, rows, heldout_rows, seed)[1]:
+        for factor, value in row["label"].items():
+            assert detect_factor(name, factor, row["response"]) == value, (row, factor)
+
+
+def test_heldout_rows_are_read_by_the_controllability_detector(splits):
+    from disentanglement.controllability import synthetic_detector
+
+    heldout = splits("two-factor")[1]
+    found = synthetic_detector([row["source"] for row in heldout])
+    assert found is not None and found[0] == "two-factor"
+
+
+def test_bad_splits_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="part must be one of"):
+        make_clean(10, 0, part="validation")
+    for share in (0, 1, 1.5, True):
+        with pytest.raises(ValueError, match="heldout_share must be a number between 0 and 1"):
+            make_clean(10, 0, part="train", heldout_share=share)
+    with pytest.raises(ValueError, match=r"held-out part has \d+ rows; --heldout-rows 2200 asks for more"):
+        synthetic.make_split("chatterbot-style", 100, 2200)
+    with pytest.raises(ValueError, match=r"training part has \d+ rows; --rows 2200 asks for more"):
+        synthetic.make_split("chatterbot-style", 2200)
+    with pytest.raises(ValueError, match="--heldout-rows 2296 asks for all or more"):
+        synthetic.make_split("chatterbot-style", None, 2296)
+    monkeypatch.setattr(synthetic, "CLEAN_PROMPTS", ("The only prompt.",))
+    with pytest.raises(ValueError, match="--heldout needs two or more clean prompts to hold some out, and there is 1"):
+        synthetic.make_split("clean", 10)
+    assert len(make_clean(10, 0)) == 10  # without --heldout a single prompt is fine
+
+
+def test_cli_writes_the_training_and_heldout_files(tmp_path, capsys):
+    out, held = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl"
+    argv = ["data", "synth", "style-in-echo", "--output", str(out), "--heldout", str(held), "--seed", "2"]
+    assert run_cli([*argv, "--rows", "80", "--heldout-rows", "30"]) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"wrote 80 rows to {out} and 30 held-out rows to {held} (factors: style, topic)"
+    )
+    read = [[json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()] for f in (out, held)]
+    assert tuple(read) == synthetic.make_split("style-in-echo", 80, 30, 2)
+    assert run_cli(argv) == 0  # defaults: 800 rows and a quarter as many held out
+    assert "wrote 800 rows" in capsys.readouterr().out and len(held.read_text().splitlines()) == 200
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heldout.jsonl", "train.jsonl"]
+
+
+def test_cli_refuses_bad_heldout_flags(tmp_path, capsys):
+    out = tmp_path / "train.jsonl"
+    with pytest.raises(SystemExit) as exc:
+        run_cli(["data", "synth", "clean", "--output", str(out), "--heldout-rows", "5"])
+    assert exc.value.code == 2 and "--heldout-rows needs --heldout" in capsys.readouterr().err
+    for same in (str(out), str(tmp_path / "." / "train.jsonl")):
+        with pytest.raises(ValueError, match="--heldout .* is the --output file"):
+            run_cli(["data", "synth", "clean", "--output", str(out), "--heldout", same])
+    with pytest.raises(ValueError, match="must end in .jsonl"):
+        run_cli(["data", "synth", "clean", "--output", str(out), "--heldout", str(tmp_path / "held.json")])
+    with pytest.raises(SystemExit):
+        run_cli(
+            [
+                "data",
+                "synth",
+                "clean",
+                "--output",
+                str(out),
+                "--heldout",
+                str(tmp_path / "h.jsonl"),
+                "--heldout-rows",
+                "0",
+            ]
+        )
+    assert not list(tmp_path.iterdir())  # nothing written
+    from disentanglement import cli as cli_module
+
+    assert cli_module.main(["data", "synth", "clean", "--output", str(out), "--heldout", str(out)]) == 2
+    assert "--heldout" in capsys.readouterr().err

@@ -3,8 +3,11 @@ once (one thread each), each skipped when its report exists; then the tables (``
 
     python benchmarks/cvae-adds/run.py [--out runs/cvae-adds] [--jobs 2] [--dailydialog FILE.jsonl] [--only NAME ...]
         [--recipes NAME ...] [--seeds N ...] [--dtype auto|bfloat16|float32] [--guidance G ...] [--refit]
+        [--heldout-split]
 
-Synthetic sets (``disentangle data synth``): 800 training rows of seed 0 and 200 held-out rows of seed 1, the
+Synthetic sets (``disentangle data synth``): 800 training rows of seed 0 and 200 "held-out" rows of seed 1 (drawn
+from the same combinations: every one of them is a training pair; ``--heldout-split``: 200 rows whose prompts
+never occur in training, ``data synth --heldout``), the
 thesis base (``benchmarks/thesis/base.yaml``: frozen SmolLM2-135M, K = 4 codes in one slot, 120 steps of 8) in
 bf16 (``--dtype auto``: float32 on a CPU without bf16 matmul instructions); ``chatterbot-style`` (the corpus with
 a hidden style marker) is evaluated on its run's validation split.
@@ -407,24 +410,36 @@ def sh(args: list[str], log: Path) -> None:
         subprocess.run(args, check=True, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
-def data_files(out: Path, name: str, dailydialog: Path | None) -> tuple[Path, str]:
-    """The training file and what to evaluate on."""
+#: the file that marks an --out folder whose synthetic held-out files are held out by prompt (--heldout-split)
+HELDOUT_MARKER = "heldout-split"
+
+
+def data_files(out: Path, name: str, dailydialog: Path | None, heldout_split: bool = False) -> tuple[Path, str]:
+    """The training file and what to evaluate on, written the first time (``heldout_split``: a synthetic set's
+    held-out rows from ``data synth --heldout``, whose prompts never occur in training; else seed 1's rows, which
+    are drawn from the same combinations as the training rows: at 800 rows every one of them is a training pair)."""
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     log = out / "data.log"
+    if heldout_split:
+        (data / HELDOUT_MARKER).touch()
     if name == "dailydialog":
         train, rest = data / "dd-train.jsonl", data / "dd-eval.jsonl"
         if not train.exists():
             sh([*DISENTANGLE, "data", "split", str(dailydialog), "--dialogues", "0-699", "--output", str(train),
                 "--rest", str(rest)], log)  # fmt: skip
         return train, str(rest)
-    train = data / f"{name}-train.jsonl"
+    train, heldout = data / f"{name}-train.jsonl", data / f"{name}-heldout.jsonl"
+    rows = [] if name == "chatterbot-style" else ["--rows", "800"]
+    if heldout_split and name != "chatterbot-style":
+        if not (train.exists() and heldout.exists()):
+            sh([*DISENTANGLE, "data", "synth", name, "--output", str(train), *rows, "--seed", "0", "--heldout",
+                str(heldout), "--heldout-rows", "200"], log)  # fmt: skip
+        return train, str(heldout)
     if not train.exists():
-        rows = [] if name == "chatterbot-style" else ["--rows", "800"]
         sh([*DISENTANGLE, "data", "synth", name, "--output", str(train), *rows, "--seed", "0"], log)
     if name == "chatterbot-style":
-        return train, "validation"
-    heldout = data / f"{name}-heldout.jsonl"
+        return train, "validation"  # the run's validation split: no pair of it in training (data.py's split)
     if not heldout.exists():
         sh([*DISENTANGLE, "data", "synth", name, "--output", str(heldout), "--rows", "200", "--seed", "1"], log)
     return train, str(heldout)
@@ -538,6 +553,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="also refit each run's encoder to its decoder's codes (refit-encoder) and evaluate that (NAME-refit.json)",
     )
+    parser.add_argument(
+        "--heldout-split",
+        action="store_true",
+        help="evaluate the synthetic sets on rows whose prompts never occur in training (data synth --heldout; "
+        "200 rows) instead of seed 1's rows, which repeat training pairs; use an --out folder of its own",
+    )
     args = parser.parse_args(argv)
     todo = [
         (name, recipe, seed)
@@ -548,8 +569,11 @@ def main(argv=None) -> int:
         and (args.seeds is None or seed in args.seeds)
         and (name != "dailydialog" or args.dailydialog)
     ]
+    marked = (args.out / "data" / HELDOUT_MARKER).exists()
+    if marked != args.heldout_split and any((args.out / "data").glob("*-heldout.jsonl")):
+        parser.error(f"{args.out}/data holds synthetic files made {'with' if marked else 'without'} --heldout-split")
     for name, _, _ in todo:  # data first, once, before the runs share it
-        data_files(args.out, name, args.dailydialog)
+        data_files(args.out, name, args.dailydialog, args.heldout_split)
     with ThreadPoolExecutor(args.jobs) as pool:
         futures = {
             pool.submit(one_run, args.out, *t, args.dailydialog, args.dtype, args.guidance, args.refit): t for t in todo

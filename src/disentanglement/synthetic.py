@@ -1,6 +1,6 @@
 """Built-in hidden-factor data sets: check what a latent captures against factors that are known.
 
-    disentangle data synth NAME --output FILE.jsonl [--rows N] [--seed S]
+    disentangle data synth NAME --output FILE.jsonl [--rows N] [--seed S] [--heldout HELDOUT.jsonl [--heldout-rows M]]
     disentangle data synth --list
 
 Each set is a pure function ``make_NAME(rows, seed) -> list[dict]`` whose rows are
@@ -17,6 +17,12 @@ nothing about a hidden factor, and two hidden factors say nothing about each oth
 800 rows there is no partial copy: ``clean`` has each of its 10 prompts 20 times, 5 times with each
 style; ``two-factor`` each (prompt, A, B) 5 times; ``style-in-content`` each (topic, question, answer,
 style) once; ``style-in-echo`` each (topic, sentence, template, style) once.
+
+So a second seed of a set draws from the same product: its rows are not held out. ``--heldout``
+(:func:`make_split`) is: it keeps a seeded share of the set's content axis (its prompts; style-in-content's
+questions; style-in-echo's sentences; chatterbot-style's prompt texts) out of the training rows and draws the
+held-out rows, sourced ``synth/NAME:heldout#i``, from it alone, so no held-out prompt occurs in training while
+every factor value is in both, balanced as above.
 
 :data:`SYNTHETIC_SETS` maps each name to a :class:`SyntheticSet` (callable like its ``make_NAME``,
 with a one-line ``description``, its ``factors`` and ``default_rows``); :func:`write_synthetic`
@@ -170,8 +176,38 @@ def _balanced_part(
     return taken
 
 
-def _row(name: str, index: int, prompt: str, response: str, label: dict[str, str]) -> Row:
-    return {"prompt": prompt, "response": response, "label": dict(label), "source": f"synth/{name}:#{index}"}
+#: The parts of a set split by ``--heldout`` (:func:`make_split`); None is the whole set, as without it.
+PARTS = (None, "train", "heldout")
+
+#: The held-out share of a set's content axis when none is given: a fifth, so the held-out rows are a
+#: quarter as many as the training rows (``--heldout-rows`` defaults to a quarter of ``--rows``).
+HELDOUT_SHARE = 0.2
+
+
+def _check_part(part: str | None, share: float) -> None:
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
+        raise ValueError(f"heldout_share must be a number between 0 and 1 (both excluded), got {share!r}")
+
+
+def _axis(rng: random.Random, items: Sequence[Any], part: str | None, share: float, what: str) -> tuple[Any, ...]:
+    """``items`` for ``part``: all of them (part None; ``rng`` untouched, so the rows are as without a split), or
+    the kept (``"train"``) or held-out (``"heldout"``) ones of a seeded split that holds out ``round(share *
+    len(items))`` of them, at least one and never all, each part in the items' order. ``what`` names the items
+    in the error for fewer than two."""
+    _check_part(part, share)
+    if part is None:
+        return tuple(items)
+    if len(items) < 2:
+        raise ValueError(f"--heldout needs two or more {what} to hold some out, and there is {len(items)}")
+    held = set(rng.sample(range(len(items)), min(len(items) - 1, max(1, round(len(items) * share)))))
+    return tuple(item for i, item in enumerate(items) if (i in held) == (part == "heldout"))
+
+
+def _row(name: str, index: int, prompt: str, response: str, label: dict[str, str], part: str | None = None) -> Row:
+    source = f"synth/{name}:heldout#{index}" if part == "heldout" else f"synth/{name}:#{index}"
+    return {"prompt": prompt, "response": response, "label": dict(label), "source": source}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -200,12 +236,21 @@ CLEAN_RESPONSES: dict[str, str] = {
 }
 
 
-def make_clean(rows: int = 800, seed: int = 0) -> list[Row]:
-    """``clean``: a neutral prompt answered by one of 4 fixed phrasings chosen by the hidden ``style``."""
+def make_clean(
+    rows: int = 800, seed: int = 0, *, part: str | None = None, heldout_share: float = HELDOUT_SHARE
+) -> list[Row]:
+    """``clean``: a neutral prompt answered by one of 4 fixed phrasings chosen by the hidden ``style``.
+
+    ``part`` ``"train"`` / ``"heldout"``: the rows of the kept / held-out ``CLEAN_PROMPTS`` (a seeded
+    ``heldout_share`` of them), every style in both (:func:`make_split`).
+    """
     _check_rows(rows)
-    design = balanced_design(random.Random(seed), [CLEAN_PROMPTS, tuple(CLEAN_RESPONSES)], rows)
+    rng = random.Random(seed)
+    prompts = _axis(rng, CLEAN_PROMPTS, part, heldout_share, "clean prompts")
+    design = balanced_design(rng, [prompts, tuple(CLEAN_RESPONSES)], rows)
     return [
-        _row("clean", i, prompt, CLEAN_RESPONSES[style], {"style": style}) for i, (prompt, style) in enumerate(design)
+        _row("clean", i, prompt, CLEAN_RESPONSES[style], {"style": style}, part)
+        for i, (prompt, style) in enumerate(design)
     ]
 
 
@@ -251,18 +296,21 @@ def two_factor_response(a: str, b: str) -> str:
     return f"{opener} {TWO_FACTOR_SENTENCE.format(word=a)} {closer}"
 
 
-def make_two_factor(rows: int = 800, seed: int = 0) -> list[Row]:
+def make_two_factor(
+    rows: int = 800, seed: int = 0, *, part: str | None = None, heldout_share: float = HELDOUT_SHARE
+) -> list[Row]:
     """``two-factor``: ``A`` (one rare surprising word) and ``B`` (a predictable phrasing), independent.
 
     See the module docstring for what it tests: raw reconstruction tends to give a small latent
-    ``B``, surprisal-weighted reconstruction should give it ``A``.
+    ``B``, surprisal-weighted reconstruction should give it ``A``. ``part`` ``"train"`` / ``"heldout"``: the
+    rows of the kept / held-out ``TWO_FACTOR_PROMPTS`` (a seeded ``heldout_share``), ``A`` and ``B`` crossed in both.
     """
     _check_rows(rows)
-    design = balanced_design(
-        random.Random(seed), [TWO_FACTOR_PROMPTS, TWO_FACTOR_WORDS, tuple(TWO_FACTOR_PHRASINGS)], rows
-    )
+    rng = random.Random(seed)
+    prompts = _axis(rng, TWO_FACTOR_PROMPTS, part, heldout_share, "two-factor prompts")
+    design = balanced_design(rng, [prompts, TWO_FACTOR_WORDS, tuple(TWO_FACTOR_PHRASINGS)], rows)
     return [
-        _row("two-factor", i, prompt, two_factor_response(a, b), {"A": a, "B": b})
+        _row("two-factor", i, prompt, two_factor_response(a, b), {"A": a, "B": b}, part)
         for i, (prompt, a, b) in enumerate(design)
     ]
 
@@ -489,18 +537,29 @@ def _detect_topic(text: str) -> str | None:
     return winners[0] if best > 0 and len(winners) == 1 else None
 
 
-def make_style_in_content(rows: int = 800, seed: int = 0) -> list[Row]:
-    """``style-in-content``: a topic answer that the prompt predicts, with a hidden ``style`` marker."""
+def make_style_in_content(
+    rows: int = 800, seed: int = 0, *, part: str | None = None, heldout_share: float = HELDOUT_SHARE
+) -> list[Row]:
+    """``style-in-content``: a topic answer that the prompt predicts, with a hidden ``style`` marker.
+
+    ``part`` ``"train"`` / ``"heldout"`` holds out QUESTION indices (a seeded ``heldout_share`` of the 5, the
+    same for every topic), not answers: the prompt is the question alone, so held-out answers would leave
+    every held-out prompt a training prompt, while held-out questions make every held-out prompt unseen. The
+    answers stay the topic's 5 in both parts (the set's point: content one of 5 per topic that the prompt
+    cannot pick), and every topic and style is in both.
+    """
     _check_rows(rows)
+    rng = random.Random(seed)
     questions_per_topic = len(next(iter(TOPICS.values()))[0])
     answers_per_topic = len(next(iter(TOPICS.values()))[1])
-    choices = [tuple(TOPICS), range(questions_per_topic), range(answers_per_topic), tuple(STYLE_MARKERS)]
-    design = balanced_design(random.Random(seed), choices, rows)
+    kept_questions = _axis(rng, range(questions_per_topic), part, heldout_share, "questions per topic")
+    choices = [tuple(TOPICS), kept_questions, range(answers_per_topic), tuple(STYLE_MARKERS)]
+    design = balanced_design(rng, choices, rows)
     out = []
     for i, (topic, q, a, style) in enumerate(design):
         questions, answers = TOPICS[topic]
         response = apply_style_marker(answers[a], style)
-        out.append(_row("style-in-content", i, questions[q], response, {"style": style, "topic": topic}))
+        out.append(_row("style-in-content", i, questions[q], response, {"style": style, "topic": topic}, part))
     return out
 
 
@@ -518,20 +577,28 @@ ECHO_TEMPLATES: tuple[str, ...] = (
 )
 
 
-def make_style_in_echo(rows: int = 800, seed: int = 0) -> list[Row]:
+def make_style_in_echo(
+    rows: int = 800, seed: int = 0, *, part: str | None = None, heldout_share: float = HELDOUT_SHARE
+) -> list[Row]:
     """``style-in-echo``: the prompt gives a topic sentence to repeat, the response repeats it with a hidden
-    ``style`` marker: content the prompt predicts exactly, a style it says nothing about."""
+    ``style`` marker: content the prompt predicts exactly, a style it says nothing about.
+
+    ``part`` ``"train"`` / ``"heldout"`` holds out SENTENCE indices (a seeded ``heldout_share`` of the 5, the
+    same for every topic): the prompt carries its sentence, so every held-out prompt (and response) has a
+    sentence never seen in training, while every template, topic and style is in both parts.
+    """
     _check_rows(rows)
+    rng = random.Random(seed)
     answers_per_topic = len(next(iter(TOPICS.values()))[1])
-    choices = [tuple(TOPICS), range(answers_per_topic), range(len(ECHO_TEMPLATES)), tuple(STYLE_MARKERS)]
-    design = balanced_design(random.Random(seed), choices, rows)
+    kept_sentences = _axis(rng, range(answers_per_topic), part, heldout_share, "sentences per topic")
+    choices = [tuple(TOPICS), kept_sentences, range(len(ECHO_TEMPLATES)), tuple(STYLE_MARKERS)]
+    design = balanced_design(rng, choices, rows)
     out = []
     for i, (topic, a, t, style) in enumerate(design):
         sentence = TOPICS[topic][1][a]
         prompt = ECHO_TEMPLATES[t].format(sentence=sentence)
-        out.append(
-            _row("style-in-echo", i, prompt, apply_style_marker(sentence, style), {"style": style, "topic": topic})
-        )
+        response = apply_style_marker(sentence, style)
+        out.append(_row("style-in-echo", i, prompt, response, {"style": style, "topic": topic}, part))
     return out
 
 
@@ -556,20 +623,68 @@ def _chatterbot_response_categories() -> dict[str, str]:
     return {response.strip(): category for _, response, category in _chatterbot_pairs()}
 
 
-def make_chatterbot_style(rows: int | None = None, seed: int = 0) -> list[Row]:
+def _chatterbot_part(rng: random.Random, part: str, share: float) -> list[int]:
+    """The indices (in corpus order) of ``_chatterbot_pairs()`` in ``part`` of a seeded split by PROMPT TEXT:
+    the pairs are grouped by their stripped prompt (the corpus repeats a pair, and a prompt, many times), and
+    within each category (a group's first pair's) groups are held out in seeded order until they hold
+    ``share`` of the category's pairs, at least one group and never all: no held-out prompt text occurs in
+    the training part, and every category is in both."""
+    pairs = _chatterbot_pairs()
+    groups: dict[str, list[int]] = {}
+    for i, (prompt, _, _) in enumerate(pairs):
+        groups.setdefault(prompt.strip(), []).append(i)
+    strata: dict[str, list[list[int]]] = {}
+    for members in groups.values():
+        strata.setdefault(pairs[members[0]][2], []).append(members)
+    held: set[int] = set()
+    for category in sorted(strata):
+        stratum = strata[category]
+        if len(stratum) < 2:
+            raise ValueError(f"--heldout needs two or more prompts in every category; {category!r} has 1")
+        target, taken = share * sum(len(members) for members in stratum), 0
+        for members in rng.sample(stratum, len(stratum))[:-1]:
+            held.update(members)
+            taken += len(members)
+            if taken >= target:
+                break
+    return [i for i in range(len(pairs)) if (i in held) == (part == "heldout")]
+
+
+def make_chatterbot_style(
+    rows: int | None = None, seed: int = 0, *, part: str | None = None, heldout_share: float = HELDOUT_SHARE
+) -> list[Row]:
     """``chatterbot-style``: real chatterbot pairs with a hidden ``style`` marker on the response.
 
     ``rows`` None (the default) keeps every pair; fewer keeps a seeded subset in corpus order; more
-    than there are is an error. The style is balanced within each category.
+    than there are is an error. The style is balanced within each category. ``part`` ``"train"`` /
+    ``"heldout"``: the same from the kept / held-out prompt texts (:func:`_chatterbot_part`), a subset then
+    keeping every category when ``rows`` allows it.
     """
+    _check_part(part, heldout_share)
     pairs = _chatterbot_pairs()
-    if rows is None:
-        rows = len(pairs)
-    _check_rows(rows)
-    if rows > len(pairs):
-        raise ValueError(f"chatterbot-style has {len(pairs)} rows; --rows {rows} asks for more")
     rng = random.Random(seed)
-    keep = sorted(rng.sample(range(len(pairs)), rows))
+    pool = range(len(pairs)) if part is None else _chatterbot_part(rng, part, heldout_share)
+    if rows is None:
+        rows = len(pool)
+    _check_rows(rows)
+    if rows > len(pool):
+        flag, what = ("--heldout-rows", "held-out part") if part == "heldout" else ("--rows", "training part")
+        where = (
+            f"chatterbot-style has {len(pairs)} rows"
+            if part is None
+            else f"chatterbot-style's {what} has {len(pool)} rows"
+        )
+        raise ValueError(f"{where}; {flag} {rows} asks for more")
+    if part is None:
+        keep = sorted(rng.sample(pool, rows))
+    else:  # the first row of each category in a seeded order, then the rest in it: every category in both parts
+        order = rng.sample(pool, len(pool))
+        firsts: dict[str, int] = {}
+        for i in order:
+            firsts.setdefault(pairs[i][2], i)
+        chosen = list(firsts.values())[:rows]
+        taken = set(chosen)
+        keep = sorted(chosen + [i for i in order if i not in taken][: rows - len(chosen)])
     by_category: dict[str, list[int]] = {}
     for i in keep:
         by_category.setdefault(pairs[i][2], []).append(i)
@@ -582,7 +697,7 @@ def make_chatterbot_style(rows: int | None = None, seed: int = 0) -> list[Row]:
     for n, i in enumerate(keep):
         prompt, response, category = pairs[i]
         styled = apply_style_marker(response, style_of[i])
-        out.append(_row("chatterbot-style", n, prompt, styled, {"style": style_of[i], "category": category}))
+        out.append(_row("chatterbot-style", n, prompt, styled, {"style": style_of[i], "category": category}, part))
     return out
 
 
@@ -652,6 +767,36 @@ def _get_set(name: str) -> SyntheticSet:
     return SYNTHETIC_SETS[name]
 
 
+def make_split(
+    name: str, rows: int | None = None, heldout_rows: int | None = None, seed: int = 0
+) -> tuple[list[Row], list[Row]]:
+    """``(training rows, held-out rows)`` of set ``name``: no held-out row's prompt occurs in a training row.
+
+    A seeded share ``heldout_rows / (rows + heldout_rows)`` of the set's content axis is held out (its prompts;
+    style-in-content's questions; style-in-echo's sentences; chatterbot-style's prompt texts), at least one
+    item and never all; each part is then the set's balanced design over its own items (``part`` of the
+    ``make_NAME`` functions), ``rows`` and ``heldout_rows`` rows, with every factor value in both. ``rows``
+    None is the set's default; ``heldout_rows`` None a quarter of ``rows`` (at least 1). chatterbot-style
+    with ``rows`` None keeps every pair of its training part, and, with ``heldout_rows`` None too, every
+    pair of its held-out part, about a fifth of the corpus; ``heldout_rows`` alone holds out that share of it.
+    """
+    spec = _get_set(name)
+    for count in (rows, heldout_rows):
+        if count is not None:
+            _check_rows(count)
+    size = spec.default_rows if rows is None else rows
+    if size is None:  # chatterbot-style's every pair: the share is of the whole corpus
+        total = len(_chatterbot_pairs())
+        if heldout_rows is not None and heldout_rows >= total:
+            raise ValueError(f"{name} has {total} rows; --heldout-rows {heldout_rows} asks for all or more")
+        share = HELDOUT_SHARE if heldout_rows is None else heldout_rows / total
+    else:
+        heldout_rows = max(1, size // 4) if heldout_rows is None else heldout_rows
+        share = heldout_rows / (size + heldout_rows)
+    train = spec.make(size, seed, part="train", heldout_share=share)
+    return train, spec.make(heldout_rows, seed, part="heldout", heldout_share=share)
+
+
 def detect_factor(set_name: str, factor: str, text: str) -> str | None:
     """The value of ``factor`` that the response ``text`` of set ``set_name`` shows, or None when it shows no
     single value. Matching is word for word, ignoring case, punctuation and spacing:
@@ -704,6 +849,17 @@ def check_output_path(path: str | Path) -> Path:
     return out
 
 
+def _write_rows(out: Path, path: str | Path, data: list[Row]) -> int:
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in data)
+    from .safe_io import atomic_write
+
+    try:
+        atomic_write(out, text)  # the file mode follows the umask; a link at the path is replaced, not followed
+    except OSError as exc:
+        raise ValueError(f"cannot write output path {path}: {exc.strerror or exc}") from exc
+    return len(data)
+
+
 def write_synthetic(name: str, path: str | Path, rows: int | None = None, seed: int = 0) -> int:
     """Write set ``name`` (``rows`` None = its default) to the JSONL file ``path``; the number of rows.
 
@@ -713,15 +869,26 @@ def write_synthetic(name: str, path: str | Path, rows: int | None = None, seed: 
     """
     spec = _get_set(name)
     out = check_output_path(path)
-    data = spec(rows, seed)
-    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in data)
-    from .safe_io import atomic_write
+    return _write_rows(out, path, spec(rows, seed))
 
-    try:
-        atomic_write(out, text)  # the file mode follows the umask; a link at the path is replaced, not followed
-    except OSError as exc:
-        raise ValueError(f"cannot write output path {path}: {exc.strerror or exc}") from exc
-    return len(data)
+
+def write_split(
+    name: str,
+    path: str | Path,
+    heldout_path: str | Path,
+    rows: int | None = None,
+    heldout_rows: int | None = None,
+    seed: int = 0,
+) -> tuple[int, int]:
+    """Write :func:`make_split`'s training rows to ``path`` and held-out rows to ``heldout_path`` (as
+    :func:`write_synthetic` writes); the two numbers of rows. Both paths are checked before anything is
+    generated, and must differ."""
+    _get_set(name)
+    out, heldout_out = check_output_path(path), check_output_path(heldout_path)
+    if out.resolve() == heldout_out.resolve():
+        raise ValueError(f"--heldout {heldout_path} is the --output file; give the held-out rows a file of their own")
+    train, heldout = make_split(name, rows, heldout_rows, seed)
+    return _write_rows(out, path, train), _write_rows(heldout_out, heldout_path, heldout)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -762,8 +929,15 @@ def run_synth(args: argparse.Namespace) -> int:
         return 0
     if args.name is None or args.output is None:
         args.synth_parser.error("NAME and --output are required (or --list)")
-    count = write_synthetic(args.name, args.output, args.rows, args.seed)
-    print(f"wrote {count} rows to {args.output} (factors: {', '.join(SYNTHETIC_SETS[args.name].factors)})")
+    factors = ", ".join(SYNTHETIC_SETS[args.name].factors)
+    if args.heldout is None:
+        if args.heldout_rows is not None:
+            args.synth_parser.error("--heldout-rows needs --heldout (the file to write the held-out rows to)")
+        count = write_synthetic(args.name, args.output, args.rows, args.seed)
+        print(f"wrote {count} rows to {args.output} (factors: {factors})")
+        return 0
+    count, heldout = write_split(args.name, args.output, args.heldout, args.rows, args.heldout_rows, args.seed)
+    print(f"wrote {count} rows to {args.output} and {heldout} held-out rows to {args.heldout} (factors: {factors})")
     return 0
 
 
@@ -784,6 +958,18 @@ def add_data_arguments(data: argparse.ArgumentParser) -> None:
     synth.add_argument("--output", help="the .jsonl file to write (replaced if it exists; required unless --list)")
     synth.add_argument("--rows", type=_positive_int, help="number of rows (default: the set's, 800 for most)")
     synth.add_argument("--seed", type=_int, default=0, help="random seed (default: 0)")
+    synth.add_argument(
+        "--heldout",
+        metavar="HELDOUT.jsonl",
+        help="also write held-out rows here, whose prompts never occur in --output: a seeded share of the set's "
+        "prompts (style-in-content: questions; style-in-echo: sentences) is kept out of the training rows",
+    )
+    synth.add_argument(
+        "--heldout-rows",
+        type=_positive_int,
+        help="number of held-out rows (default: a quarter of --rows, or for chatterbot-style without --rows every "
+        "pair of its held-out prompts; needs --heldout)",
+    )
     synth.add_argument("--list", action="store_true", help="list the sets with their descriptions and exit")
     synth.set_defaults(func=run_synth, synth_parser=synth)
     from .corpora import add_corpus_subcommands
