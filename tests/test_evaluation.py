@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -416,3 +417,33 @@ def test_factors_of_an_untrained_multi_slot_model():
     assert "factors" not in evaluate(
         model, examples, cache, tok.pad_token_id, scoring=Scoring(iw_samples=1), progress=False
     )
+
+
+def test_eval_says_how_many_examples_the_run_trained_on(discrete_run, tmp_path):
+    from disentanglement.commands import eval_summary_lines
+
+    def evaluate(data):
+        report, _, _ = run_eval(
+            discrete_run.checkpoint,
+            data=data,
+            output=tmp_path / f"{Path(data).stem}.json",
+            exact_limit=1,
+            prior_samples=2,
+            progress=False,
+            model_and_tokenizer=model_and_tokenizer(),
+        )
+        return report
+
+    whole, validation, train = evaluate(str(discrete_run.data_path)), evaluate("validation"), evaluate("train")
+    # the run's data file is its training split and its validation split, which holds no training pair
+    assert validation["seen_in_training"]["pairs"] == 0
+    assert whole["seen_in_training"]["pairs"] == whole["examples"] - validation["examples"] == train["examples"]
+    assert whole["seen_in_training"]["prompts"] >= whole["seen_in_training"]["pairs"]
+    assert "seen_in_training" not in train  # all of it, by definition
+    warning = f"warning: {train['examples']} of the {whole['examples']} examples are pairs the run trained on"
+    assert any(line.startswith(warning) for line in eval_summary_lines(whole))
+    assert not any(line.startswith("warning:") for line in eval_summary_lines(validation))
+    assert json.loads((tmp_path / "validation.json").read_text())["seen_in_training"] == {
+        "pairs": 0,
+        "prompts": validation["seen_in_training"]["prompts"],
+    }

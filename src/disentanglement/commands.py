@@ -43,6 +43,7 @@ from .runs import (
     load_checkpoint,
     load_examples,
     resolve_run,
+    seen_in_training,
     stored_features,
 )
 
@@ -96,6 +97,7 @@ def run_eval(
         checkpoint, model_and_tokenizer, options.device, processes
     )
     examples, description = load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
+    seen = seen_in_training(options.data, config, tokenizer, examples)
     cache = stored_features(
         model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress and main, state=processes
     )
@@ -105,6 +107,7 @@ def run_eval(
         "checkpoint": str(checkpoint_dir),
         "step": state.get("step"),
         "data": description,
+        **({} if seen is None else {"seen_in_training": seen}),
         **body,
     }
     if not main:
@@ -191,8 +194,15 @@ DECODER_HINT_MARGIN = 0.05
 def eval_summary_lines(report: dict) -> list[str]:
     """The headline numbers of an evaluation report, one per line, and the verdict (:func:`verdict.judge`):
     code usage or active units, each factor's NMI beside its baselines, then ``verdict: ...``."""
-    lines = [
-        f"examples: {report['examples']} ({report['response_tokens']} response tokens) from {report['data']}",
+    lines = [f"examples: {report['examples']} ({report['response_tokens']} response tokens) from {report['data']}"]
+    seen = report.get("seen_in_training")
+    if seen and seen["pairs"]:
+        lines.append(
+            f"warning: {seen['pairs']} of the {report['examples']} examples are pairs the run trained on (prompt and "
+            "response): on them the numbers measure what training saw, not held-out data ('data synth --heldout' "
+            "writes held-out rows of a built-in set)"
+        )
+    lines += [
         f"latent gain:  {report['latent_gain_nats_per_token']:+.4f} nats/token "
         f"(token-weighted {report['token_weighted_latent_gain_nats_per_token']:+.4f}); prior as "
         f"{report['prior_mixture']['method']} over {report['prior_mixture']['latents']} latents",

@@ -19,11 +19,14 @@ Importing this module loads nothing heavy (torch and transformers load when a mo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .splits import SPLITS
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -101,6 +104,27 @@ def load_examples(
     if not examples:
         raise ValueError(f"no examples in {description}")
     return examples, description
+
+
+def seen_in_training(data: str | None, config: RunConfig, tokenizer: Any, examples: list[Example]) -> dict | None:
+    """How many of ``examples`` (``eval``'s ``--data``) the run trained on: ``{"pairs": k, "prompts": m}``, the
+    examples whose prompt and response ids, and whose prompt ids alone, occur in the run's training split. None
+    for ``--data train``, and where the run's data cannot be read again (a warning says why)."""
+    from .data import DataError, pair_ids
+    from .splits import prepare_data
+
+    if (data or "validation") == "train":
+        return None
+    try:
+        train = prepare_data(config, tokenizer).train
+    except (OSError, ValueError, DataError) as exc:
+        logger.warning("cannot say which examples the run trained on: its data %s: %s", config.data.data, exc)
+        return None
+    pairs, prompts = {pair_ids(e) for e in train}, {tuple(e.prompt_ids) for e in train}
+    return {
+        "pairs": sum(pair_ids(e) in pairs for e in examples),
+        "prompts": sum(tuple(e.prompt_ids) in prompts for e in examples),
+    }
 
 
 def check_writable_target(path: str | Path, flag: str, directory: bool = False) -> None:
