@@ -428,20 +428,21 @@ def test_a_split_by_key_keeps_each_pairs_copies_on_one_side():
     items = list(range(50))
     # no two items share a key: the split without one
     assert split_train_validation(items, 0.2, seed=1, key=lambda i: i) == split_train_validation(items, 0.2, seed=1)
-    # 30 distinct items, ten of them three times over: no key on both sides, the count asked, deterministic
-    copied = [i % 30 for i in range(50)]
+    # 60 distinct items, 40 of them twice, one 30 times: no key on both sides, the count asked, deterministic
+    copied = [i % 60 for i in range(100)] + [7] * 28
     for seed in range(20):
-        train, val = split_train_validation(copied, 0.2, seed=seed, key=lambda i: i)
-        assert not set(train) & set(val) and sorted(train + val) == sorted(copied) and len(val) == 10
-        assert (train, val) == split_train_validation(copied, 0.2, seed=seed, key=lambda i: i)
-        walked = list(range(50))  # by hand: the permutation walked, a group held out where it fits in the count
-        random.Random(seed).shuffle(walked)
+        train, val = split_train_validation(copied, 0.25, seed=seed, key=lambda i: i)
+        assert not set(train) & set(val) and sorted(train + val) == sorted(copied) and len(val) == 32
+        assert 7 not in val  # 30 copies: more than a tenth of the 32 asked
+        assert (train, val) == split_train_validation(copied, 0.25, seed=seed, key=lambda i: i)
+        groups = list(range(60))  # by hand: the groups (first occurrence order) walked in a seeded order
+        random.Random(seed).shuffle(groups)
         held: list[int] = []
-        for i in walked:
-            group = [j for j in range(50) if copied[j] == copied[i]]
-            if i not in held and len(held) + len(group) <= 10:
-                held += group
-        assert val == [copied[j] for j in sorted(held)]
+        for g in groups:
+            size = copied.count(g)
+            if len(held) < 32 and size <= min(3, 32 - len(held)):
+                held += [g] * size
+        assert sorted(val) == sorted(held)
     # every group larger than the count: the first of the permutation, whole; never every item
     two = ["a"] * 5 + ["b"] * 5
     train, val = split_train_validation(two, 0.2, seed=0, key=str)

@@ -664,20 +664,25 @@ def _log_tokenized(stats: dict, cfg: DataConfig) -> None:
 # split and batching
 
 
-def _whole_groups(items: Sequence[T], order: list[int], count: int, key: Callable[[T], Hashable]) -> set[int]:
-    """:func:`split_train_validation`'s validation indices with ``key``: whole groups, walked in ``order``."""
+def _whole_groups(items: Sequence[T], count: int, seed: int, key: Callable[[T], Hashable]) -> set[int]:
+    """:func:`split_train_validation`'s validation indices with ``key``: whole groups, each group equally likely
+    whatever its size (a ``random.Random(seed)`` permutation of the groups in order of first occurrence), one held
+    out where it fits in what is left of the count and holds at most a tenth of it (at least one item)."""
     groups: dict[Hashable, list[int]] = {}
     for i, item in enumerate(items):
         groups.setdefault(key(item), []).append(i)
+    members = list(groups.values())
+    order = list(range(len(members)))
+    random.Random(seed).shuffle(order)
+    cap = max(1, count // 10)
     chosen: set[int] = set()
-    for i in order:
+    for g in order:
         if len(chosen) == count:
             break
-        group = groups[key(items[i])]
-        if i not in chosen and len(chosen) + len(group) <= count:
-            chosen.update(group)
-    if not chosen and count:  # every group is larger than the count: the first that leaves training something
-        group = next((groups[key(items[i])] for i in order if len(groups[key(items[i])]) < len(items)), [])
+        if len(members[g]) <= min(cap, count - len(chosen)):
+            chosen.update(members[g])
+    if not chosen and count:  # no group fits: the first of the permutation that leaves training something
+        group = next((members[g] for g in order if len(members[g]) < len(items)), [])
         chosen.update(group)
         if not group:
             logger.warning("no validation set: all %d examples are copies of one pair", len(items))
@@ -694,10 +699,13 @@ def split_train_validation(
     of them. Both parts keep the items' original order. When the fraction is positive but the split
     holds out nothing (fewer than two items), a WARNING says that there is no validation set and why.
 
-    With ``key``, items of one key (copies of one example) go to the same side: the permutation is walked and
-    an item's whole group goes to validation where it fits in what is left of the count, else the group stays
-    in training. Where no two items share a key the split is the one without ``key``; where no group fits, the
-    first group of the permutation that is not every item is held out whole, larger than asked.
+    With ``key``, items of one key (copies of one example) go to the same side, and validation draws the groups,
+    not the items, at random: a seeded permutation of the groups is walked and a group goes to validation where
+    it fits in what is left of the count and holds at most a tenth of the count, else it stays in training (a
+    pair the chatterbot corpus repeats 121 times would otherwise be half of a 231-pair validation split, and a
+    walk over the items would hold it out 121 times as often as a pair seen once). Where no two items share a key
+    the split is the one without ``key``; where no group fits, the first group of the permutation that is not
+    every item is held out whole, larger than asked.
     """
     if not 0 <= validation_fraction < 1:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
@@ -716,9 +724,12 @@ def split_train_validation(
             n,
             "" if n == 1 else "s",
         )
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    val_index = set(order[:n_val]) if key is None else _whole_groups(items, order, n_val, key)
+    if key is None:
+        order = list(range(n))
+        random.Random(seed).shuffle(order)
+        val_index = set(order[:n_val])
+    else:
+        val_index = _whole_groups(items, n_val, seed, key)
     train = [item for i, item in enumerate(items) if i not in val_index]
     val = [item for i, item in enumerate(items) if i in val_index]
     return train, val
