@@ -178,12 +178,14 @@ def _write_verdict(result, report: dict, verdict: dict) -> Path:
     """The verdict's report in the run folder, ``RUN/verdict.json``: what ``eval``'s report on the validation split
     holds, with the verdict, so that it outlives the terminal."""
     from .commands import _write_json
+    from .runs import training_overlap
 
     report = {
         "title": f"The verdict of {result.checkpoint} on its validation split",
         "checkpoint": str(result.checkpoint),
         "step": result.final_step,
         "data": f"the run's validation split ({len(result.data.validation)} examples)",
+        "seen_in_training": training_overlap(result.data.train, result.data.validation),
         **report,
         "verdict": {"verdict": verdict["verdict"], "reason": verdict["reason"]},
     }

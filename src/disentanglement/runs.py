@@ -110,7 +110,7 @@ def seen_in_training(data: str | None, config: RunConfig, tokenizer: Any, exampl
     """How many of ``examples`` (``eval``'s ``--data``) the run trained on: ``{"pairs": k, "prompts": m}``, the
     examples whose prompt and response ids, and whose prompt ids alone, occur in the run's training split. None
     for ``--data train``, and where the run's data cannot be read again (a warning says why)."""
-    from .data import DataError, pair_ids
+    from .data import DataError
     from .splits import prepare_data
 
     if (data or "validation") == "train":
@@ -120,6 +120,14 @@ def seen_in_training(data: str | None, config: RunConfig, tokenizer: Any, exampl
     except (OSError, ValueError, DataError) as exc:
         logger.warning("cannot say which examples the run trained on: its data %s: %s", config.data.data, exc)
         return None
+    return training_overlap(train, examples)
+
+
+def training_overlap(train: list[Example], examples: list[Example]) -> dict[str, int]:
+    """``{"pairs": k, "prompts": m}``: the ``examples`` whose prompt and response ids, and whose prompt ids alone,
+    occur in ``train``."""
+    from .data import pair_ids
+
     pairs, prompts = {pair_ids(e) for e in train}, {tuple(e.prompt_ids) for e in train}
     return {
         "pairs": sum(pair_ids(e) in pairs for e in examples),
