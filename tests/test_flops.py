@@ -46,9 +46,8 @@ def test_a_jobs_flops_by_phase_counted_by_hand():
     def fwd_bwd(length, scored):
         return fwd(length, scored) + sum(input_backward_flops(shape, length, scored).values())
 
-    job = job_flops(
-        shape, train, validation, 1, steps=3, batch_size=2, validated=validation, validations=5, verdict_decodes=4
-    )
+    counts = dict(steps=3, batch_size=2, validated=validation, validations=5, verdict_decodes=4)
+    job = job_flops(shape, train, validation, 1, **counts)
     assert job["frozen_pass"] == fwd(2, 1) + fwd(4, 2) + fwd(4, 1)
     assert job["steps"] == (fwd_bwd(3, 1) + fwd_bwd(5, 2)) / 2 * 3 * 2
     assert job["validation"] == fwd(5, 1) * 5
@@ -58,36 +57,14 @@ def test_a_jobs_flops_by_phase_counted_by_hand():
     assert empty["validation"] == empty["verdict"] == 0
     # a shared prefix computed once per batch: 3 positions fewer, each the linear layers' 2 x (q 4x4, k and v
     # 4x2, o 4x4, the MLP's three 4x6) = 240 FLOPs
-    shared = job_flops(
-        shape,
-        train,
-        validation,
-        1,
-        steps=3,
-        batch_size=2,
-        validated=validation,
-        validations=5,
-        verdict_decodes=4,
-        shared_prefix_positions=3,
-    )
+    shared = job_flops(shape, train, validation, 1, **counts, shared_prefix_positions=3)
     assert job["frozen_pass"] - shared["frozen_pass"] == 3 * 240
-    # the pass over each distinct example once: a copy of the first training example adds nothing to it
-    copied = job_flops(
-        shape,
-        [*train, (1, 1)],
-        validation,
-        1,
-        steps=3,
-        batch_size=2,
-        validated=validation,
-        validations=5,
-        verdict_decodes=4,
-        frozen=[*train, *validation],
-    )
-    assert copied["frozen_pass"] == job["frozen_pass"]
     assert {k: shared[k] for k in ("steps", "validation", "verdict")} == {
         k: job[k] for k in ("steps", "validation", "verdict")
     }
+    # the pass over each distinct example once: a copy of the first training example adds nothing to it
+    copied = job_flops(shape, [*train, (1, 1)], validation, 1, **counts, frozen=[*train, *validation])
+    assert copied["frozen_pass"] == job["frozen_pass"]
 
 
 def test_the_formula_matches_torchs_flop_counter_on_a_tiny_llama():
