@@ -4,8 +4,8 @@
 #   1. set-up: scripts/setup.sh (torch==2.13.0 from PyPI is the CUDA build on a Linux x86 GPU machine)
 #   2. the device: torch sees CUDA, its name, CUDA version and bf16 support
 #   3. the test suite (pytest -q; the tests build their tiny models on the CPU)
-#   4. CUDA smoke runs of the trainer: a few steps of the main job's config, frozen decoder, then LoRA with
-#      --gradient-checkpointing; generation from the first one's checkpoint, plain and guided (--guidance 2)
+#   4. CUDA smoke runs of the trainer: a few steps of the main job's config, frozen decoder (--preset frozen), then
+#      the default's LoRA with --gradient-checkpointing; generation from the first one's checkpoint, plain and guided (--guidance 2)
 #   5. benchmarks/step_cost.py in bf16: the embedded SmolLM2-135M (with case (g), activation checkpointing, and the
 #      useful-FLOP MFU and --profile breakdown; on CUDA the matmul rate is torch.matmul's on the GPU),
 #      and the decoder-size table of real shapes with random weights (MODELS, config:smollm2-1.7b among them);
@@ -98,7 +98,8 @@ fi
 # 4. CUDA smoke runs of the trainer (the model cache of the main job's later run is a different, empty folder)
 SMOKE_CACHE="$LOG_DIR/smoke_model_cache"
 export DISENTANGLEMENT_FEATURE_CACHE="$LOG_DIR/smoke_feature_cache"  # not the user's feature cache
-run_step smoke_frozen "$PY" -m disentanglement.cli train --config configs/default.yaml --device "$DEVICE" \
+run_step smoke_frozen "$PY" -m disentanglement.cli train --config configs/default.yaml --preset frozen \
+    --device "$DEVICE" \
     --max-steps "$SMOKE_STEPS" --eval-every "$SMOKE_STEPS" --save-every "$SMOKE_STEPS" --no-progress \
     --output-dir "$LOG_DIR/smoke_frozen" --model-cache-dir "$SMOKE_CACHE" "${EXAMPLES[@]}"
 run_step smoke_lora_checkpointed "$PY" -m disentanglement.cli train --config configs/default.yaml \
@@ -106,7 +107,8 @@ run_step smoke_lora_checkpointed "$PY" -m disentanglement.cli train --config con
     --max-steps "$SMOKE_STEPS" --eval-every "$SMOKE_STEPS" --save-every "$SMOKE_STEPS" --no-progress \
     --output-dir "$LOG_DIR/smoke_lora" --model-cache-dir "$SMOKE_CACHE" "${EXAMPLES[@]}"
 # the same run again into another folder: it reads the feature cache the first one filled (no frozen pass)
-run_step smoke_frozen_again "$PY" -m disentanglement.cli train --config configs/default.yaml --device "$DEVICE" \
+run_step smoke_frozen_again "$PY" -m disentanglement.cli train --config configs/default.yaml --preset frozen \
+    --device "$DEVICE" \
     --max-steps "$SMOKE_STEPS" --eval-every "$SMOKE_STEPS" --save-every "$SMOKE_STEPS" --no-progress \
     --output-dir "$LOG_DIR/smoke_frozen_again" --model-cache-dir "$SMOKE_CACHE" "${EXAMPLES[@]}"
 grep -qE ", 0 computed$" "$LOG_DIR/smoke_frozen_again.log" || { echo "gpu_check: the second run ran the frozen pass" >&2; exit 1; }

@@ -473,7 +473,9 @@ def test_type_messages():
     assert str(info.value) == "TrainConfig.feature_cache must be a boolean (true/false), got 'no' (str)"
     with pytest.raises(ConfigError, match=r"DataConfig\.max_examples must be an integer or null, got 1\.5 \(float\)"):
         build_config({"max_examples": 1.5})
-    with pytest.raises(ConfigError, match=r"lora_target_modules must be a list of strings, got 'q_proj' \(str\)"):
+    with pytest.raises(
+        ConfigError, match=r"lora_target_modules must be a list of strings or null, got 'q_proj' \(str\)"
+    ):
         build_config({"lora_target_modules": "q_proj"})
     with pytest.raises(ConfigError, match=r"\(item 3 is int\)"):
         build_config({"lora_target_modules": ["q_proj", 3]})
@@ -482,7 +484,8 @@ def test_type_messages():
 def test_floats_accept_ints_and_optional_fields_accept_none():
     run = build_config({"lora_alpha": 16, "beta": 0, "zfree_reference_scale": 2, "max_examples": None, "model": None})
     assert run.model.lora_alpha == 16 and run.kl.beta == 0 and run.reconstruction.zfree_reference_scale == 2
-    assert build_config({"lora_target_modules": []}).model.lora_target_modules == []
+    # an empty list of LoRA modules is a list of strings (a frozen decoder needs none; LoRA refuses it)
+    assert build_config({"lora_target_modules": [], "preset": "frozen"}).model.lora_target_modules == []
 
 
 def test_typed_flags_pass_the_type_check():
@@ -504,7 +507,10 @@ def test_typed_flags_pass_the_type_check():
         ("output_dir: 5\n", "TrainConfig.output_dir must be a string, got 5 (int)"),
         ("model: [a, b]\n", "ModelConfig.model must be a string or null, got ['a', 'b'] (list)"),
         ("data:\n  data: 3\n", "DataConfig.data must be a string, got 3 (int)"),
-        ("lora_target_modules: q_proj\n", "ModelConfig.lora_target_modules must be a list of strings, got 'q_proj'"),
+        (
+            "lora_target_modules: q_proj\n",
+            "ModelConfig.lora_target_modules must be a list of strings or null, got 'q_proj'",
+        ),
         ("max_steps: 1.5\n", "TrainConfig.max_steps must be an integer, got 1.5 (float)"),
         ("batch_size: true\n", "TrainConfig.batch_size must be an integer, got True (bool)"),
         ("kl:\n  beta: -1\n", "KLConfig.beta must be >= 0, got -1"),

@@ -37,6 +37,7 @@ PROCESSES, BATCH = 2, 2  # per process; the one-process run takes PROCESSES * BA
 STEPS = 6
 #: The run: a k-means codebook, refreshed at step 2 (the first half), codes restarted after 2 unused steps.
 RUN = dict(
+    preset="frozen",  # the decoder frozen and the straight-through uncentred (a centred run centres per process)
     dtype="float32",
     reconstruction_weight=1.0,  # the recipe the run was written against (the defaults before issue 23)
     token_weight_alpha=1.0,
@@ -64,6 +65,9 @@ def _flags(values: dict) -> list[str]:
     """Config fields as the command line's flags."""
     out = []
     for name, value in values.items():
+        if name == "preset":
+            out += ["--preset", value]
+            continue
         flag = field_flag(FIELDS[name][1])
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])

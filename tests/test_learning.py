@@ -10,6 +10,8 @@ the fastest learning setup).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -96,8 +98,11 @@ def test_latent_recovers_the_hidden_factor(tmp_path, embedded, hidden_factor_pai
 
 @pytest.mark.slow
 def test_real_defaults_train_a_few_steps(tmp_path, embedded):
-    """The embedded model with the chatterbot corpus and the chat template, as the main job runs it."""
+    """The embedded model with the chatterbot corpus and the chat template, as the main job runs it: the default
+    recipe's LoRA adapters (on a copy: the module's model stays frozen) train, the model's own weights do not."""
     decoder, tokenizer = embedded
+    decoder = copy.deepcopy(decoder)
+    before = {name: p.detach().clone() for name, p in decoder.named_parameters()}
     config = build_config(
         dict(
             output_dir=str(tmp_path),
@@ -110,8 +115,14 @@ def test_real_defaults_train_a_few_steps(tmp_path, embedded):
             token_weighted_weight=1.0,
         )
     )
+    assert config.model.decoder_training == "lora" and config.centers_straight_through
     result = train(config, (decoder, tokenizer))
     assert result.final_step == 3 and result.checkpoint is not None
+    adapters = {n: p for n, p in result.model.decoder.named_parameters() if "lora_B" in n}
+    assert adapters and all(p.abs().sum() > 0 for p in adapters.values())  # B starts at zero and moved
+    for name, p in result.model.decoder.get_base_model().named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(p, before[name.replace(".base_layer", "")]), name
     assert result.data.stats["chat_template"] is True
     assert 1.0 < result.zfree_reference_scale < 8.0  # nats per token of a real LM on dialogue
     for key in ("loss", "reconstruction_loss", "token_weighted_reconstruction_loss", "val_reconstruction_loss"):

@@ -86,7 +86,7 @@ TRAIN_CASES = [
     case("model-list", config_yaml("model: [a, b]\n"), "ModelConfig.model must be a string or null, got ['a', 'b'] (list)"),
     case("data-number", config_yaml("data: 3\n"), "config file {file}: DataConfig.data must be a string, got 3 (int)"),
     case("data-list", config_yaml("data:\n  data: [a.jsonl]\n"), "DataConfig.data must be a string, got ['a.jsonl'] (list)"),
-    case("lora-target-modules-string", config_yaml("lora_target_modules: q_proj\n"), "ModelConfig.lora_target_modules must be a list of strings, got 'q_proj' (str); write a list: [q_proj] in a config file"),
+    case("lora-target-modules-string", config_yaml("lora_target_modules: q_proj\n"), "ModelConfig.lora_target_modules must be a list of strings or null, got 'q_proj' (str); write a list: [q_proj] in a config file"),
     case("lora-target-modules-number-item", config_yaml("lora_target_modules: [q_proj, 3]\n"), "got ['q_proj', 3] (list) (item 3 is int)"),
     case("int-field-given-1.5", config_yaml("max_steps: 1.5\n"), "config file {file}: TrainConfig.max_steps must be an integer, got 1.5 (float)"),
     case("int-field-given-bool", config_yaml("train:\n  batch_size: true\n"), "TrainConfig.batch_size must be an integer, got True (bool)"),

@@ -462,7 +462,14 @@ def test_codebook_lr_gives_the_codebook_a_group_of_its_own(codebook_lr):
     from disentanglement.trainer import make_optimizer
 
     config = build_config(
-        dict(chat_template=False, latent="discrete", codebook_lr=codebook_lr, latent_lr=3e-2, warmup_steps=0)
+        dict(
+            chat_template=False,
+            latent="discrete",
+            codebook_lr=codebook_lr,
+            latent_lr=3e-2,
+            warmup_steps=0,
+            preset="frozen",  # the groups of a frozen decoder (LoRA adds a "decoder" group)
+        )
     )
     torch.manual_seed(0)
     model = build_cvae(config, tiny_llama(len(tiny_tokenizer())))
@@ -535,7 +542,9 @@ def test_encoder_hold_steps_holds_the_encoder_and_the_codebook_while_the_project
         build_config(dict(chat_template=False, encoder_hold_steps=5, max_steps=5))
     tokenizer = tiny_tokenizer()
     config = build_config(
-        dict(chat_template=False, latent="discrete", encoder_hold_steps=3, warmup_steps=1, max_steps=20)
+        dict(
+            chat_template=False, latent="discrete", encoder_hold_steps=3, warmup_steps=1, max_steps=20, preset="frozen"
+        )
     )
     pairs = make_hidden_factor_pairs([f"q {i}" for i in range(8)], kind="clean")
     examples, _ = tokenize_pairs(pairs, tokenizer, config.data)

@@ -24,7 +24,8 @@ from disentanglement.sweep import build_spec
 ROOT = Path(__file__).parent.parent
 DEFAULT_YAML = ROOT / "configs" / "default.yaml"
 
-#: The default recipe, written out here independently of config.PRESETS (docs/what-the-cvae-adds.md).
+#: The default recipe, written out here independently of config.PRESETS (docs/what-the-cvae-adds.md, sections 8 and
+#: 33: centered-lora-240).
 MEASURED = {
     "reconstruction_weight": 1.0,
     "sequence_reconstruction_weight": 0.0,
@@ -34,26 +35,26 @@ MEASURED = {
     "zfree_relative_weight": 0.0,
     "token_weight_alpha": 2.0,
     "encoder_view": "token_weighted",
-    "centered_straight_through": False,
-    "decoder_training": "frozen",
-    "decoder_lr": 1e-4,
+    "centered_straight_through": None,  # centred wherever there is a nearest code (RunConfig.centers_straight_through)
+    "decoder_training": "lora",
+    "decoder_lr": 1e-3,
     "latent_placement": "prefix",
     "codebook_init": "kmeans",
     "decoder_posterior_weight": 0.0,
     "decoder_posterior_start": 0,
     "decoder_posterior_target": "hard",
-    "max_steps": 200,
+    "max_steps": 240,
 }
+#: The default before section 33 (preset frozen): the same objective and view, the decoder frozen, 200 steps.
+FROZEN = dict(MEASURED, centered_straight_through=False, decoder_training="frozen", decoder_lr=1e-4, max_steps=200)
 #: The seed notes' recipe: the token-weighted term beside the raw one, alpha 1, the mean view.
-SEED = dict(MEASURED, reconstruction_weight=1.0, token_weighted_weight=1.0, token_weight_alpha=1.0)
+SEED = dict(FROZEN, reconstruction_weight=1.0, token_weighted_weight=1.0, token_weight_alpha=1.0)
 #: Term 3 alone at alpha 2 with the same view: the default before issue 22.
-TERM3 = dict(MEASURED, reconstruction_weight=0.0)
+TERM3 = dict(FROZEN, reconstruction_weight=0.0)
 SEED["encoder_view"] = "mean_last"
-#: What configs/default.yaml trains: its settings before issue 23, with the recipe that issue 22 made the default
-#: (term 1 added to term 3).
-MAIN_JOB_BEFORE = {
+#: What configs/default.yaml trains: its settings of issue 23, with the default recipe.
+MAIN_JOB = {
     "model": None,
-    "decoder_training": "frozen",
     "data": "chatterbot",
     "chat_template": True,
     "max_prompt_tokens": 64,
@@ -68,7 +69,6 @@ MAIN_JOB_BEFORE = {
     "beta_schedule": "linear",
     "beta_warmup_steps": 50,
     "output_dir": "runs/default",
-    "max_steps": 200,
     "batch_size": 8,
     "encoder_lr": 1e-3,
     "latent_lr": 3e-2,
@@ -99,14 +99,15 @@ def test_bare_defaults_are_the_default_preset_and_the_measured_recipe():
     assert recipe(build_config({})) == MEASURED
     assert PRESETS["default"] == MEASURED
     assert flat(build_config({"preset": "default"})) == flat(build_config({}))
-    assert build_config({}).train.max_steps == 200  # one figure everywhere (the flag's default was 300)
+    assert build_config({}).train.max_steps == 240  # one figure everywhere (the flag's default was 300)
+    assert build_config({}).centers_straight_through  # null: centred, the main job's latent has nearest codes
     assert recipe(train_config(["--data", "mine.jsonl"])) == MEASURED  # a bare train on the user's data
 
 
 def test_default_yaml_is_the_defaults_plus_the_main_jobs_data_model_and_output():
     main_job = flat(resolve_config(DEFAULT_YAML))
     assert recipe(resolve_config(DEFAULT_YAML)) == MEASURED
-    assert {k: main_job[k] for k in MAIN_JOB_BEFORE} == MAIN_JOB_BEFORE  # the main job is unchanged
+    assert {k: main_job[k] for k in MAIN_JOB} == MAIN_JOB
     defaults = flat(build_config({}))
     differs = {k for k in FIELDS if main_job[k] != defaults[k]}
     assert differs <= MAIN_JOB_OWN, differs - MAIN_JOB_OWN
@@ -132,16 +133,69 @@ def test_every_preset_sets_the_whole_recipe_and_validates():
         assert recipe(build_config({"preset": name})) == values
 
 
-@pytest.mark.parametrize("preset, training, lr", [("centered-lora", "lora", "1e-3"), ("centered-full", "full", "5e-5")])
-def test_preset_centered_is_the_default_with_the_centred_gradient_and_a_trained_decoder(preset, training, lr):
-    """The recipes of docs/what-the-cvae-adds.md's sections 8 and 12 (run.py's centered-lora and centered-full), by
-    flag and by file."""
-    want = dict(MEASURED, centered_straight_through=True, decoder_training=training, decoder_lr=float(lr))
-    assert recipe(train_config(["--preset", preset])) == want
-    assert recipe(build_config({"preset": preset})) == want
+def test_preset_centered_full_is_the_frozen_recipe_with_the_centred_gradient_and_the_whole_decoder():
+    """Section 12's recipe (run.py's centered-full), by flag and by file."""
+    want = dict(FROZEN, centered_straight_through=True, decoder_training="full", decoder_lr=5e-5)
+    assert recipe(train_config(["--preset", "centered-full"])) == want
+    assert recipe(build_config({"preset": "centered-full"})) == want
     # the flags run.py passes for it give the same config
-    by_flags = train_config(["--centered-straight-through", "--decoder-training", training, "--decoder-lr", lr])
-    assert flat(by_flags) == flat(build_config({"preset": preset}))
+    by_flags = train_config(
+        ["--preset", "frozen", "--centered-straight-through", "--decoder-training", "full", "--decoder-lr", "5e-5"]
+    )
+    assert flat(by_flags) == flat(build_config({"preset": "centered-full"}))
+
+
+def test_preset_frozen_is_the_default_before_section_33_and_centered_lora_the_default():
+    assert recipe(build_config({"preset": "frozen"})) == recipe(train_config(["--preset", "frozen"])) == FROZEN
+    assert recipe(build_config({"preset": "centered-lora"})) == MEASURED
+    # run.py's centered-lora-240 (the frozen base's flags): the default, centred by name rather than by null
+    lora_240 = [
+        "--centered-straight-through",
+        "--decoder-training",
+        "lora",
+        "--decoder-lr",
+        "1e-3",
+        "--max-steps",
+        "240",
+    ]
+    by_flags = train_config(["--preset", "frozen", *lora_240])
+    assert recipe(by_flags) == dict(MEASURED, centered_straight_through=True)
+    assert by_flags.centers_straight_through == build_config({}).centers_straight_through is True
+
+
+def test_the_default_centring_follows_the_latent():
+    """null centres where the nearest code's straight-through exists, so the default recipe trains every latent."""
+    cases = [
+        ({}, True),
+        ({"latent": "continuous"}, False),
+        ({"assignment": "gumbel"}, False),
+        ({"batch_size": 1}, False),
+        ({"preset": "frozen"}, False),
+    ]
+    for values, centred in cases:
+        assert build_config(values).centers_straight_through is centred, values
+    for given in (True, False):
+        assert build_config({"centered_straight_through": given}).centers_straight_through is given
+    # given true, where there is nothing to centre, it is refused rather than ignored
+    with pytest.raises(ConfigError, match="centered_straight_through .*needs the discrete latent"):
+        build_config({"centered_straight_through": True, "latent": "continuous"})
+    with pytest.raises(ConfigError, match="batch_size >= 2"):
+        build_config({"centered_straight_through": True, "batch_size": 1})
+
+
+def test_the_centring_flag_takes_true_false_and_null(capsys):
+    assert train_config(["--centered-straight-through"]).latent.centered_straight_through is True
+    assert train_config(["--no-centered-straight-through"]).latent.centered_straight_through is False
+    for text, value in (("true", True), ("false", False), ("null", None), ("none", None)):
+        config = train_config(["--preset", "frozen", "--centered-straight-through", text])
+        assert config.latent.centered_straight_through is value, text
+    for argv, message in (
+        (["--centered-straight-through", "maybe"], "invalid choice: 'maybe'"),
+        (["--no-centered-straight-through=true"], "--no-centered-straight-through takes no value, got 'true'"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["train", *argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_precedence_defaults_then_preset_then_file_then_flags(tmp_path):
@@ -214,8 +268,8 @@ def test_a_preset_given_with_resume_goes_over_the_stored_recipe(tmp_path):
 
     run = tmp_path / "run"
     run.mkdir()
-    write_run_config(build_config({"output_dir": str(run)}), run / "config.yaml")
-    assert recipe(train_config(["--resume", "auto", "--output-dir", str(run)])) == MEASURED  # as stored
+    write_run_config(build_config({"output_dir": str(run), "preset": "frozen"}), run / "config.yaml")
+    assert recipe(train_config(["--resume", "auto", "--output-dir", str(run)])) == FROZEN  # as stored
     assert recipe(train_config(["--resume", "auto", "--output-dir", str(run), "--preset", "seed"])) == SEED
     flagged = train_config(
         ["--resume", "auto", "--output-dir", str(run), "--preset", "seed", "--encoder-view", "token_weighted"]
@@ -295,20 +349,21 @@ def test_a_steer_run_of_fewer_steps_resumes_with_its_preset(tmp_path):
     assert seeded["encoder_view"] == "mean_last"
 
 
-def test_every_preset_but_steer_keeps_the_code_before_the_prompt_and_200_steps():
+def test_every_preset_but_steer_keeps_the_code_before_the_prompt_and_200_steps_but_the_default():
     """The fields presets gained with steer are, in every other preset, the values they had as dataclass defaults:
-    those presets resolve as before."""
+    those presets resolve as before. The default (and centered-lora, its name in the tables) trains 240 steps."""
     new = ("latent_placement", "codebook_init", "decoder_posterior_weight", "decoder_posterior_start",
            "decoder_posterior_target", "max_steps")  # fmt: skip
     for name, values in PRESETS.items():
         if name != "steer":
-            assert {k: values[k] for k in new} == {k: MEASURED[k] for k in new}, name
+            steps = 240 if name in ("default", "centered-lora") else 200
+            assert {k: values[k] for k in new} == dict({k: FROZEN[k] for k in new}, max_steps=steps), name
 
 
 def test_sweep_cell_with_preset_steer_and_a_base_that_sets_the_steps():
     spec = build_spec({}, ["f", "s preset=steer"], seeds=[0])
-    frozen, steer = (spec.config(c, 0, Path("out")) for c in ("f", "s"))
-    assert recipe(frozen) == MEASURED and recipe(steer) == STEER
+    default, steer = (spec.config(c, 0, Path("out")) for c in ("f", "s"))
+    assert recipe(default) == MEASURED and recipe(steer) == STEER
     longer = build_spec({"max_steps": 400}, ["s preset=steer"], seeds=[0]).config("s", 0, Path("out"))
     assert recipe(longer) == dict(STEER, max_steps=400)  # the base's steps win over the cell's preset
     with pytest.raises(ConfigError, match="cell 's'.*decoder_posterior_start.*never run"):

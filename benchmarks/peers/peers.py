@@ -284,7 +284,8 @@ def our_config(out: Path, data: Path, model_dir: Path, latent: str, steps: int, 
         data=str(data),
         latent=latent,
         max_response_tokens=32,
-        # the main job's recipe (configs/default.yaml): term 3 only at alpha 2, token-weighted encoder view
+        # the peers' comparison recipe (preset term3, over the thesis base's frozen decoder): term 3 only at alpha 2,
+        # token-weighted encoder view
         reconstruction_weight=0.0,
         token_weighted_weight=1.0,
         normalized_concentration_corrected_token_weighted_weight=0.0,

@@ -121,10 +121,11 @@ def _check_types(cfg: Any) -> None:
         if _matches(value, hint):
             continue
         message = f"{section}.{f.name} must be {_describe(hint)}, got {value!r} ({type(value).__name__})"
-        if typing.get_origin(hint) is list and isinstance(value, list):
-            bad = next(v for v in value if not _matches(v, typing.get_args(hint)[0]))
+        listed = base_type(hint)  # list[str] | None: its list
+        if typing.get_origin(listed) is list and isinstance(value, list):
+            bad = next(v for v in value if not _matches(v, typing.get_args(listed)[0]))
             message += f" (item {bad!r} is {type(bad).__name__})"
-        elif typing.get_origin(hint) is list and isinstance(value, str):
+        elif typing.get_origin(listed) is list and isinstance(value, str):
             message += f"; write a list: [{value}] in a config file, {field_flag(f)} {value} on the command line"
         raise ConfigError(message, field=f.name)
 
@@ -219,10 +220,16 @@ def _recipe(**values: Any) -> dict[str, Any]:
     return recipe
 
 
-#: The default recipe's objective and view (terms 1 + 3 at alpha 2, the token_weighted view): the "default" preset,
-#: and what the centered-* presets add to.
+#: The objective and view of the recipes since issue 22 (terms 1 + 3 at alpha 2, the token_weighted view): the
+#: "default" and "frozen" presets', and what the centered-* presets add to.
 _DEFAULT_OBJECTIVE: dict[str, Any] = dict(
     reconstruction_weight=1.0, token_weighted_weight=1.0, token_weight_alpha=2.0, encoder_view="token_weighted"
+)
+
+#: The default recipe: that objective, the centred straight-through wherever there is one (None: the discrete latent
+#: with nearest codes; LatentConfig.centered_straight_through), LoRA adapters on the decoder at 1e-3, 240 steps.
+_DEFAULT: dict[str, Any] = dict(
+    _DEFAULT_OBJECTIVE, centered_straight_through=None, decoder_training="lora", decoder_lr=1e-3, max_steps=240
 )
 
 #: The centred straight-through and the whole decoder fine-tuned over the default objective: preset centered-full,
@@ -234,15 +241,23 @@ _CENTERED_FULL: dict[str, Any] = dict(
 #: Named recipes (``train --preset NAME``, ``sweep --preset NAME``, ``preset: NAME`` in a config file). Each sets
 #: every field of :data:`RECIPE_FIELDS`. THE ONE PLACE the default recipe is written: the dataclass defaults of
 #: those fields are ``PRESETS[DEFAULT_PRESET]``'s values, so a bare ``disentangle train``, ``--preset default`` and
-#: ``configs/default.yaml`` train the same recipe; to change the default recipe, edit ``"default"`` here (its
-#: objective, ``_DEFAULT_OBJECTIVE``, is also the centered-* presets', whose tests pin the measured values).
+#: ``configs/default.yaml`` train the same recipe; to change the default recipe, edit ``_DEFAULT`` here (tests pin
+#: the measured values: tests/test_presets.py).
 #: Precedence: dataclass defaults < preset < config file < flags.
 PRESETS: dict[str, dict[str, Any]] = {
-    # The default (docs/what-the-cvae-adds.md): terms 1 + 3 at alpha 2, the encoder pooling with term 3's shares.
-    # Term 3 takes the surprising factor; term 1 trains every token, so the likelihood stays and the codes steer
-    # generation (term 3 alone: posterior NLL 2.25 against 0.52, the code's factor read back from 3% of the
-    # generations against 81% on two-factor).
-    "default": _recipe(**_DEFAULT_OBJECTIVE),
+    # The default since issue 22's item 3 (docs/what-the-cvae-adds.md, sections 8 and 33): terms 1 + 3 at alpha 2
+    # with the encoder pooling by term 3's shares, the centred straight-through and LoRA adapters on the decoder (the
+    # z-free reference: the adapters off), 240 steps. On prompts training never saw it takes two-factor's rare word
+    # and style-in-echo's hidden style at NMI 1.000 on every seed, every code writes its value in every generation,
+    # and the posterior NLL is 0.15-0.84 x raw reconstruction's with the same adapters. Term 3 takes the surprising
+    # factor; term 1 trains every token, so the likelihood stays and the codes steer.
+    "default": _recipe(**_DEFAULT),
+    # The default's name in the tables (docs/what-the-cvae-adds.md's centered-lora-240): the same recipe.
+    "centered-lora": _recipe(**_DEFAULT),
+    # The default before the adapters (issue 22 item 1 to section 33): the same objective and view, the decoder
+    # frozen, the straight-through uncentred, 200 steps. Cheaper (no adapters to train) but on held-out prompts it
+    # takes style-in-echo's style on no seed at 0.9 and two-factor's word at 0.76-0.80 on two of three.
+    "frozen": _recipe(**_DEFAULT_OBJECTIVE),
     # Term 3 alone at alpha 2 with the same view: the default before issue 22 (the thesis tables' recipe).
     "term3": _recipe(token_weighted_weight=1.0, token_weight_alpha=2.0, encoder_view="token_weighted"),
     # The seed notes' recipe: the token-weighted term added to the raw term (not replacing it), alpha 1, the
@@ -252,30 +267,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # Raw reconstruction: term 1 only, the mean view (the tables' baseline rows; the defaults before issue 23).
     "raw": _recipe(reconstruction_weight=1.0, token_weight_alpha=1.0, encoder_view="mean_last"),
-    # The default with the centred straight-through and LoRA adapters on the decoder (the reference: the adapters
-    # off): the one recipe measured to take two-factor's rare word (NMI 1.000) and style-in-echo's hidden style
-    # (0.982) on every seed with the posterior NLL at or under raw reconstruction's with the same adapters
-    # (240 steps of 8; docs/what-the-cvae-adds.md, section 8). Not the default: on the main job (chatterbot) the
-    # adapters learn what the codes held (latent gain +0.0001 against the default's +0.035), on DailyDialog it ties
-    # the default, and each step also trains the adapters.
-    "centered-lora": _recipe(
-        **_DEFAULT_OBJECTIVE, centered_straight_through=True, decoder_training="lora", decoder_lr=1e-3
-    ),
-    # The default with the centred straight-through and the whole decoder fine-tuned (float32; the reference: a
-    # frozen copy): where the content the prompt predicts outweighs a hidden style in term 3's weights, the decoder
-    # learns the content and the latent takes the style (style-in-content: NMI 0.52 over three seeds at 240 steps of
-    # 8, k-means of the view 0.02, LoRA adapters 0.39; docs/what-the-cvae-adds.md, section 12). With
+    # The default objective with the centred straight-through and the whole decoder fine-tuned (float32; the
+    # reference: a frozen copy): where the content the prompt predicts outweighs a hidden style in term 3's weights,
+    # the decoder learns the content and the latent takes the style (style-in-content: NMI 0.52 over three seeds at
+    # 240 steps of 8, k-means of the view 0.02, LoRA adapters 0.39; docs/what-the-cvae-adds.md, section 12). With
     # --latent-placement between --codebook-init random it takes and steers chatterbot-style's first-token marker
     # (NMI 0.53 in the mean of five seeds, k-means 0.03; section 15) and style-in-content's style (0.63 over three
     # seeds, read back from 0.91 of guided generations; section 16). Each step trains every decoder
     # weight, and the run holds the reference's copy and AdamW's moments of the whole decoder.
     "centered-full": _recipe(**_CENTERED_FULL),
     # centered-full with the code between prompt and response from a random codebook, 240 steps, and from step 180
-    # the encoder taught the decoder's own likeliest code (the hard target): the recipe that takes two-factor's
-    # rare word (NMI 1.000) and style-in-echo's style (0.982) on every seed with the likelihood kept (item 3), whose
-    # codes write their factor in 31-32 of 32 generations there and style-in-content's in 0.94-0.97 guided, and
-    # beats k-means of its view on DailyDialog's act by +0.059 over three seeds at K = 8 (docs/what-the-cvae-adds.md,
-    # sections 20-22). Discrete with nearest codes only; K^M - 1 more decodes a step from step 180.
+    # the encoder taught the decoder's own likeliest code (the hard target): it takes two-factor's rare word and
+    # style-in-echo's style on every seed of rows training had seen, whose codes write their factor in 31-32 of 32
+    # generations there and style-in-content's in 0.94-0.97 guided, and beats k-means of its view on DailyDialog's
+    # act by +0.059 over three seeds at K = 8 (docs/what-the-cvae-adds.md, sections 20-22). Discrete with nearest
+    # codes only; K^M - 1 more decodes a step from step 180.
     "steer": _recipe(
         **_CENTERED_FULL,
         latent_placement="between",
@@ -287,14 +293,16 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 #: One line per preset for ``--help`` and error messages.
 PRESET_SUMMARIES: dict[str, str] = {
-    "default": "terms 1 + 3 at alpha 2, encoder_view token_weighted (takes the surprising factor, keeps the likelihood)",
+    "default": "terms 1 + 3 at alpha 2, encoder_view token_weighted, the centred straight-through, LoRA adapters "
+    "at decoder_lr 1e-3, 240 steps (takes the surprising factor, steers, keeps the likelihood)",
+    "centered-lora": "the default, by its name in the tables",
+    "frozen": "the default's objective and view with the decoder frozen and the straight-through uncentred, 200 "
+    "steps (the default before section 33; cheaper, weaker)",
     "term3": "term 3 only at alpha 2, encoder_view token_weighted (the default before issue 22)",
     "seed": "terms 1 + 3 at alpha 1, encoder_view mean_last (the seed notes' recipe)",
     "raw": "term 1 only (token-mean NLL), alpha 1, encoder_view mean_last (the baseline)",
-    "centered-lora": "the default plus centered_straight_through and LoRA adapters at decoder_lr 1e-3 (learns past "
-    "the view and steers; give it --max-steps 240)",
-    "centered-full": "the default plus centered_straight_through and the whole decoder fine-tuned at decoder_lr 5e-5 "
-    "(the latent takes a style that the content outweighs; give it --max-steps 240)",
+    "centered-full": "terms 1 + 3 at alpha 2 plus centered_straight_through and the whole decoder fine-tuned at "
+    "decoder_lr 5e-5 (the latent takes a style that the content outweighs; give it --max-steps 240)",
     "steer": "centered-full with the code between prompt and response from a random codebook, 240 steps, the "
     "encoder taught the decoder's likeliest code from step 180 (takes and steers a hidden factor on every seed; "
     "discrete, nearest codes)",
@@ -453,13 +461,15 @@ class LatentConfig:
         "assigns (nearest code, moved by the codebook loss), so the decoder can separate the codes' meanings as fast "
         "as it likes without moving the partition (codebook_decoder_gradient is then moot).",
     )
-    centered_straight_through: bool = option(
+    centered_straight_through: bool | None = option(
         _default("centered_straight_through"),
         "Nearest: every gradient that reaches the encoder outputs straight through the chosen code (the decoder's, "
         "the bag-of-words loss's) arrives minus its mean over the batch, per slot: no common part that moves every "
         "output the same way, the drift that carried them all onto one code (docs/what-the-cvae-adds.md, section 6). "
         "The mean is over each process's batch of batch_size examples (each micro-batch when accumulating); the "
-        "commitment loss is not centred. Needs batch_size >= 2.",
+        "commitment loss is not centred. true needs the discrete latent, assignment nearest and batch_size >= 2; "
+        "null (the default recipe's) centres wherever those hold and not elsewhere (the continuous latent, "
+        "assignment gumbel, batch_size 1).",
     )
     codebook_loss_weight: float = option(1.0, "Nearest: weight of ||sg(e) - E_k||^2 (moves codes).")
     commitment_weight: float = option(0.25, "Nearest: weight of ||e - sg(E_k)||^2 (commits the encoder).")
@@ -661,7 +671,11 @@ class ModelConfig:
     lora_r: int = option(8, "LoRA rank.")
     lora_alpha: float = option(16.0, "LoRA scaling alpha.")
     lora_dropout: float = option(0.0, "LoRA dropout.")
-    lora_target_modules: list[str] = option(["q_proj", "v_proj"], "Module names that get LoRA adapters.")
+    lora_target_modules: list[str] | None = option(
+        None,
+        "Module names that get LoRA adapters; null (the default): peft's choice for the architecture, the "
+        "attention's query and value projections (q_proj and v_proj for Llama, SmolLM2 included; c_attn for GPT-2).",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = option(
         "auto",
         "Decoder weights dtype: auto = bfloat16 on CUDA and on a CPU with bf16 matmul instructions "
@@ -684,8 +698,10 @@ class ModelConfig:
         _number(self, "lora_r", low=1, integer=True)
         _number(self, "lora_alpha", low=0, low_open=True)
         _number(self, "lora_dropout", low=0, high=1)
-        if self.decoder_training == "lora" and not (
-            self.lora_target_modules and all(map(str.strip, self.lora_target_modules))
+        if (
+            self.decoder_training == "lora"
+            and self.lora_target_modules is not None
+            and not (self.lora_target_modules and all(map(str.strip, self.lora_target_modules)))
         ):
             raise ConfigError(
                 f"ModelConfig.lora_target_modules must name at least one module for LoRA, got {self.lora_target_modules!r}",
@@ -872,7 +888,7 @@ class RunConfig:
                     f"{self.latent.latent!r})",
                     field=name,
                 )
-        if self.latent.centered_straight_through:
+        if self.latent.centered_straight_through:  # true, not null (where it applies: centers_straight_through)
             if self.latent.latent != "discrete" or self.latent.assignment != "nearest":
                 what = (
                     f"latent {self.latent.latent!r} has no nearest code"
@@ -925,6 +941,16 @@ class RunConfig:
                 "use latent_placement 'prefix' or 'between', or turn gradient_checkpointing off",
                 field="gradient_checkpointing",
             )
+
+    @property
+    def centers_straight_through(self) -> bool:
+        """Whether the run centres the straight-through gradient: ``centered_straight_through`` where given; null
+        (the default recipe's) wherever there is a nearest code's straight-through to centre and a batch to centre
+        it over (the discrete latent, assignment nearest, batch_size >= 2)."""
+        given = self.latent.centered_straight_through
+        if given is not None:
+            return given
+        return self.latent.latent == "discrete" and self.latent.assignment == "nearest" and self.train.batch_size >= 2
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -1048,6 +1074,26 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class OptionalBooleanAction(argparse.BooleanOptionalAction):
+    """The flag of a ``bool | None`` field: ``--flag`` (true), ``--no-flag`` (false), ``--flag {true,false,null}``
+    (``none`` also for null, as for every optional field's flag)."""
+
+    VALUES = {"true": True, "false": False, "null": None, "none": None}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.nargs = "?"
+        self.choices = list(self.VALUES)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        if option_string and option_string.startswith("--no-"):
+            if values is not None:
+                parser.error(f"{option_string} takes no value, got {values!r}")
+            setattr(namespace, self.dest, False)
+        else:
+            setattr(namespace, self.dest, True if values is None else self.VALUES[values])
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, sections: list[str] | None = None) -> None:
     """Add one flag per config field of the given sections (all by default).
 
@@ -1074,10 +1120,12 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: list[str] | 
             if alias:
                 kwargs["help"] += f" Also {alias}."
             if base is bool:
-                kwargs["action"] = argparse.BooleanOptionalAction
+                kwargs["action"] = OptionalBooleanAction if optional else argparse.BooleanOptionalAction
             elif typing.get_origin(base) is list:
                 kwargs["nargs"] = "+"
                 kwargs["metavar"] = flag_metavar(field_flag(f))
+                if optional:  # FLAG none (or null) alone: null
+                    kwargs["type"] = lambda text: None if text.lower() in ("none", "null") else text
             else:
                 cast = base if base in (int, float, str) else str
                 kwargs["type"] = (lambda text, c=cast: _optional(text, c)) if optional else cast
@@ -1282,6 +1330,7 @@ def resolve_config(config_file: str | Path | None, overrides: dict[str, Any] | N
 def config_from_namespace(args: argparse.Namespace) -> RunConfig:
     """The config of a parsed command line: ``--config`` file, then every flag given."""
     overrides = {k: v for k, v in vars(args).items() if k in FIELDS or k == PRESET_KEY}
+    overrides = {k: None if v == [None] else v for k, v in overrides.items()}  # an optional list's FLAG none
     return resolve_config(getattr(args, "config", None), overrides)
 
 

@@ -36,6 +36,12 @@ def _features(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def _model_name(model: nn.Module) -> str:
+    """The model's class, under a peft wrapper its base model's (``LlamaForCausalLM``, not ``PeftModel``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return type(base).__name__
+
+
 def adapted_modules(model: nn.Module, targets: list[str], layers: range) -> dict[str, nn.Module]:
     """The projections of ``model`` the adapters hook, by a key that names their layer and target
     (``"3.q_proj"``): modules named ``targets`` in the decoder layers ``layers``; for a peft-wrapped model, the
@@ -52,7 +58,7 @@ def adapted_modules(model: nn.Module, targets: list[str], layers: range) -> dict
         key = f"{match.group(1)}.{target}"
         if key in found:
             raise ValueError(
-                f"two modules of {type(model).__name__} are projection {target!r} of layer {match.group(1)} "
+                f"two modules of {_model_name(model)} are projection {target!r} of layer {match.group(1)} "
                 f"({name} and another): the encoder's adapters need one per layer and name"
             )
         found[key] = module
@@ -91,7 +97,7 @@ class EncoderAdapters(nn.Module):
         if not modules:
             raise ValueError(
                 f"LatentConfig.encoder_lora_target_modules {self.targets} name no linear projection in layers "
-                f"{self.layers.start}..{self.layers.stop - 1} of {type(model).__name__}"
+                f"{self.layers.start}..{self.layers.stop - 1} of {_model_name(model)}"
             )
         self.down = nn.ParameterDict()  # A: [r, in], Kaiming-uniform as peft starts it
         self.up = nn.ParameterDict()  # B: [out, r], zero: the adapted pass starts as the frozen one

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch.nn as nn
 
@@ -49,15 +50,25 @@ def build_cvae(config: RunConfig, decoder: nn.Module) -> CVAEBase:
     if training == "lora":
         from peft import LoraConfig, get_peft_model
 
+        targets = config.model.lora_target_modules
         lora = LoraConfig(
             r=config.model.lora_r,
             lora_alpha=config.model.lora_alpha,
             lora_dropout=config.model.lora_dropout,
-            target_modules=list(config.model.lora_target_modules),
+            target_modules=None if targets is None else list(targets),  # None: peft's for the architecture
             bias="none",
         )
         decoder.requires_grad_(False)
-        decoder = get_peft_model(decoder, lora)
+        try:
+            decoder = get_peft_model(decoder, lora)
+        except ValueError as error:  # no such modules, or peft knows no default for this architecture
+            chosen = "peft's default for it" if targets is None else f"{targets}"
+            raise ConfigError(
+                f"ModelConfig.lora_target_modules ({chosen}): no LoRA adapters on {type(decoder).__name__} "
+                f"(model_type {getattr(decoder.config, 'model_type', None)!r}): {error}; name its attention "
+                "projections (e.g. q_proj v_proj, or c_attn), or set decoder_training frozen",
+                field="lora_target_modules",
+            ) from error
         reference = ZFreeReference(decoder, adapters_off=True)
     elif training == "full":
         reference = ZFreeReference(decoder, copy=copy.deepcopy(decoder))
@@ -69,9 +80,11 @@ def build_cvae(config: RunConfig, decoder: nn.Module) -> CVAEBase:
         # decoder's frozen copy (which never needs checkpointing).
         enable_activation_checkpointing(decoder)
     family = LATENT_FAMILIES[config.latent.latent]
+    # null centring (the default recipe's) resolved for this run: the model sees true or false
+    latent = dataclasses.replace(config.latent, centered_straight_through=config.centers_straight_through)
     return family(
         decoder,
-        config.latent,
+        latent,
         config.reconstruction,
         config.kl,
         config.divergence,
