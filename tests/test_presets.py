@@ -368,3 +368,23 @@ def test_sweep_cell_with_preset_steer_and_a_base_that_sets_the_steps():
     assert recipe(longer) == dict(STEER, max_steps=400)  # the base's steps win over the cell's preset
     with pytest.raises(ConfigError, match="cell 's'.*decoder_posterior_start.*never run"):
         build_spec({"max_steps": 120}, ["s preset=steer"], seeds=[0])
+
+
+@pytest.mark.parametrize(("latent", "centred"), [("discrete", True), ("continuous", False)])
+def test_the_default_recipe_builds_and_trains_either_latent(latent, centred):
+    """The default on a tiny Llama: LoRA adapters on the decoder (the reference: the adapters off), the discrete
+    model centring its straight-through and the continuous one not (null: where there is one); one backward reaches
+    the adapters from their zero start and the encoder, and none of the model's own weights."""
+    from disentanglement.data import collate
+    from helpers import tiny_cvae, tiny_tokenizer, view_pairs
+
+    tokenizer = tiny_tokenizer(chat_template=False)
+    model, examples, config = tiny_cvae(tokenizer, view_pairs(), latent=latent)
+    assert config.latent.centered_straight_through is None and config.centers_straight_through is centred
+    assert model.decoder_training == "lora" and model.latent_cfg.centered_straight_through is centred
+    model.train()
+    model(collate(examples[:6], tokenizer.pad_token_id)).loss.backward()
+    adapters = {n: p for n, p in model.decoder.named_parameters() if "lora_B" in n}
+    assert adapters and all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapters.values())
+    assert all(p.grad is None for n, p in model.decoder.named_parameters() if "lora_" not in n)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameter_groups()["encoder"])
