@@ -388,3 +388,22 @@ def test_the_default_recipe_builds_and_trains_either_latent(latent, centred):
     assert adapters and all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapters.values())
     assert all(p.grad is None for n, p in model.decoder.named_parameters() if "lora_" not in n)
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameter_groups()["encoder"])
+
+
+def test_lora_target_modules_null_is_peft_s_choice_and_a_wrong_list_names_the_field():
+    """null: peft's projections for the architecture (q_proj and v_proj on Llama, c_attn on GPT-2); a list that
+    names no module of the model is a ConfigError naming the field and the model type, not peft's own error."""
+    from disentanglement.models import build_cvae
+    from helpers import tiny_gpt2, tiny_llama, tiny_tokenizer
+
+    vocab = len(tiny_tokenizer(chat_template=False))
+    for decoder, targets in ((tiny_llama(vocab), {"q_proj", "v_proj"}), (tiny_gpt2(vocab), {"c_attn"})):
+        model = build_cvae(build_config({}), decoder)
+        adapted = {n.split(".")[-4] for n, _ in model.decoder.named_parameters() if "lora_A" in n}
+        assert adapted == targets, type(decoder).__name__
+    with pytest.raises(ConfigError, match=r"lora_target_modules \(\['nope'\]\).*LlamaForCausalLM.*'llama'") as error:
+        build_cvae(build_config({"lora_target_modules": ["nope"]}), tiny_llama(vocab))
+    assert error.value.field == "lora_target_modules"
+    # the flag: a list, or none alone for null
+    assert train_config(["--lora-target-modules", "q_proj", "k_proj"]).model.lora_target_modules == ["q_proj", "k_proj"]
+    assert train_config(["--lora-target-modules", "none"]).model.lora_target_modules is None

@@ -245,7 +245,7 @@ _CENTERED_FULL: dict[str, Any] = dict(
 #: the measured values: tests/test_presets.py).
 #: Precedence: dataclass defaults < preset < config file < flags.
 PRESETS: dict[str, dict[str, Any]] = {
-    # The default since issue 22's item 3 (docs/what-the-cvae-adds.md, sections 8 and 33): terms 1 + 3 at alpha 2
+    # The default since issue 22's item 3 (docs/what-the-cvae-adds.md, sections 8, 33 and 34): terms 1 + 3 at alpha 2
     # with the encoder pooling by term 3's shares, the centred straight-through and LoRA adapters on the decoder (the
     # z-free reference: the adapters off), 240 steps. On prompts training never saw it takes two-factor's rare word
     # and style-in-echo's hidden style at NMI 1.000 on every seed, every code writes its value in every generation,
@@ -254,7 +254,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "default": _recipe(**_DEFAULT),
     # The default's name in the tables (docs/what-the-cvae-adds.md's centered-lora-240): the same recipe.
     "centered-lora": _recipe(**_DEFAULT),
-    # The default before the adapters (issue 22 item 1 to section 33): the same objective and view, the decoder
+    # The default before the adapters (issue 22 item 1 to section 34): the same objective and view, the decoder
     # frozen, the straight-through uncentred, 200 steps. Cheaper (no adapters to train) but on held-out prompts it
     # takes style-in-echo's style on no seed at 0.9 and two-factor's word at 0.76-0.80 on two of three.
     "frozen": _recipe(**_DEFAULT_OBJECTIVE),
@@ -297,7 +297,7 @@ PRESET_SUMMARIES: dict[str, str] = {
     "at decoder_lr 1e-3, 240 steps (takes the surprising factor, steers, keeps the likelihood)",
     "centered-lora": "the default, by its name in the tables",
     "frozen": "the default's objective and view with the decoder frozen and the straight-through uncentred, 200 "
-    "steps (the default before section 33; cheaper, weaker)",
+    "steps (the default before section 34; cheaper, weaker)",
     "term3": "term 3 only at alpha 2, encoder_view token_weighted (the default before issue 22)",
     "seed": "terms 1 + 3 at alpha 1, encoder_view mean_last (the seed notes' recipe)",
     "raw": "term 1 only (token-mean NLL), alpha 1, encoder_view mean_last (the baseline)",
