@@ -407,3 +407,5 @@ def test_lora_target_modules_null_is_peft_s_choice_and_a_wrong_list_names_the_fi
     # the flag: a list, or none alone for null
     assert train_config(["--lora-target-modules", "q_proj", "k_proj"]).model.lora_target_modules == ["q_proj", "k_proj"]
     assert train_config(["--lora-target-modules", "none"]).model.lora_target_modules is None
+    with pytest.raises(SystemExit):  # none among names: neither the list nor null
+        train_config(["--lora-target-modules", "q_proj", "none"])

@@ -1094,6 +1094,16 @@ class OptionalBooleanAction(argparse.BooleanOptionalAction):
             setattr(namespace, self.dest, True if values is None else self.VALUES[values])
 
 
+class OptionalListAction(argparse.Action):
+    """The flag of a ``list[...] | None`` field: ``--flag A B ...`` (the list), ``--flag none`` (or ``null``) alone."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        nulls = [v for v in values if v.lower() in ("none", "null")]
+        if nulls and len(values) > 1:
+            parser.error(f"{option_string} takes {nulls[0]} alone (null) or a list without it, got {values}")
+        setattr(namespace, self.dest, None if nulls else values)
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, sections: list[str] | None = None) -> None:
     """Add one flag per config field of the given sections (all by default).
 
@@ -1125,7 +1135,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: list[str] | 
                 kwargs["nargs"] = "+"
                 kwargs["metavar"] = flag_metavar(field_flag(f))
                 if optional:  # FLAG none (or null) alone: null
-                    kwargs["type"] = lambda text: None if text.lower() in ("none", "null") else text
+                    kwargs["action"] = OptionalListAction
             else:
                 cast = base if base in (int, float, str) else str
                 kwargs["type"] = (lambda text, c=cast: _optional(text, c)) if optional else cast
@@ -1330,7 +1340,6 @@ def resolve_config(config_file: str | Path | None, overrides: dict[str, Any] | N
 def config_from_namespace(args: argparse.Namespace) -> RunConfig:
     """The config of a parsed command line: ``--config`` file, then every flag given."""
     overrides = {k: v for k, v in vars(args).items() if k in FIELDS or k == PRESET_KEY}
-    overrides = {k: None if v == [None] else v for k, v in overrides.items()}  # an optional list's FLAG none
     return resolve_config(getattr(args, "config", None), overrides)
 
 
