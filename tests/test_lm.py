@@ -175,8 +175,23 @@ def test_gguf_fingerprint_is_sha256(tmp_path):
 @pytest.mark.slow
 def test_embedded_gguf_cache_gives_identical_logits(tmp_path, capsys, monkeypatch):
     cfg = ModelConfig(model_cache_dir=str(tmp_path), dtype="float32")
+    text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    dequantised = {}
+    real_dequantize = lm.dequantize_gguf
+
+    def dequantize_and_keep_its_logits(path):
+        """The freshly dequantised GGUF model's logits and tokenizer, before the loader does anything with them
+        (one dequantisation for the test instead of two: it is most of the load's time)."""
+        raw, raw_tokenizer = real_dequantize(path)
+        ids = raw_tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            dequantised.update(ids=ids, logits=raw(ids).logits, tokenizer=raw_tokenizer)
+        return raw, raw_tokenizer
+
     start = time.perf_counter()
-    first, tokenizer = load_model_and_tokenizer(cfg)
+    with monkeypatch.context() as patched:
+        patched.setattr(lm, "dequantize_gguf", dequantize_and_keep_its_logits)
+        first, tokenizer = load_model_and_tokenizer(cfg)
     first_time = time.perf_counter() - start
 
     def dequantise_again(*args, **kwargs):
@@ -188,20 +203,17 @@ def test_embedded_gguf_cache_gives_identical_logits(tmp_path, capsys, monkeypatc
         patched.setattr(lm, "_write_gguf_cache", dequantise_again)
         cached, cached_tokenizer = load_model_and_tokenizer(cfg)
     cached_time = time.perf_counter() - start
-    raw, raw_tokenizer = lm.dequantize_gguf(embedded_gguf_path())  # the freshly dequantised GGUF model
     with capsys.disabled():  # reported, not asserted: timing goals live in benchmarks
         print(f"\nembedded SmolLM2 load: first (dequantise + cache) {first_time:.1f} s, cached {cached_time:.1f} s")
     assert not cached.training and cached.dtype == torch.float32
     for model in (first, cached):  # embeddings still tied
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-    ids = raw_tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    ids, reference = dequantised["ids"], dequantised["logits"]  # the freshly dequantised GGUF model's
     for tok in (tokenizer, cached_tokenizer):
         assert tok(text, add_special_tokens=False)["input_ids"] == ids[0].tolist()
-        assert tok.chat_template == raw_tokenizer.chat_template
+        assert tok.chat_template == dequantised["tokenizer"].chat_template
         assert tok.pad_token == tok.eos_token == "<|im_end|>"
     with torch.no_grad():
-        reference = raw(ids).logits
         assert torch.equal(first(ids).logits, reference)
         assert torch.equal(cached(ids).logits, reference)
 
