@@ -42,6 +42,7 @@ from .runs import (
     check_writable_target,
     load_checkpoint,
     load_examples,
+    prepare_run_data,
     resolve_run,
     seen_in_training,
     stored_features,
@@ -96,8 +97,9 @@ def run_eval(
     model, tokenizer, config, state, checkpoint_dir, run_dir = load_checkpoint(
         checkpoint, model_and_tokenizer, options.device, processes
     )
-    examples, description = load_examples(options.data, config, tokenizer, options.max_examples, options.seed)
-    seen = seen_in_training(options.data, config, tokenizer, examples)
+    prepared = prepare_run_data(options.data, config, tokenizer)
+    examples, description = load_examples(options.data, config, tokenizer, options.max_examples, options.seed, prepared)
+    seen = seen_in_training(options.data, config, tokenizer, examples, prepared)
     cache = stored_features(
         model, examples, tokenizer.pad_token_id, options.batch_size, progress=options.progress and main, state=processes
     )

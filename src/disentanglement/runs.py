@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .splits import SPLITS
+from .splits import SPLITS, PreparedData
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +81,21 @@ def load_checkpoint(
 
 
 def load_examples(
-    data: str | None, config: RunConfig, tokenizer: Any, max_examples: int | None = None, seed: int = 0
+    data: str | None,
+    config: RunConfig,
+    tokenizer: Any,
+    max_examples: int | None = None,
+    seed: int = 0,
+    prepared: PreparedData | None = None,
 ) -> tuple[list[Example], str]:
-    """The examples named by ``--data`` (see the module docstring) and a description of them."""
+    """The examples named by ``--data`` (see the module docstring) and a description of them; ``prepared``: the
+    run's data already prepared (:func:`prepare_run_data`), so that a split is not prepared a second time."""
     from .data import limit_examples, load_pairs, tokenize_pairs
     from .splits import prepare_data
 
     data = data or "validation"
     if data in SPLITS:
-        prepared = prepare_data(config, tokenizer)
+        prepared = prepared or prepare_data(config, tokenizer)
         examples = prepared.validation if data == "validation" else prepared.train
         description = f"{data} split of {config.data.data}"
     else:
@@ -106,17 +112,32 @@ def load_examples(
     return examples, description
 
 
-def seen_in_training(data: str | None, config: RunConfig, tokenizer: Any, examples: list[Example]) -> dict | None:
+def prepare_run_data(data: str | None, config: RunConfig, tokenizer: Any) -> PreparedData | None:
+    """The run's own data prepared again, for ``eval``'s ``--data`` (``validation`` or ``train``; None for a file):
+    once, for both :func:`load_examples` and :func:`seen_in_training`."""
+    from .splits import prepare_data
+
+    return prepare_data(config, tokenizer) if (data or "validation") in SPLITS else None
+
+
+def seen_in_training(
+    data: str | None,
+    config: RunConfig,
+    tokenizer: Any,
+    examples: list[Example],
+    prepared: PreparedData | None = None,
+) -> dict | None:
     """How many of ``examples`` (``eval``'s ``--data``) the run trained on: ``{"pairs": k, "prompts": m}``, the
-    examples whose prompt and response ids, and whose prompt ids alone, occur in the run's training split. None
-    for ``--data train``, and where the run's data cannot be read again (a warning says why)."""
+    examples whose prompt and response ids, and whose prompt ids alone, occur in the run's training split
+    (``prepared``'s, where given). None for ``--data train``, and where the run's data cannot be read again (a
+    warning says why)."""
     from .data import DataError
     from .splits import prepare_data
 
     if (data or "validation") == "train":
         return None
     try:
-        train = prepare_data(config, tokenizer).train
+        train = (prepared or prepare_data(config, tokenizer)).train
     except (OSError, ValueError, DataError) as exc:
         logger.warning("cannot say which examples the run trained on: its data %s: %s", config.data.data, exc)
         return None
