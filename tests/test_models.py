@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -440,6 +441,10 @@ def test_centered_straight_through_removes_the_common_shift_of_the_encoder_gradi
     by_hand = torch.stack([uncentred[:, m] - uncentred[:, m].mean(0) for m in range(slots)], 1).view(B, -1)
     assert not torch.allclose(grads[False], by_hand)  # the uncentred gradient has a common part to remove
     torch.testing.assert_close(grads[True], by_hand, rtol=1e-5, atol=1e-7)
+    # a model given the unresolved null (a LatentConfig's own default, not through build_cvae) centres too
+    model.latent_cfg = dataclasses.replace(model.latent_cfg, centered_straight_through=None)
+    null, _ = _encoder_output_gradient(model, features, decoder_grad)
+    torch.testing.assert_close(null, grads[True], rtol=0, atol=0)
 
 
 def test_centered_straight_through_needs_the_nearest_code_and_a_batch():

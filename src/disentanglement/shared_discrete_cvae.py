@@ -128,8 +128,10 @@ class SharedDiscreteCVAE(CVAEBase):
             else:
                 decoded = chosen if cfg.codebook_decoder_gradient else chosen.detach()
             # centered_straight_through: through e minus its batch mean, whose gradient is the decoder's minus its
-            # mean over the batch (the common shift of every output removed)
-            through = e - e.mean(0, keepdim=True) if cfg.centered_straight_through else e
+            # mean over the batch (the common shift of every output removed); null (a LatentConfig's own default;
+            # build_cvae resolves a run's) wherever there is a batch to centre over, as RunConfig resolves it
+            centred = cfg.centered_straight_through
+            through = e - e.mean(0, keepdim=True) if centred or (centred is None and e.shape[0] >= 2) else e
             vectors = decoded + (through - through.detach())
             aux["codebook_loss"] = cfg.codebook_loss_weight * F.mse_loss(chosen, e.detach())
             aux["commitment_loss"] = cfg.commitment_weight * F.mse_loss(e, chosen.detach())
