@@ -141,6 +141,9 @@ RECIPES = {
     # once for every code (issue 25); and centered-lora-240 so placed
     "between": [*DEFAULT, "--latent-placement", "between"],
     "centered-lora-240-between": [*CENTERED_LORA, "--max-steps", "240", "--latent-placement", "between"],
+    # the default (centered-lora-240) with the bag-of-words loss at term 1's weight (section 35): whether a code made
+    # to predict the response's words keeps what the adapters take from it on real text
+    "centered-lora-240-bow": [*CENTERED_LORA, "--max-steps", "240", "--bow-weight", "1"],
     # item 2 (c): centered with the encoder's own LoRA adapters on all 30 layers of SmolLM2-135M: its features come
     # from an adapted pass of the LM every step (the pass is not cached), so the encoder can change what it pools
     "centered-encoder-lora": [*DEFAULT, "--centered-straight-through", "--encoder-lora-layers", "30"],
@@ -404,6 +407,11 @@ PLAN = [  # (set, recipe, seeds)
     # its run's validation split, held out by pair since section 33), beside the frozen recipe there
     ("chatterbot-style", "centered-lora-240", (0, 1, 2)),
     ("dailydialog", "centered-lora-240", (0, 1, 2)),
+    # section 35: the default with the bag-of-words loss on the real-text sets, and on the held-out synthetic sets
+    ("dailydialog", "centered-lora-240-bow", (0, 1, 2)),
+    ("chatterbot-style", "centered-lora-240-bow", (0, 1, 2)),
+    ("two-factor", "centered-lora-240-bow", (0,)),
+    ("style-in-echo", "centered-lora-240-bow", (0,)),
 ]
 
 
