@@ -16,7 +16,7 @@ it). Each run goes to its own temporary output folder, deleted afterwards (``--k
 
 After the table of seconds, the **floor**: each phase's useful FLOPs (``flops.job_flops``: the frozen pass over
 every distinct example, the steps' forward and input-gradient backward, validation, and the verdict's decodes under
-every code) and the seconds they would take at 100 % of ``torch.matmul``'s rate on this CPU at the step's
+every code; with the default's LoRA adapters also theirs, forward and backward) and the seconds they would take at 100 % of ``torch.matmul``'s rate on this CPU at the step's
 shapes, beside the seconds measured: the shortest the job could be on this machine without less work.
 
 It times the trainer's own functions, wrapped in place (nothing in the package changes):
@@ -63,7 +63,7 @@ from step_cost import matmul_rate_at  # noqa: E402
 from disentanglement import feature_store, trainer  # noqa: E402
 from disentanglement.config import build_config, read_config_file  # noqa: E402
 from disentanglement.features import first_copies, frozen_pass_batches, shared_prefix_positions  # noqa: E402
-from disentanglement.flops import DecoderShape, job_flops  # noqa: E402
+from disentanglement.flops import LLAMA_PROJECTIONS, DecoderShape, Lora, job_flops  # noqa: E402
 from disentanglement.options import EvalOptions  # noqa: E402
 from disentanglement.verdict import train_verdict  # noqa: E402
 
@@ -299,11 +299,14 @@ def useful_flops(
 ) -> dict[str, float] | None:
     """The run's useful FLOPs by phase (``flops.job_flops``), with the shapes it needs for the matmul rate; None
     where ``flops.py`` does not count the run's work (the memory placement, the frozen pass inside each step,
-    trained decoder weights, the divergence's extra decodes)."""
+    the whole decoder trained, LoRA adapters on other than a Llama's projections, the divergence's extra
+    decodes)."""
+    lora = lora_adapters(config.model, decoder.config)
     uncounted = (
         config.latent.latent_placement == "memory"
         or not config.train.feature_cache
-        or config.model.decoder_training != "frozen"
+        or config.model.decoder_training == "full"
+        or (config.model.decoder_training == "lora" and lora is None)
         or config.divergence.divergence_weight
     )
     if uncounted or "train" not in examples:
@@ -324,6 +327,7 @@ def useful_flops(
         verdict_decodes=verdict_decodes(config) if validation else 0,
         shared_prefix_positions=shared_prefix_positions(passed, pad_token_id, max(config.train.batch_size, 16)),
         frozen=[(len(passed[i].prompt_ids), len(passed[i].response_ids)) for i in set(first_copies(passed))],
+        lora=lora if config.model.decoder_training == "lora" else None,
     )
     mean_length = statistics.fmean(p + r for p, r in train) + config.latent.latent_tokens
     out["matmul_rows"] = round(config.train.batch_size * mean_length)
@@ -332,6 +336,19 @@ def useful_flops(
     out["device"] = device
     out["shape"] = dataclasses.asdict(shape)
     return out
+
+
+def lora_adapters(model_config, decoder_config) -> Lora | None:
+    """The run's LoRA adapters as ``flops.Lora`` (``lora_target_modules``, or peft's default for the model type),
+    or None where they are not all Llama projections, which ``flops.py`` counts."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    modules = model_config.lora_target_modules
+    if modules is None:
+        modules = PEFT_DEFAULTS.get(getattr(decoder_config, "model_type", None))
+    if not modules or not set(modules) <= set(LLAMA_PROJECTIONS):
+        return None
+    return Lora(rank=model_config.lora_r, modules=tuple(modules))
 
 
 def floor_rate(flops: dict) -> float:

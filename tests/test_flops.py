@@ -93,3 +93,60 @@ def test_the_formula_matches_torchs_flop_counter_on_a_tiny_llama():
     assert forward_counter.get_total_flops() == sum(expected_forward.values())
     assert backward_counter.get_total_flops() == sum(expected_backward.values())
     assert all(p.grad is None for p in model.parameters()) and inputs.grad is not None
+
+
+def test_lora_adapters_counted_by_hand_and_by_torchs_counter():
+    """LoRA adapters: ``r (in + out)`` weights per adapted projection, ``2 T L`` times that forward and twice it
+    backward (the input gradient through the adapter, and A's and B's own); a job counts them in its steps,
+    validation and verdict but not in the frozen pass (the reference, adapters off). Then against torch's
+    counter on a tiny Llama with peft's adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    from disentanglement.flops import Lora
+
+    shape = DecoderShape(hidden=4, intermediate=6, layers=1, heads=2, kv_heads=1, head_dim=2, vocab=10)
+    lora = Lora(rank=2, modules=("q_proj", "v_proj"))
+    assert shape.lora_params_per_layer(lora) == 2 * (4 + 4) + 2 * (4 + 2)  # q 4x4, v 4x2
+    assert forward_flops(shape, 3, 1, lora=lora) == {**forward_flops(shape, 3, 1), "lora": 2 * 3 * 28}
+    assert input_backward_flops(shape, 3, 1, lora=lora)["lora"] == 2 * 2 * 3 * 28
+    with pytest.raises(ValueError, match="c_attn"):
+        shape.lora_params_per_layer(Lora(2, ("c_attn",)))
+    counts = dict(steps=3, batch_size=2, validated=[(3, 1)], validations=5, verdict_decodes=4)
+    train, validation = [(1, 1), (2, 2)], [(3, 1)]
+    plain, adapted = (
+        job_flops(shape, train, validation, 1, **counts),
+        job_flops(shape, train, validation, 1, **counts, lora=lora),
+    )
+    assert adapted["frozen_pass"] == plain["frozen_pass"]
+    # per example of T = 1 + prompt + response positions: 2 T 28 forward, 4 T 28 backward; T = 3 and 5, mean 4
+    assert adapted["steps"] - plain["steps"] == 6 * 4 * 28 * 3 * 2
+    assert adapted["validation"] - plain["validation"] == 5 * 2 * 5 * 28
+    assert adapted["verdict"] - plain["verdict"] == 4 * 2 * 5 * 28
+
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    model = get_peft_model(model, LoraConfig(r=3, lora_alpha=6, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    shape = DecoderShape.from_config(config)
+    lora = Lora(rank=3, modules=("q_proj", "v_proj"))
+    length, scored = 11, 4
+    inputs = torch.randn(1, length, config.hidden_size, requires_grad=True)
+    base = model.get_base_model()
+    with FlopCounterMode(display=False) as forward_counter:
+        hidden = base.model(inputs_embeds=inputs).last_hidden_state
+        logits = base.lm_head(hidden[:, -scored:])
+    with FlopCounterMode(display=False) as backward_counter:
+        logits.float().logsumexp(-1).sum().backward()
+    assert forward_counter.get_total_flops() == sum(forward_flops(shape, length, scored, "full", lora).values())
+    assert backward_counter.get_total_flops() == sum(input_backward_flops(shape, length, scored, "full", lora).values())
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained and all("lora_" in n for n in trained)
