@@ -419,33 +419,19 @@ def test_factors_of_an_untrained_multi_slot_model():
     )
 
 
-def test_eval_prepares_the_runs_data_once(discrete_run, tmp_path, monkeypatch):
-    """``eval --data validation`` reads the split and the pairs the run trained on from one preparation of the
-    run's data; a file of its own needs one too (for what the run trained on), and ``train`` one."""
+def test_eval_says_how_many_examples_the_run_trained_on(discrete_run, tmp_path, monkeypatch):
+    """eval says how many of its examples the run trained on, from one preparation of the run's data: for ``--data
+    validation`` the split it scores and the run's training pairs both come from it; a file needs one too (for the
+    training pairs), and ``train`` one."""
     from disentanglement import splits
-
-    calls = []
-    real = splits.prepare_data
-    monkeypatch.setattr(splits, "prepare_data", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for data in ("validation", "train", str(discrete_run.data_path)):
-        calls.clear()
-        report, _, _ = run_eval(
-            discrete_run.checkpoint,
-            data=data,
-            output=tmp_path / f"{Path(data).stem}.json",
-            exact_limit=1,
-            prior_samples=2,
-            progress=False,
-            model_and_tokenizer=model_and_tokenizer(),
-        )
-        assert len(calls) == 1, data
-        assert ("seen_in_training" in report) == (data != "train")
-
-
-def test_eval_says_how_many_examples_the_run_trained_on(discrete_run, tmp_path):
     from disentanglement.commands import eval_summary_lines
 
+    prepared = []
+    real = splits.prepare_data
+    monkeypatch.setattr(splits, "prepare_data", lambda *a, **k: prepared.append(1) or real(*a, **k))
+
     def evaluate(data):
+        prepared.clear()
         report, _, _ = run_eval(
             discrete_run.checkpoint,
             data=data,
@@ -455,6 +441,7 @@ def test_eval_says_how_many_examples_the_run_trained_on(discrete_run, tmp_path):
             progress=False,
             model_and_tokenizer=model_and_tokenizer(),
         )
+        assert len(prepared) == 1, data
         return report
 
     whole, validation, train = evaluate(str(discrete_run.data_path)), evaluate("validation"), evaluate("train")

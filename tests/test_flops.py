@@ -68,30 +68,16 @@ def test_a_jobs_flops_by_phase_counted_by_hand():
 
 
 def test_the_formula_matches_torchs_flop_counter_on_a_tiny_llama():
-    config = LlamaConfig(
-        vocab_size=50,
-        hidden_size=24,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="eager",  # dense matmuls over all (query, key) pairs: "full" attention
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    model = counted_llama()
+    config = model.config
     shape = DecoderShape.from_config(config)
     length, scored = 11, 4
     inputs = torch.randn(1, length, config.hidden_size, requires_grad=True)
-    with FlopCounterMode(display=False) as forward_counter:
-        hidden = model.model(inputs_embeds=inputs).last_hidden_state
-        logits = model.lm_head(hidden[:, -scored:])
-    with FlopCounterMode(display=False) as backward_counter:
-        logits.float().logsumexp(-1).sum().backward()
+    forward_count, backward_count = counted_flops(model, inputs, scored)
     expected_forward = forward_flops(shape, length, scored, "full")
     expected_backward = input_backward_flops(shape, length, scored, "full")
-    assert forward_counter.get_total_flops() == sum(expected_forward.values())
-    assert backward_counter.get_total_flops() == sum(expected_backward.values())
+    assert forward_count == sum(expected_forward.values())
+    assert backward_count == sum(expected_backward.values())
     assert all(p.grad is None for p in model.parameters()) and inputs.grad is not None
 
 
@@ -123,6 +109,23 @@ def test_lora_adapters_counted_by_hand_and_by_torchs_counter():
     assert adapted["validation"] - plain["validation"] == 5 * 2 * 5 * 28
     assert adapted["verdict"] - plain["verdict"] == 4 * 2 * 5 * 28
 
+    base = counted_llama()
+    config = base.config
+    model = get_peft_model(base, LoraConfig(r=3, lora_alpha=6, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    shape = DecoderShape.from_config(config)
+    lora = Lora(rank=3, modules=("q_proj", "v_proj"))
+    length, scored = 11, 4
+    inputs = torch.randn(1, length, config.hidden_size, requires_grad=True)
+    forward_count, backward_count = counted_flops(base, inputs, scored)
+    assert forward_count == sum(forward_flops(shape, length, scored, "full", lora).values())
+    assert backward_count == sum(input_backward_flops(shape, length, scored, "full", lora).values())
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained and all("lora_" in n for n in trained)
+
+
+def counted_llama() -> LlamaForCausalLM:
+    """A tiny frozen Llama whose attention is the eager path's dense matmuls over all (query, key) pairs ("full"
+    attention, which torch's counter sees)."""
     config = LlamaConfig(
         vocab_size=50,
         hidden_size=24,
@@ -134,19 +137,15 @@ def test_lora_adapters_counted_by_hand_and_by_torchs_counter():
         attn_implementation="eager",
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval().requires_grad_(False)
-    model = get_peft_model(model, LoraConfig(r=3, lora_alpha=6, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
-    shape = DecoderShape.from_config(config)
-    lora = Lora(rank=3, modules=("q_proj", "v_proj"))
-    length, scored = 11, 4
-    inputs = torch.randn(1, length, config.hidden_size, requires_grad=True)
-    base = model.get_base_model()
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+def counted_flops(model: LlamaForCausalLM, inputs: torch.Tensor, scored: int) -> tuple[int, int]:
+    """torch's count of the model's forward over ``inputs`` (embeddings), the head at the last ``scored``
+    positions, and of the backward from them."""
     with FlopCounterMode(display=False) as forward_counter:
-        hidden = base.model(inputs_embeds=inputs).last_hidden_state
-        logits = base.lm_head(hidden[:, -scored:])
+        hidden = model.model(inputs_embeds=inputs).last_hidden_state
+        logits = model.lm_head(hidden[:, -scored:])
     with FlopCounterMode(display=False) as backward_counter:
         logits.float().logsumexp(-1).sum().backward()
-    assert forward_counter.get_total_flops() == sum(forward_flops(shape, length, scored, "full", lora).values())
-    assert backward_counter.get_total_flops() == sum(input_backward_flops(shape, length, scored, "full", lora).values())
-    trained = {n for n, p in model.named_parameters() if p.grad is not None}
-    assert trained and all("lora_" in n for n in trained)
+    return forward_counter.get_total_flops(), backward_counter.get_total_flops()
