@@ -410,8 +410,8 @@ PLAN = [  # (set, recipe, seeds)
     # section 35: the default with the bag-of-words loss on the real-text sets, and on the held-out synthetic sets
     ("dailydialog", "centered-lora-240-bow", (0, 1, 2)),
     ("chatterbot-style", "centered-lora-240-bow", (0, 1, 2)),
-    ("two-factor", "centered-lora-240-bow", (0,)),
-    ("style-in-echo", "centered-lora-240-bow", (0,)),
+    ("two-factor", "centered-lora-240-bow", (0, 1, 2)),
+    ("style-in-echo", "centered-lora-240-bow", (0, 1, 2)),
 ]
 
 
