@@ -1034,8 +1034,12 @@ def base_type(hint: Any) -> Any:
     return hint
 
 
+#: the words an optional field's flag takes for null
+NULL_WORDS = ("null", "none")
+
+
 def _optional(text: str, cast: Any) -> Any:
-    return None if text.lower() in ("none", "null") else cast(text)
+    return None if text.lower() in NULL_WORDS else cast(text)
 
 
 def register_flag_aliases(
@@ -1078,7 +1082,7 @@ class OptionalBooleanAction(argparse.BooleanOptionalAction):
     """The flag of a ``bool | None`` field: ``--flag`` (true), ``--no-flag`` (false), ``--flag {true,false,null}``
     (``none`` also for null, as for every optional field's flag)."""
 
-    VALUES = {"true": True, "false": False, "null": None, "none": None}
+    VALUES = {"true": True, "false": False, **dict.fromkeys(NULL_WORDS)}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -1098,7 +1102,7 @@ class OptionalListAction(argparse.Action):
     """The flag of a ``list[...] | None`` field: ``--flag A B ...`` (the list), ``--flag none`` (or ``null``) alone."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
-        nulls = [v for v in values if v.lower() in ("none", "null")]
+        nulls = [v for v in values if v.lower() in NULL_WORDS]
         if nulls and len(values) > 1:
             parser.error(f"{option_string} takes {nulls[0]} alone (null) or a list without it, got {values}")
         setattr(namespace, self.dest, None if nulls else values)
