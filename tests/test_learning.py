@@ -92,7 +92,7 @@ def test_latent_recovers_the_hidden_factor(tmp_path, embedded, hidden_factor_pai
         latent=latent,
         max_steps=steps,
         output_dir=str(tmp_path),
-        dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[decoder.dtype],
+        dtype=str(decoder.dtype).removeprefix("torch."),
         **options,
     )
     config = build_config(settings)
