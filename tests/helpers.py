@@ -19,6 +19,19 @@ from disentanglement.testing import (  # noqa: F401 (re-exported for the tests)
 )
 
 
+def flat(config) -> dict:
+    """A RunConfig's fields in one dict, by field name."""
+    return {k: v for section in config.to_dict().values() for k, v in section.items()}
+
+
+def recipe(config) -> dict:
+    """The recipe a RunConfig trains with: its values of ``config.RECIPE_FIELDS`` (what a preset sets)."""
+    from disentanglement.config import RECIPE_FIELDS
+
+    values = flat(config)
+    return {name: values[name] for name in RECIPE_FIELDS}
+
+
 def train_and_read_metrics(output_dir: Path, decoder, tokenizer, pairs, **overrides) -> list[dict]:
     """Train a continuous CVAE briefly on ``pairs`` (terms 1, 3 and 4 weighted, no chat template) and
     return its ``metrics.jsonl`` records; ``overrides`` are config fields."""

@@ -81,15 +81,12 @@ def test_every_planned_recipe_is_a_valid_training_config(run):
     assert control.model.decoder_training == "lora" and control.latent.centered_straight_through
     # the tables' "default" rows stay the frozen recipe over the bases (which pin it), and centered-lora-240 is the
     # default recipe since section 34 but for the centring's spelling (true, where the default's null centres too)
-    from disentanglement.config import RECIPE_FIELDS, build_config
+    from disentanglement.config import build_config
+    from helpers import recipe as recipe_of
 
-    def recipe(config) -> dict:
-        flat = {k: v for section in config.to_dict().values() for k, v in section.items()}
-        return {k: flat[k] for k in RECIPE_FIELDS}
-
-    frozen = dict(recipe(build_config({"preset": "frozen"})), max_steps=built["default"].train.max_steps)
-    assert recipe(built["default"]) == frozen  # the steps are its base's: 120 (thesis), 200 (DailyDialog)
-    assert recipe(control) == dict(recipe(build_config({})), centered_straight_through=True)
+    frozen = dict(recipe_of(build_config({"preset": "frozen"})), max_steps=built["default"].train.max_steps)
+    assert recipe_of(built["default"]) == frozen  # the steps are its base's: 120 (thesis), 200 (DailyDialog)
+    assert recipe_of(control) == dict(recipe_of(build_config({})), centered_straight_through=True)
     for recipe in ("centered-full", "centered-full-400", "centered-full-dynamic"):
         full = built[recipe]  # section 12: the whole decoder at 5e-5, the centred gradient
         assert full.model.decoder_training == "full" and full.train.decoder_lr == 5e-5, recipe

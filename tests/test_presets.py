@@ -20,6 +20,7 @@ from disentanglement.config import (
     resolve_config,
 )
 from disentanglement.sweep import build_spec
+from helpers import flat, recipe
 
 ROOT = Path(__file__).parent.parent
 DEFAULT_YAML = ROOT / "configs" / "default.yaml"
@@ -79,15 +80,6 @@ MAIN_JOB = {
 }
 #: The only fields configs/default.yaml may set to something other than the defaults: data, model, output.
 MAIN_JOB_OWN = {"data", "max_response_tokens", "codebook_size", "output_dir"}
-
-
-def flat(config) -> dict:
-    return {k: v for section in config.to_dict().values() for k, v in section.items()}
-
-
-def recipe(config) -> dict:
-    values = flat(config)
-    return {name: values[name] for name in RECIPE_FIELDS}
 
 
 def train_config(argv: list[str]):
