@@ -144,6 +144,10 @@ RECIPES = {
     # the default (centered-lora-240) with the bag-of-words loss at term 1's weight (section 35): whether a code made
     # to predict the response's words keeps what the adapters take from it on real text
     "centered-lora-240-bow": [*CENTERED_LORA, "--max-steps", "240", "--bow-weight", "1"],
+    # that with the bag-of-words loss at three and ten times term 1's weight (section 36): does a code made to
+    # predict more of the response's words hold more of DailyDialog's act?
+    "centered-lora-240-bow3": [*CENTERED_LORA, "--max-steps", "240", "--bow-weight", "3"],
+    "centered-lora-240-bow10": [*CENTERED_LORA, "--max-steps", "240", "--bow-weight", "10"],
     # item 2 (c): centered with the encoder's own LoRA adapters on all 30 layers of SmolLM2-135M: its features come
     # from an adapted pass of the LM every step (the pass is not cached), so the encoder can change what it pools
     "centered-encoder-lora": [*DEFAULT, "--centered-straight-through", "--encoder-lora-layers", "30"],
@@ -412,6 +416,9 @@ PLAN = [  # (set, recipe, seeds)
     ("chatterbot-style", "centered-lora-240-bow", (0, 1, 2)),
     ("two-factor", "centered-lora-240-bow", (0, 1, 2)),
     ("style-in-echo", "centered-lora-240-bow", (0, 1, 2)),
+    # section 36: the bag-of-words loss's weight on DailyDialog (item 2's +0.2 over the view on real dialogue)
+    ("dailydialog", "centered-lora-240-bow3", (0,)),
+    ("dailydialog", "centered-lora-240-bow10", (0,)),
 ]
 
 
