@@ -257,6 +257,21 @@ def test_other_sections_validate_and_name_the_field():
         make_parser().parse_args(["--latent", "bogus"])
 
 
+def test_every_choice_field_refuses_a_value_outside_its_choices():
+    """Each ``Literal`` field of every section, found from the hints (no list to keep by hand)."""
+    checked = []
+    for section in cfg.SECTIONS.values():
+        hints = typing.get_type_hints(section)
+        for f in dataclasses.fields(section):
+            if not cfg.literal_values(hints[f.name]):
+                continue
+            with pytest.raises(ConfigError, match=rf"{section.__name__}\.{f.name} must be one of .*'bogus'") as caught:
+                section(**{f.name: "bogus"})
+            assert caught.value.field == f.name
+            checked.append(f.name)
+    assert {"latent", "encoder_view", "bow_token_weighting", "dtype", "device", "token_weight_source"} <= set(checked)
+
+
 # ----------------------------------------------------------------------------------------------
 # Files and overrides
 # ----------------------------------------------------------------------------------------------

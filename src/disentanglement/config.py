@@ -113,12 +113,14 @@ def _describe(hint: Any) -> str:
 
 
 def _check_types(cfg: Any) -> None:
-    """Every field of the dataclass ``cfg`` against its type hint; :class:`ConfigError` naming the first bad one."""
+    """Every field of the dataclass ``cfg`` against its type hint, a ``Literal`` field's value among its values;
+    :class:`ConfigError` naming the first bad one."""
     hints = typing.get_type_hints(type(cfg))
     section = type(cfg).__name__
     for f in dataclasses.fields(cfg):
         hint, value = hints[f.name], getattr(cfg, f.name)
         if _matches(value, hint):
+            _choice(cfg, f.name)
             continue
         message = f"{section}.{f.name} must be {_describe(hint)}, got {value!r} ({type(value).__name__})"
         listed = base_type(hint)  # list[str] | None: its list
@@ -383,7 +385,6 @@ class ReconstructionLossConfig:
         for name in _WEIGHT_FIELDS:  # the six weights and alpha are >= 0
             _number(self, name, low=0)
         _number(self, "token_weight_eps", low=0, low_open=True)
-        _choice(self, "token_weight_source")
         _number(self, "token_weight_interpolation", low=0, high=1)
         _number(self, "zfree_reference_scale", low=0, low_open=True, optional=True)
 
@@ -497,6 +498,13 @@ class LatentConfig:
         "(measured worse: docs/what-the-cvae-adds.md, section 18).",
     )
     bow_weight: float = option(0.0, "Weight of the bag-of-words loss predicting response tokens from z.")
+    bow_token_weighting: Literal["uniform", "token_weighted"] = option(
+        "uniform",
+        "How bow_weight's loss weighs the response's tokens: 'uniform' = each token 1/n (Zhao, Zhao and Eskenazi "
+        "2017); 'token_weighted' = term 3's weights pi_t (the reference's tempered surprisal shares: "
+        "token_weight_alpha, token_weight_eps, token_weight_source, token_weight_interpolation), so z is made to "
+        "predict the words the prompt does not.",
+    )
     word_dropout: float = option(
         0.0,
         "In [0, 1): in training, the share of response tokens the decoder reads as a zero vector instead of their "
@@ -545,17 +553,6 @@ class LatentConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        for name in (
-            "latent",
-            "latent_placement",
-            "prior",
-            "assignment",
-            "codebook_init",
-            "encoder_view",
-            "encoder_block",
-            "decoder_posterior_target",
-        ):
-            _choice(self, name)
         if self.encoder_block != "none" and self.encoder_view not in ("attention", "token_weighted_attention"):
             raise ConfigError(
                 f"LatentConfig.encoder_block {self.encoder_block!r} works on the per-token states that only the "
@@ -625,7 +622,6 @@ class KLConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _choice(self, "beta_schedule")
         _number(self, "beta", low=0)
         _number(self, "free_bits", low=0)
         _number(self, "beta_warmup_steps", low=0, integer=True)
@@ -649,7 +645,6 @@ class DivergenceConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _choice(self, "divergence")
         _number(self, "divergence_weight", low=0)
 
 
@@ -693,8 +688,6 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _choice(self, "decoder_training")
-        _choice(self, "dtype")
         _number(self, "lora_r", low=1, integer=True)
         _number(self, "lora_alpha", low=0, low_open=True)
         _number(self, "lora_dropout", low=0, high=1)
@@ -804,7 +797,6 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _choice(self, "device")
         if not self.output_dir.strip():
             raise ConfigError("TrainConfig.output_dir must name a directory, got ''", field="output_dir")
         for name in (
