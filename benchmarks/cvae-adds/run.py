@@ -148,6 +148,9 @@ RECIPES = {
     # predict more of the response's words hold more of DailyDialog's act?
     "centered-lora-240-bow3": [*CENTERED_LORA, "--max-steps", "240", "--bow-weight", "3"],
     "centered-lora-240-bow10": [*CENTERED_LORA, "--max-steps", "240", "--bow-weight", "10"],
+    # the bag-of-words loss over term 3's weights (section 36): z made to predict the words the prompt does not
+    "centered-lora-240-bowtw": [*CENTERED_LORA, "--max-steps", "240", "--bow-weight", "1",
+                                "--bow-token-weighting", "token_weighted"],  # fmt: skip
     # item 2 (c): centered with the encoder's own LoRA adapters on all 30 layers of SmolLM2-135M: its features come
     # from an adapted pass of the LM every step (the pass is not cached), so the encoder can change what it pools
     "centered-encoder-lora": [*DEFAULT, "--centered-straight-through", "--encoder-lora-layers", "30"],
@@ -419,6 +422,9 @@ PLAN = [  # (set, recipe, seeds)
     # section 36: the bag-of-words loss's weight on DailyDialog (item 2's +0.2 over the view on real dialogue)
     ("dailydialog", "centered-lora-240-bow3", (0,)),
     ("dailydialog", "centered-lora-240-bow10", (0,)),
+    ("dailydialog", "centered-lora-240-bowtw", (0,)),
+    ("two-factor", "centered-lora-240-bowtw", (0,)),
+    ("style-in-echo", "centered-lora-240-bowtw", (0,)),
 ]
 
 

@@ -344,12 +344,13 @@ def num_hidden_layers(model: nn.Module) -> int | None:
     return int(layers) if isinstance(layers, int) else None
 
 
-def bag_of_words_loss(bow_logits: torch.Tensor, input_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
-    """``mean_b (1/n_b) sum_t m_t -log softmax(bow_logits[b])[y_t]`` for ``[B, V]`` logits, ``[B, T]`` ids/mask."""
+def bag_of_words_loss(bow_logits: torch.Tensor, token_ids: torch.Tensor, token_weights: torch.Tensor) -> torch.Tensor:
+    """``mean_b sum_t w_bt -log softmax(bow_logits[b])[y_bt]`` for ``[B, V]`` logits and ``[B, T]`` ids and
+    weights, each row of weights summing to 1 over the response tokens and 0 elsewhere: ``m_t / n_b`` for Zhao,
+    Zhao and Eskenazi (2017)'s loss (``uniform``), term 3's ``pi_t`` for ``token_weighted``."""
     log_probs = F.log_softmax(bow_logits.float(), dim=-1)  # [B, V]
-    token_log_probs = log_probs.gather(1, input_ids)  # [B, T]
-    mask = target_mask.to(token_log_probs.dtype)
-    return (-(token_log_probs * mask).sum(1) / mask.sum(1)).mean()
+    token_log_probs = log_probs.gather(1, token_ids)  # [B, T]
+    return -(token_log_probs * token_weights.to(token_log_probs.dtype)).sum(1).mean()
 
 
 @dataclass
@@ -1131,7 +1132,12 @@ class CVAEBase(nn.Module):
         for value in aux.values():
             loss = loss + value
         if self.bow_head is not None:
-            aux["bow_loss"] = bag_of_words_loss(self.bow_head(sample.vector), batch.input_ids, batch.target_mask)
+            if latent_cfg.bow_token_weighting == "token_weighted":
+                bow_weights = weighting.token_weights
+            else:
+                bow_weights = target / target.sum(1, keepdim=True)
+            bow_logits = self.bow_head(sample.vector)
+            aux["bow_loss"] = bag_of_words_loss(bow_logits, decoded.input_ids[:, 1:], bow_weights)
             loss = loss + self.latent_cfg.bow_weight * aux["bow_loss"]
         divergence = None
         divergence_term = token_nll.new_zeros(())
