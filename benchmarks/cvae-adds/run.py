@@ -425,6 +425,10 @@ PLAN = [  # (set, recipe, seeds)
     ("dailydialog", "centered-lora-240-bowtw", (0,)),
     ("two-factor", "centered-lora-240-bowtw", (0,)),
     ("style-in-echo", "centered-lora-240-bowtw", (0,)),
+    ("chatterbot-style", "centered-lora-240-bowtw", (0,)),
+    ("style-in-content", "centered-lora-240", (0,)),
+    ("style-in-content", "centered-lora-240-bow", (0,)),
+    ("style-in-content", "centered-lora-240-bowtw", (0,)),
 ]
 
 
