@@ -420,7 +420,7 @@ PLAN = [  # (set, recipe, seeds)
     ("two-factor", "centered-lora-240-bow", (0, 1, 2)),
     ("style-in-echo", "centered-lora-240-bow", (0, 1, 2)),
     # section 36: the bag-of-words loss's weight on DailyDialog (item 2's +0.2 over the view on real dialogue)
-    ("dailydialog", "centered-lora-240-bow3", (0,)),
+    ("dailydialog", "centered-lora-240-bow3", (0, 1, 2)),
     ("dailydialog", "centered-lora-240-bow10", (0,)),
     ("dailydialog", "centered-lora-240-bowtw", (0,)),
     ("two-factor", "centered-lora-240-bowtw", (0,)),
