@@ -1,7 +1,7 @@
 """``latent.bow_weight``'s bag-of-words loss (Zhao, Zhao and Eskenazi 2017) and ``latent.bow_token_weighting``:
 the loss by hand on small tensors (padding, one response token, near-zero surprisal), then in the model's forward
 against the response's tokens read in the batch's own layout and the reference's surprisal computed from its full
-logits, for both latent families and both placements."""
+logits, for both latent families, every placement, with and without the chat template and with word dropout."""
 
 from __future__ import annotations
 
@@ -43,11 +43,9 @@ def test_the_loss_by_hand_with_padding_one_token_and_any_weights():
     skewed = torch.rand(3, 5) * mask
     skewed = skewed / skewed.sum(1, keepdim=True)
     assert bag_of_words_loss(logits, ids, skewed).item() == pytest.approx(loop_bow(logits, ids, skewed), rel=1e-6)
-    # the weights of a token the reference predicts with certainty (surprisal 0, floored at eps) and of padding
+    # term 3's weights with a token the reference predicts with certainty (surprisal 0, floored at eps) and padding
     base = torch.tensor([[0.0, 2.0, 1.0, 0.0, 0.0], [0.0, 3.0, 0.0, 0.0, 0.0], [1e-9, 1.0, 0.5, 0.0, 4.0]])
     pi = token_weighting_from_base_nll(base, mask, alpha=2.0, eps=1e-6).token_weights
-    floored = base.double().clamp_min(1e-6).pow(2) * mask
-    torch.testing.assert_close(pi.double(), floored / floored.sum(1, keepdim=True))
     assert bag_of_words_loss(logits, ids, pi).item() == pytest.approx(loop_bow(logits, ids, pi), rel=1e-6)
 
 
@@ -57,16 +55,17 @@ def make_model(tokenizer, **overrides):
     return build_cvae(config, tiny_llama(len(tokenizer)))
 
 
-def forward_and_bow_logits(model, batch):
-    """The model's output in eval mode and the bag-of-words head's ``[B, V]`` logits of that forward (the head
-    drawn anew at a scale that makes its logits far from uniform, so that the tokens' weights tell)."""
+def forward_and_bow_logits(model, batch, training: bool = False):
+    """The model's output (in eval mode unless ``training``) and the bag-of-words head's ``[B, V]`` logits of that
+    forward (the head drawn anew at a scale that makes its logits far from uniform, so that the tokens' weights
+    tell)."""
     with torch.no_grad():
         model.bow_head.weight.normal_(0.0, 2.0)
     seen = []
     handle = model.bow_head.register_forward_hook(lambda module, args, output: seen.append(output.detach()))
-    model.eval()
+    model.train(training)
     with torch.no_grad():
-        out = model(batch)
+        out = model(batch, step=3)
     handle.remove()
     assert len(seen) == 1
     return out, seen[0].double()
@@ -83,11 +82,12 @@ def by_hand(batch, logits, weight_of) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("latent", ["discrete", "continuous"])
-@pytest.mark.parametrize("placement", ["prefix", "between"])
-def test_uniform_is_the_mean_over_the_response_tokens(tokenizer, latent, placement):
+@pytest.mark.parametrize("placement", ["prefix", "between", "memory"])
+@pytest.mark.parametrize("chat_template", [True, False])  # without it the responses do not all end alike
+def test_uniform_is_the_mean_over_the_response_tokens(tokenizer, latent, placement, chat_template):
     model = make_model(tokenizer, latent=latent, latent_placement=placement)
     assert model.latent_cfg.bow_token_weighting == "uniform"
-    batch = prompt_batch(tokenizer)
+    batch = prompt_batch(tokenizer, chat_template=chat_template)
     out, logits = forward_and_bow_logits(model, batch)
     expected = by_hand(
         batch,
@@ -98,13 +98,18 @@ def test_uniform_is_the_mean_over_the_response_tokens(tokenizer, latent, placeme
 
 
 @pytest.mark.parametrize("alpha", [0.0, 1.0, 2.0])
-@pytest.mark.parametrize("latent, placement", [("discrete", "prefix"), ("continuous", "between")])
-def test_token_weighted_weighs_each_token_by_the_references_surprisal_share(tokenizer, alpha, latent, placement):
+@pytest.mark.parametrize(
+    "latent, placement, chat_template",
+    [("discrete", "prefix", True), ("continuous", "between", True), ("discrete", "memory", False)],
+)
+def test_token_weighted_weighs_each_token_by_the_references_surprisal_share(
+    tokenizer, alpha, latent, placement, chat_template
+):
     model = make_model(
         tokenizer, bow_token_weighting="token_weighted", token_weight_alpha=alpha, latent=latent,
         latent_placement=placement,
     )  # fmt: skip
-    batch = prompt_batch(tokenizer)
+    batch = prompt_batch(tokenizer, chat_template=chat_template)
     out, logits = forward_and_bow_logits(model, batch)
     surprisal = manual_zfree_nll(model.decoder, batch.input_ids, batch.attention_mask, batch.target_mask)
 
@@ -129,6 +134,26 @@ def test_token_weighted_weighs_each_token_by_the_references_surprisal_share(toke
         + out.kl_term
         + sum(value * (0.5 if name == "bow_loss" else 1.0) for name, value in out.aux_losses.items()),
     )
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "token_weighted"])
+def test_word_dropout_leaves_the_targets_whole(tokenizer, weighting):
+    """In a training step with word dropout the decoder reads some response tokens as zeros; the bag of words still
+    counts every one of them."""
+    model = make_model(tokenizer, bow_token_weighting=weighting, word_dropout=0.5)
+    batch = prompt_batch(tokenizer, chat_template=False)
+    torch.manual_seed(1)
+    out, logits = forward_and_bow_logits(model, batch, training=True)
+    assert not out.weighting.token_weights.requires_grad
+    surprisal = manual_zfree_nll(model.decoder, batch.input_ids, batch.attention_mask, batch.target_mask)
+
+    def weight_of(b):
+        p, r = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
+        share = surprisal[b, p - 1 : p + r - 1].clamp_min(1e-6) ** 2 if weighting == "token_weighted" else None
+        return torch.ones(r).double() / r if share is None else share / share.sum()
+
+    expected = by_hand(batch, logits, weight_of)
+    torch.testing.assert_close(out.aux_losses["bow_loss"].double(), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_the_gradient_reaches_the_head_and_the_encoder_not_the_weights(tokenizer):

@@ -83,7 +83,7 @@ def _matches(value: Any, hint: Any) -> bool:
     if _is_union(hint):
         return any(_matches(value, arg) for arg in typing.get_args(hint))
     if typing.get_origin(hint) is Literal:
-        return True  # the allowed values are checked by _choice
+        return True  # the allowed values are checked by _check_types
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
         return isinstance(value, list) and all(_matches(v, item) for v in value)
@@ -120,7 +120,9 @@ def _check_types(cfg: Any) -> None:
     for f in dataclasses.fields(cfg):
         hint, value = hints[f.name], getattr(cfg, f.name)
         if _matches(value, hint):
-            _choice(cfg, f.name)
+            allowed = literal_values(hint)
+            if allowed and value not in allowed:
+                raise ConfigError(f"{section}.{f.name} must be one of {list(allowed)}, got {value!r}", field=f.name)
             continue
         message = f"{section}.{f.name} must be {_describe(hint)}, got {value!r} ({type(value).__name__})"
         listed = base_type(hint)  # list[str] | None: its list
@@ -159,14 +161,6 @@ def _number(
         raise ConfigError(f"{section}.{name} must be {'>' if low_open else '>='} {low}, got {value!r}", field=name)
     if high is not None and (value >= high if high_open else value > high):
         raise ConfigError(f"{section}.{name} must be {'<' if high_open else '<='} {high}, got {value!r}", field=name)
-
-
-def _choice(cfg: Any, name: str) -> None:
-    hint = typing.get_type_hints(type(cfg))[name]
-    allowed = literal_values(hint)
-    value = getattr(cfg, name)
-    if allowed and value not in allowed:
-        raise ConfigError(f"{type(cfg).__name__}.{name} must be one of {list(allowed)}, got {value!r}", field=name)
 
 
 def literal_values(hint: Any) -> tuple[Any, ...]:
@@ -501,9 +495,9 @@ class LatentConfig:
     bow_token_weighting: Literal["uniform", "token_weighted"] = option(
         "uniform",
         "How bow_weight's loss weighs the response's tokens: 'uniform' = each token 1/n (Zhao, Zhao and Eskenazi "
-        "2017); 'token_weighted' = term 3's weights pi_t (the reference's tempered surprisal shares: "
-        "token_weight_alpha, token_weight_eps, token_weight_source, token_weight_interpolation), so z is made to "
-        "predict the words the prompt does not.",
+        "2017); 'token_weighted' = term 3's weights pi_t, whatever their source (token_weight_alpha, "
+        "token_weight_eps, token_weight_source, token_weight_interpolation): with the default surprisal source z "
+        "is made to predict the words the reference finds surprising.",
     )
     word_dropout: float = option(
         0.0,

@@ -1138,7 +1138,7 @@ class CVAEBase(nn.Module):
                 bow_weights = target / target.sum(1, keepdim=True)
             bow_logits = self.bow_head(sample.vector)
             aux["bow_loss"] = bag_of_words_loss(bow_logits, decoded.input_ids[:, 1:], bow_weights)
-            loss = loss + self.latent_cfg.bow_weight * aux["bow_loss"]
+            loss = loss + latent_cfg.bow_weight * aux["bow_loss"]
         divergence = None
         divergence_term = token_nll.new_zeros(())
         if self.divergence_cfg.divergence_weight > 0:
