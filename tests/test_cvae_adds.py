@@ -34,6 +34,21 @@ def load(name: str):
     return module
 
 
+@pytest.mark.parametrize(
+    "tokens, parts",
+    [
+        (["What", " time", " is", " it", "?", "<|im_end|>", "\n"], "FRRRQEE"),
+        (["OK", ".", " Is", " it", " far", "?", "?", "<|im_end|>"], "FRRRRQQE"),
+        (["?", " Yes", "<|im_end|>"], "QRE"),  # a question mark first: the first word is taken
+        (["\n", "Sure", " thing", "<|im_end|>"], "EFRE"),  # whitespace alone is no word
+    ],
+)
+def test_act_weights_splits_first_word_question_marks_end_and_rest(tokens, parts):
+    act_weights = load("act_weights")
+    names = {"F": "first word", "Q": "question mark", "E": "end", "R": "rest"}
+    assert act_weights.token_parts(tokens, {"<|im_end|>"}) == [names[p] for p in parts]
+
+
 @pytest.fixture(scope="module")
 def run():
     return load("run")
