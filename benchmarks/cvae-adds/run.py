@@ -329,7 +329,7 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-norefresh", (0, 1, 2)),
     ("style-in-content", "centered-lora-dynamic", (0, 1, 2)),
     ("chatterbot-style", "centered-lora", (0,)),
-    ("style-in-content", "centered-lora-240", (0, 1, 2)),
+    ("style-in-content", "centered-lora-240", (0,)),
     ("two-factor", "centered-lora-vk", (1,)),
     ("style-in-echo", "centered-lora-vk", (1,)),
     ("two-factor", "centered-lora-dynamic", (0,)),
