@@ -37,7 +37,13 @@ from .config import ConfigError, DivergenceConfig, KLConfig, LatentConfig, Recon
 from .data import Batch, length_groups
 from .encoder_adapters import EncoderAdapters
 from .injection import LatentLayout, latent_memory, latent_projection
-from .losses import apply_head, default_chunk_size, masked_token_nll_per_position, reconstruction_loss_stack
+from .losses import (
+    apply_head,
+    default_chunk_size,
+    masked_token_nll_per_position,
+    reconstruction_loss_stack,
+    uniform_token_weights,
+)
 from .memory import cache_from_layers, plain_cache
 from .reference import ZFreeReference, eval_mode, forward_sharing_prefix, reference_hidden_states, unused_logits
 from .regularizers import beta_at, kl_objective, next_token_divergence
@@ -1135,7 +1141,7 @@ class CVAEBase(nn.Module):
             if latent_cfg.bow_token_weighting == "token_weighted":
                 bow_weights = weighting.token_weights
             else:
-                bow_weights = target / target.sum(1, keepdim=True)
+                bow_weights = uniform_token_weights(target)
             bow_logits = self.bow_head(sample.vector)
             aux["bow_loss"] = bag_of_words_loss(bow_logits, decoded.input_ids[:, 1:], bow_weights)
             loss = loss + latent_cfg.bow_weight * aux["bow_loss"]
