@@ -81,6 +81,24 @@ def by_hand(batch, logits, weight_of) -> torch.Tensor:
     return torch.stack(losses).mean()
 
 
+def uniform_share(batch):
+    """Each response token of row ``b`` weighted ``1 / r_b``."""
+    return lambda b: torch.ones(int(batch.response_lengths[b])).double() / int(batch.response_lengths[b])
+
+
+def surprisal_share(model, batch, alpha: float):
+    """Each response token of row ``b`` weighted by its tempered share of the reference's surprisal, ``b_t^alpha /
+    sum b^alpha`` (floored at eps 1e-6), the surprisal from the reference's full logits."""
+    surprisal = manual_zfree_nll(model.decoder, batch.input_ids, batch.attention_mask, batch.target_mask)
+
+    def share(b):
+        p, r = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
+        tempered = surprisal[b, p - 1 : p + r - 1].clamp_min(1e-6) ** alpha
+        return tempered / tempered.sum()
+
+    return share
+
+
 @pytest.mark.parametrize("latent", ["discrete", "continuous"])
 @pytest.mark.parametrize("placement", ["prefix", "between", "memory"])
 @pytest.mark.parametrize("chat_template", [True, False])  # without it the responses do not all end alike
@@ -89,11 +107,7 @@ def test_uniform_is_the_mean_over_the_response_tokens(tokenizer, latent, placeme
     assert model.latent_cfg.bow_token_weighting == "uniform"
     batch = prompt_batch(tokenizer, chat_template=chat_template)
     out, logits = forward_and_bow_logits(model, batch)
-    expected = by_hand(
-        batch,
-        logits,
-        lambda b: torch.full((int(batch.response_lengths[b]),), 1.0).double() / int(batch.response_lengths[b]),
-    )
+    expected = by_hand(batch, logits, uniform_share(batch))
     torch.testing.assert_close(out.aux_losses["bow_loss"].double(), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -111,18 +125,9 @@ def test_token_weighted_weighs_each_token_by_the_references_surprisal_share(
     )  # fmt: skip
     batch = prompt_batch(tokenizer, chat_template=chat_template)
     out, logits = forward_and_bow_logits(model, batch)
-    surprisal = manual_zfree_nll(model.decoder, batch.input_ids, batch.attention_mask, batch.target_mask)
-
-    def share(b):
-        p, r = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
-        tempered = surprisal[b, p - 1 : p + r - 1].clamp_min(1e-6) ** alpha
-        return tempered / tempered.sum()
-
-    expected = by_hand(batch, logits, share)
+    expected = by_hand(batch, logits, surprisal_share(model, batch, alpha))
     torch.testing.assert_close(out.aux_losses["bow_loss"].double(), expected, rtol=1e-4, atol=1e-5)
-    uniform = by_hand(
-        batch, logits, lambda b: torch.ones(int(batch.response_lengths[b])).double().div(int(batch.response_lengths[b]))
-    )
+    uniform = by_hand(batch, logits, uniform_share(batch))
     if alpha == 0:  # every token the same share: Zhao et al.'s loss
         torch.testing.assert_close(out.aux_losses["bow_loss"].double(), uniform, rtol=1e-5, atol=1e-6)
     else:  # and the uniform loss is told apart at the tolerance the weighted one met
@@ -145,14 +150,8 @@ def test_word_dropout_leaves_the_targets_whole(tokenizer, weighting):
     torch.manual_seed(1)
     out, logits = forward_and_bow_logits(model, batch, training=True)
     assert not out.weighting.token_weights.requires_grad
-    surprisal = manual_zfree_nll(model.decoder, batch.input_ids, batch.attention_mask, batch.target_mask)
-
-    def weight_of(b):
-        p, r = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
-        share = surprisal[b, p - 1 : p + r - 1].clamp_min(1e-6) ** 2 if weighting == "token_weighted" else None
-        return torch.ones(r).double() / r if share is None else share / share.sum()
-
-    expected = by_hand(batch, logits, weight_of)
+    share = surprisal_share(model, batch, alpha=2.0) if weighting == "token_weighted" else uniform_share(batch)
+    expected = by_hand(batch, logits, share)
     torch.testing.assert_close(out.aux_losses["bow_loss"].double(), expected, rtol=1e-4, atol=1e-5)
 
 
