@@ -397,7 +397,10 @@ def test_view_probe_reads_the_view_the_encoder_and_its_codes(discrete_run, injec
     probe = load("view_probe")
     x = np.array([[0.0, 1.0], [0.1, 0.9], [1.0, 0.0], [0.9, 0.1]] * 3)
     y = np.array(["a", "a", "b", "b"] * 3)
-    assert probe.probe_accuracy(x, y, x[:4], y[:4]) == 1.0 and probe.kmeans_nmi(x, y, 2) == pytest.approx(1.0)
+    assert probe.probe_scores(x, y, x[:4], y[:4]) == (1.0, pytest.approx(1.0))
+    assert probe.kmeans_nmi(x, y, 2) == pytest.approx(1.0)
+    # a probe that cannot separate (one feature, constant) predicts one value: half right, its predictions' NMI 0
+    assert probe.probe_scores(np.zeros((12, 1)), y, np.zeros((4, 1)), y[:4]) == (0.5, 0.0)
     model, tokenizer, config, *_ = load_checkpoint(discrete_run.run_dir, device="cpu")
     examples, _ = load_examples(str(discrete_run.data_path), config, tokenizer, max_examples=40)
     view, outputs = probe.view_and_outputs(model, examples, tokenizer.pad_token_id, batch_size=16)
@@ -408,7 +411,11 @@ def test_view_probe_reads_the_view_the_encoder_and_its_codes(discrete_run, injec
         codes = model.posterior_summary(fresh).codes[:, 0].numpy()
     labels = probe.labels(examples, "label", "--data")
     lines = probe.report(model, examples, examples, "label", None, tokenizer.pad_token_id)
-    assert lines[0] == f"label: {len(examples)} held-out examples, probes fitted on {len(examples)}"
+    commonest = max(np.mean(labels == value) for value in set(labels))
+    assert lines[0] == (
+        f"label: {len(examples)} held-out examples (the commonest value's share {commonest:.3f}), probes fitted on "
+        f"{len(examples)}"
+    )
     assert [line.split(" probe")[0].strip() for line in lines[1:5]] == [
         "view: pool", "view: last token", "view: both", "encoder outputs e"
     ]  # fmt: skip

@@ -151,6 +151,18 @@ RECIPES = {
     # the bag-of-words loss over term 3's weights (section 36): z made to predict the words the prompt does not
     "centered-lora-240-bowtw": [*CENTERED_LORA, "--max-steps", "240", "--bow-weight", "1",
                                 "--bow-token-weighting", "token_weighted"],  # fmt: skip
+    # the bag-of-words loss with the attention pool whose logits start at term 3's shares (item 2 (a), section 37):
+    # can a code made to predict the response's words teach the pool to look at the tokens the act shows in?
+    "centered-lora-240-bow-attn": [*CENTERED_LORA, "--max-steps", "240", "--bow-weight", "1",
+                                   "--encoder-view", "token_weighted_attention"],  # fmt: skip
+    # the default (and with the bag-of-words loss) from a random codebook (section 37): chatterbot-style's codes
+    # start at its view's topic clusters; does a start away from them let training find the marker?
+    # the continuous latent (a Gaussian of 16 dimensions) with the default's objective, view, adapters and steps
+    # (section 37): its encoder's mean moves by the reparameterised gradient, with no code to be assigned first
+    "continuous-lora-240": [*DEFAULT, *LORA, "--latent", "continuous", "--max-steps", "240"],
+    "centered-lora-240-random": [*CENTERED_LORA, "--max-steps", "240", "--codebook-init", "random"],
+    "centered-lora-240-bow-random": [*CENTERED_LORA, "--max-steps", "240", "--bow-weight", "1",
+                                     "--codebook-init", "random"],  # fmt: skip
     # item 2 (c): centered with the encoder's own LoRA adapters on all 30 layers of SmolLM2-135M: its features come
     # from an adapted pass of the LM every step (the pass is not cached), so the encoder can change what it pools
     "centered-encoder-lora": [*DEFAULT, "--centered-straight-through", "--encoder-lora-layers", "30"],
@@ -429,6 +441,15 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-lora-240", (0, 1, 2)),
     ("style-in-content", "centered-lora-240-bow", (0,)),
     ("style-in-content", "centered-lora-240-bowtw", (0,)),
+    # section 37: the bag-of-words loss with the attention pool (item 2's +0.2 over the view on real dialogue)
+    ("dailydialog", "centered-lora-240-bow-attn", (0, 1, 2)),
+    ("style-in-content", "centered-lora-240-bow-attn", (0,)),
+    ("chatterbot-style", "centered-lora-240-bow-attn", (0,)),
+    ("chatterbot-style", "centered-lora-240-bow-random", (0,)),
+    ("chatterbot-style", "continuous-lora-240", (0,)),
+    ("chatterbot-style", "centered-lora-240-random", (0, 1, 2)),
+    ("style-in-content", "centered-lora-240-random", (0,)),
+    ("dailydialog", "centered-lora-240-bow-random", (0, 1, 2)),
 ]
 
 

@@ -4,7 +4,8 @@
         [--values signoff plain]
 
 For a factor of labelled data, the held-out accuracy of a linear probe (standardised logistic regression fitted on
-``--train``, scored on ``--data``) that reads the factor from:
+``--train``, scored on ``--data``; beside it the NMI of its predictions with the factor, and the commonest value's
+share) that reads the factor from:
 
 - the encoder's view, the frozen features the encoder reads (its pool of the response's states, then the last
   token's state, then both: ``encoder_features``, from the run's frozen pass through the feature store);
@@ -36,14 +37,20 @@ from disentanglement.metrics import kmeans_assignments  # noqa: E402
 from disentanglement.runs import load_checkpoint, load_examples, stored_features  # noqa: E402
 
 
-def probe_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray) -> float:
-    """Held-out accuracy of standardised logistic regression (L2, C = 0.1) fitted on the training rows."""
+def probe_scores(
+    train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray
+) -> tuple[float, float]:
+    """``(accuracy, NMI)`` on the held-out rows of standardised logistic regression (L2, C = 0.1) fitted on the
+    training rows: the share it reads right, and the NMI of its predictions with the factor (what a partition the
+    representation holds linearly, one cluster per value, scores on eval's measure)."""
     from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import normalized_mutual_info_score
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
     classifier = make_pipeline(StandardScaler(), LogisticRegression(C=0.1, max_iter=3000, random_state=0))
-    return float(classifier.fit(train_x, train_y).score(test_x, test_y))
+    predicted = classifier.fit(train_x, train_y).predict(test_x)
+    return float(np.mean(predicted == test_y)), float(normalized_mutual_info_score(test_y, predicted))
 
 
 def kmeans_nmi(x: np.ndarray, y: np.ndarray, k: int) -> float:
@@ -98,13 +105,17 @@ def report(model, train, test, factor: str, values: list[str] | None, pad_token_
     }
     k = model.codebook_size
     which = f"{factor}" + ("" if values is None else f" ({' vs '.join(values)})")
-    lines = [f"{which}: {keep_test.sum()} held-out examples, probes fitted on {keep_train.sum()}"]
+    majority = max(np.mean(test_y[keep_test] == value) for value in set(test_y[keep_test]))
+    lines = [
+        f"{which}: {keep_test.sum()} held-out examples (the commonest value's share {majority:.3f}), probes fitted "
+        f"on {keep_train.sum()}"
+    ]
     for name, (columns, train_x, test_x) in parts.items():
-        accuracy = probe_accuracy(
+        accuracy, probe_nmi = probe_scores(
             train_x[keep_train][:, columns], train_y[keep_train], test_x[keep_test][:, columns], test_y[keep_test]
         )
         nmi = kmeans_nmi(test_x[keep_test][:, columns], test_y[keep_test], k)
-        lines.append(f"  {name:18s} probe accuracy {accuracy:.3f}, k-means ({k}) NMI {nmi:.3f}")
+        lines.append(f"  {name:18s} probe accuracy {accuracy:.3f} (NMI {probe_nmi:.3f}), k-means ({k}) NMI {nmi:.3f}")
     codes_nmi = normalized_mutual_info_score(test_y[keep_test], codes[keep_test])
     lines.append(f"  {'the codes':18s} NMI {codes_nmi:.3f}")
     return lines
@@ -113,8 +124,14 @@ def report(model, train, test, factor: str, values: list[str] | None, pad_token_
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", help="a discrete run directory or checkpoint")
-    parser.add_argument("--train", required=True, help="labelled rows to fit the probes on (a JSONL file)")
-    parser.add_argument("--data", required=True, help="labelled held-out rows to score them on (a JSONL file)")
+    parser.add_argument(
+        "--train", required=True, help="labelled rows to fit the probes on (a JSONL file, or 'train': the run's split)"
+    )
+    parser.add_argument(
+        "--data",
+        required=True,
+        help="labelled held-out rows to score them on (a JSONL file, or 'validation': the run's split)",
+    )
     parser.add_argument("--factor", required=True, help="the label's factor to probe")
     parser.add_argument("--values", nargs="+", default=None, help="only the examples of these values")
     args = parser.parse_args(argv)
