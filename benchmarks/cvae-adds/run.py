@@ -450,6 +450,8 @@ PLAN = [  # (set, recipe, seeds)
     ("chatterbot-style", "centered-lora-240-random", (0, 1, 2)),
     ("style-in-content", "centered-lora-240-random", (0,)),
     ("dailydialog", "centered-lora-240-bow-random", (0, 1, 2)),
+    ("two-factor", "centered-lora-240-random", (0, 1, 2)),
+    ("style-in-echo", "centered-lora-240-random", (0, 1, 2)),
 ]
 
 
