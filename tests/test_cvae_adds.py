@@ -431,6 +431,10 @@ def test_view_probe_reads_the_view_the_encoder_and_its_codes(discrete_run, injec
     assert probe.main([str(discrete_run.run_dir), "--train", str(discrete_run.data_path), "--data",
                        str(discrete_run.data_path), "--factor", "label"]) == 0  # fmt: skip
     assert "encoder outputs e" in capsys.readouterr().out
+    # the run's own split by name (load_examples' "train" / "validation"); every probe line has its predictions' NMI
+    assert probe.main([str(discrete_run.run_dir), "--train", "train", "--data", "validation", "--factor", "label"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "held-out examples" in printed[0] and all(" (NMI 0." in line or " (NMI 1." in line for line in printed[1:5])
 
 
 def test_questions_counts_each_codes_generations_that_ask_and_the_real_acts(tmp_path, capsys):
