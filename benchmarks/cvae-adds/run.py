@@ -155,11 +155,11 @@ RECIPES = {
     # can a code made to predict the response's words teach the pool to look at the tokens the act shows in?
     "centered-lora-240-bow-attn": [*CENTERED_LORA, "--max-steps", "240", "--bow-weight", "1",
                                    "--encoder-view", "token_weighted_attention"],  # fmt: skip
-    # the default (and with the bag-of-words loss) from a random codebook (section 37): chatterbot-style's codes
-    # start at its view's topic clusters; does a start away from them let training find the marker?
     # the continuous latent (a Gaussian of 16 dimensions) with the default's objective, view, adapters and steps
     # (section 37): its encoder's mean moves by the reparameterised gradient, with no code to be assigned first
     "continuous-lora-240": [*DEFAULT, *LORA, "--latent", "continuous", "--max-steps", "240"],
+    # the default (and with the bag-of-words loss) from a random codebook (section 37): chatterbot-style's codes
+    # start at its view's topic clusters; does a start away from them let training find the marker?
     "centered-lora-240-random": [*CENTERED_LORA, "--max-steps", "240", "--codebook-init", "random"],
     "centered-lora-240-bow-random": [*CENTERED_LORA, "--max-steps", "240", "--bow-weight", "1",
                                      "--codebook-init", "random"],  # fmt: skip
@@ -441,7 +441,8 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-lora-240", (0, 1, 2)),
     ("style-in-content", "centered-lora-240-bow", (0,)),
     ("style-in-content", "centered-lora-240-bowtw", (0,)),
-    # section 37: the bag-of-words loss with the attention pool (item 2's +0.2 over the view on real dialogue)
+    # section 37: the bag-of-words loss with the attention pool, a random codebook (with and without the loss), the
+    # continuous latent (items 1 and 2 on the real-text sets); the random codebook on the synthetic sets (item 3)
     ("dailydialog", "centered-lora-240-bow-attn", (0, 1, 2)),
     ("style-in-content", "centered-lora-240-bow-attn", (0,)),
     ("chatterbot-style", "centered-lora-240-bow-attn", (0,)),
