@@ -31,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
+from disentanglement.controllability import majority_share_of  # noqa: E402
 from disentanglement.cvae_base import ATTENTION_VIEWS  # noqa: E402
 from disentanglement.data import collate, label_factors  # noqa: E402
 from disentanglement.metrics import kmeans_assignments  # noqa: E402
@@ -105,7 +106,7 @@ def report(model, train, test, factor: str, values: list[str] | None, pad_token_
     }
     k = model.codebook_size
     which = f"{factor}" + ("" if values is None else f" ({' vs '.join(values)})")
-    majority = max(np.mean(test_y[keep_test] == value) for value in set(test_y[keep_test]))
+    majority = majority_share_of(test_y[keep_test].tolist())
     lines = [
         f"{which}: {keep_test.sum()} held-out examples (the commonest value's share {majority:.3f}), probes fitted "
         f"on {keep_train.sum()}"
