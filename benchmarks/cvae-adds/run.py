@@ -165,16 +165,16 @@ RECIPES = {
                                      "--codebook-init", "random"],  # fmt: skip
     # that between prompt and response (section 38): the code beside the first response token, where a prefix
     # marker is decided (section 15's whole-decoder recipe took chatterbot-style's marker best placed there)
-    "centered-lora-240-between-random": [*CENTERED_LORA, "--max-steps", "240", "--latent-placement", "between",
-                                         "--codebook-init", "random"],  # fmt: skip
+    "centered-lora-240-between-random": [*CENTERED_LORA, "--max-steps", "240", *BETWEEN_RANDOM],
     # that with the bag-of-words loss (section 38): DailyDialog's act shows in a response's first words
     "centered-lora-240-bow-between-random": [*CENTERED_LORA, "--max-steps", "240", "--bow-weight", "1",
-                                             "--latent-placement", "between", "--codebook-init", "random"],  # fmt: skip
-    # that with eight codes (section 38): on every seed of four codes ahoy's and listen's prefixes shared one code
-    "centered-lora-240-between-random-k8": [*CENTERED_LORA, "--max-steps", "240", "--latent-placement", "between",
-                                            "--codebook-init", "random", "--codebook-size", "8"],  # fmt: skip
-    # the prefix placement with eight codes (section 38): the encoder's outputs hold chatterbot-style's marker linearly at 0.887
-    # (section 37) and its four codes 0.431; do more, purer codes each write one marker?
+                                             *BETWEEN_RANDOM],  # fmt: skip
+    # between prompt and response from a random codebook with eight codes (section 38): with four, ahoy's and
+    # listen's prefixes shared one code
+    "centered-lora-240-between-random-k8": [*CENTERED_LORA, "--max-steps", "240", *BETWEEN_RANDOM,
+                                            "--codebook-size", "8"],  # fmt: skip
+    # the prefix placement with eight codes (section 38): the encoder's outputs hold chatterbot-style's marker
+    # linearly at 0.887 (section 37) and its four codes 0.431; do more, purer codes each write one marker?
     "centered-lora-240-random-k8": [*CENTERED_LORA, "--max-steps", "240", "--codebook-init", "random",
                                     "--codebook-size", "8"],  # fmt: skip
     # item 2 (c): centered with the encoder's own LoRA adapters on all 30 layers of SmolLM2-135M: its features come
