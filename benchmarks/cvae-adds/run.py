@@ -476,6 +476,8 @@ PLAN = [  # (set, recipe, seeds)
     ("chatterbot-style", "centered-lora-240-between-random-k8", (0, 1, 2)),
     ("two-factor", "centered-lora-240-between-random", (0, 1, 2)),  # item 3: could it be the default?
     ("style-in-echo", "centered-lora-240-between-random", (0, 1, 2)),
+    # section 39: eight codes between prompt and response on held-out style-in-content (with --refit)
+    ("style-in-content", "centered-lora-240-between-random-k8", (0, 1, 2)),
 ]
 
 
