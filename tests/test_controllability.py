@@ -33,6 +33,7 @@ from disentanglement.encode import raw_pairs
 from disentanglement.evaluation import evaluate_records, posterior_latents
 from disentanglement.features import build_feature_cache
 from disentanglement.latent_space import code_labels
+from disentanglement.metrics import loops
 from disentanglement.runs import load_examples
 
 OPTIONS = dict(num_prompts=4, max_new_tokens=40, prior_latents=4, seed=0)
@@ -86,6 +87,22 @@ def test_distinct_n_by_hand():
     # per prompt: [5 tokens, 2 distinct; 3 bigrams, 2 distinct] and [2 tokens, 1; 1 bigram, 1]
     assert got["distinct_1_per_prompt"] == pytest.approx((2 / 5 + 1 / 2) / 2)
     assert got["distinct_2_per_prompt"] == pytest.approx((2 / 3 + 1) / 2)
+    assert got["looping_share"] == 0.0  # "a b a": no run three times in a row
+    assert diversity([["c c c", "a b"], ["no loop here", "x y x y x y"]])["looping_share"] == pytest.approx(2 / 4)
+
+
+def test_loops_by_hand():
+    assert loops("Python Over and out Over and out Over and out")  # three words, three times
+    assert loops("Yes. yes, YES!")  # one word three times: case and the punctuation around it ignored
+    assert loops("a b c d a b c d a b c d")  # four words, the longest span looked for
+    assert not loops("a b c d e a b c d e a b c d e")  # five words: longer than the span looked for
+    assert loops("a b c d e a b c d e a b c d e", max_span=5)
+    assert not loops("Over and out Over and out.")  # twice is not a loop
+    assert loops("Over and out Over and out.", copies=2)
+    assert not loops("") and not loops("...") and not loops("I am not sure I am")
+    assert loops("no , no , no")  # a bare comma is no word: "no no no"
+    with pytest.raises(ValueError, match="copies"):
+        loops("a a a", copies=1)
 
 
 def test_choose_prompts_is_seeded_distinct_and_in_order():

@@ -76,8 +76,10 @@ def test_diversity_across_codes(discrete):
     assert 0 < d["distinct_1"] <= 1 and 0 < d["distinct_2"] <= 1
     assert d["per_prompt"][0]["responses"] == NUM_FACTORS
     assert d["distinct_2"] > 0.9  # four different phrases
+    assert d["looping_share"] == 0.0  # each a fixed phrase, said once
     text = format_generations(result)
     assert "codes=0" in text and "distinct-1" in text and NEW_PROMPTS[0] in text
+    assert "responses that repeat themselves 0.000" in text
 
 
 def test_forced_codes_combinations_and_samples(discrete):

@@ -11,7 +11,8 @@ eval had the decoder's likeliest codes, the same with each code standing for its
 majority share and generations scored beside it; where no
 detector reads the text, as for DailyDialog's act and emotion: per factor, the share that the classifier on the
 frozen features gives the code's value, beside chance, the majority share and the classifier's accuracy on
-held-out real responses), and the generations' z-free NLL over the real responses'. A report of
+held-out real responses), and the generations' z-free NLL over the real responses' (and the share of generations
+that repeat themselves, where the report has it). A report of
 ``eval --generation-guidance`` is named by its run and ", guided G".
 """
 
@@ -88,7 +89,9 @@ def row(path: Path) -> str:
                 if e.get("accuracy") is not None
             )
         cells.append(text or "-")
-        cells.append(f"{control['zfree_nll_per_token'] / control['real_zfree_nll_per_token']:.2f}")
+        ratio = f"{control['zfree_nll_per_token'] / control['real_zfree_nll_per_token']:.2f}"
+        looping = control.get("looping_share")  # reports written before eval measured it have none
+        cells.append(ratio if looping is None else f"{ratio} (looping {looping:.2f})")
     else:
         cells += ["-", "-"]
     return "| " + " | ".join(cells) + " |"

@@ -39,7 +39,8 @@ end-of-sequence token alone), and measure:
   common one among them, the accuracy of one answer for every generation (a decoder that writes the same value
   under every latent can score this much; with skewed labels it is well above ``chance``).
 - **diversity**: distinct-1/2 over all generations, and the mean over prompts of distinct-1/2 across one
-  prompt's generations.
+  prompt's generations; ``looping_share``, the share of generations that repeat a run of at most four words
+  three times back to back (``metrics.loops``: a loop, which a low z-free NLL can hide).
 - **fluency**: the z-free reference's NLL of the generations, nats per response token (the
   end-of-sequence token included, as in training), beside the same for the real responses.
 
@@ -68,7 +69,7 @@ from .features import FeatureCache
 from .generation import SamplingOptions, encode_prompts, generate_texts, prompt_features
 from .guidance import Guidance
 from .latent_space import LatentSpace, code_labels
-from .metrics import distinct_n
+from .metrics import distinct_n, loops
 from .reference import eval_mode
 
 #: Generations of the first prompts shown in the report.
@@ -123,13 +124,15 @@ def held_out_accuracy(features: np.ndarray, labels: Sequence[str], seed: int = 0
 
 
 def diversity(texts_per_prompt: Sequence[Sequence[str]]) -> dict[str, float]:
-    """distinct-1/2 over every text, and their means over prompts of each prompt's texts."""
+    """distinct-1/2 over every text, and their means over prompts of each prompt's texts; ``looping_share``, the
+    share of the texts that repeat themselves (:func:`metrics.loops`)."""
     every = [t for texts in texts_per_prompt for t in texts]
     return {
         "distinct_1": distinct_n(every, 1),
         "distinct_2": distinct_n(every, 2),
         "distinct_1_per_prompt": float(np.mean([distinct_n(t, 1) for t in texts_per_prompt])),
         "distinct_2_per_prompt": float(np.mean([distinct_n(t, 2) for t in texts_per_prompt])),
+        "looping_share": float(np.mean([loops(t) for t in every])) if every else 0.0,
     }
 
 
@@ -504,7 +507,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     lines = [
         f"controllability: {recovery} (chance {report['recovery_chance']:.3f}) over {report['generations']} "
         f"generations for {report['prompts']} prompts ({report.get('decoding', 'greedy')}); "
-        f"distinct-1 {report['distinct_1']:.3f}, distinct-2 {report['distinct_2']:.3f}; "
+        f"distinct-1 {report['distinct_1']:.3f}, distinct-2 {report['distinct_2']:.3f}"
+        f"{_looping(report)}; "
         f"z-free NLL {report['zfree_nll_per_token']:.3f} nats/token "
         f"(real responses {report['real_zfree_nll_per_token']:.3f})",
     ]
@@ -538,6 +542,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"{report['zfree_nll_per_token'] / report['real_zfree_nll_per_token']:.3f}"
         )
     return lines
+
+
+def _looping(report: dict[str, Any]) -> str:
+    """``, looping 0.031`` (reports written before the field have none)."""
+    return "" if report.get("looping_share") is None else f", looping {report['looping_share']:.3f}"
 
 
 def _majority(entry: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ are latent regularisers (``regularizers.py``).
 from __future__ import annotations
 
 import math
+import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -327,6 +328,28 @@ def distinct_n(texts: Sequence[str], n: int) -> float:
         total += len(grams)
         unique.update(grams)
     return len(unique) / total if total else 0.0
+
+
+#: ``loops``: a run of at most this many words ...
+LOOP_MAX_SPAN = 4
+#: ... written this many times back to back
+LOOP_COPIES = 3
+
+
+def loops(text: str, max_span: int = LOOP_MAX_SPAN, copies: int = LOOP_COPIES) -> bool:
+    """Whether ``text`` repeats itself: some run of 1 to ``max_span`` words occurs ``copies`` times back to back
+    ("Over and out Over and out Over and out"), the words compared in lower case with the punctuation around them
+    stripped ("Yes. yes, YES!" is one word three times). A generation stuck in a loop, which a z-free NLL below the
+    real responses' can hide."""
+    if max_span < 1 or copies < 2:
+        raise ValueError(f"max_span must be >= 1 and copies >= 2, got {max_span} and {copies}")
+    words = [w for w in (w.strip(string.punctuation).lower() for w in text.split()) if w]
+    for span in range(1, max_span + 1):
+        for start in range(len(words) - span * copies + 1):
+            run = words[start : start + span]
+            if all(words[start + c * span : start + (c + 1) * span] == run for c in range(1, copies)):
+                return True
+    return False
 
 
 def nats_to_bits(x: Any) -> Any:
