@@ -13,7 +13,8 @@ detector reads the text, as for DailyDialog's act and emotion: per factor, the s
 frozen features gives the code's value, beside chance, the majority share and the classifier's accuracy on
 held-out real responses), and the generations' z-free NLL over the real responses' (and the share of generations
 that repeat themselves, where the report has it). A report of
-``eval --generation-guidance`` is named by its run and ", guided G".
+``eval --generation-guidance`` is named by its run and ", guided G", one of ``--generation-temperature T`` by ", sampled
+at T T".
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def row(path: Path) -> str:
     guidance = (report.get("controllability") or {}).get("guidance")
     if guidance:  # eval --generation-guidance: the same run, generations guided at this scale
         run += f", guided {guidance['scale']:g}"
+    temperature = (report.get("controllability") or {}).get("temperature")
+    if temperature:  # eval --generation-temperature: sampled, not greedy
+        run += f", sampled at T {temperature:g}"
     factors = report.get("factors") or {}
     decoder = (report.get("decoder_posterior") or {}).get("factors") or {}
 
