@@ -173,6 +173,9 @@ RECIPES = {
     # listen's prefixes shared one code
     "centered-lora-240-between-random-k8": [*CENTERED_LORA, "--max-steps", "240", *BETWEEN_RANDOM,
                                             "--codebook-size", "8"],  # fmt: skip
+    # that with five codes (section 39): one spare code for style-in-content's four styles, where eight split each
+    "centered-lora-240-between-random-k5": [*CENTERED_LORA, "--max-steps", "240", *BETWEEN_RANDOM,
+                                            "--codebook-size", "5"],  # fmt: skip
     # the prefix placement with eight codes (section 38): the encoder's outputs hold chatterbot-style's marker
     # linearly at 0.887 (section 37) and its four codes 0.431; do more, purer codes each write one marker?
     "centered-lora-240-random-k8": [*CENTERED_LORA, "--max-steps", "240", "--codebook-init", "random",
@@ -478,6 +481,7 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-echo", "centered-lora-240-between-random", (0, 1, 2)),
     # section 39: eight codes between prompt and response on held-out style-in-content (with --refit)
     ("style-in-content", "centered-lora-240-between-random-k8", (0, 1, 2)),
+    ("style-in-content", "centered-lora-240-between-random-k5", (0, 1, 2)),
 ]
 
 
