@@ -44,10 +44,11 @@ def row(path: Path) -> str:
     report = json.loads(path.read_text())
     checkpoint = Path(report["checkpoint"])
     run = f"{checkpoint.parent.parent.parent.name}/{checkpoint.parent.parent.name} @{report.get('step')}"
-    guidance = (report.get("controllability") or {}).get("guidance")
+    control = report.get("controllability") or {}  # {} without --generation
+    guidance = control.get("guidance")
     if guidance:  # eval --generation-guidance: the same run, generations guided at this scale
         run += f", guided {guidance['scale']:g}"
-    temperature = (report.get("controllability") or {}).get("temperature")
+    temperature = control.get("temperature")
     if temperature:  # eval --generation-temperature: sampled, not greedy
         run += f", sampled at T {temperature:g}"
     factors = report.get("factors") or {}
@@ -67,7 +68,6 @@ def row(path: Path) -> str:
         f"{report['posterior_nll_nats_per_token']:.3f} / {report['zfree_nll_nats_per_token']:.3f}",
         f"{report['latent_gain_nats_per_token']:+.4f}" + decoders_gain(report.get("decoder_posterior") or {}),
     ]
-    control = report.get("controllability")
     if control:
         accuracy = (control.get("factor_accuracy") or {}).get("factors", {})
         by_decoder = (control.get("factor_accuracy") or {}).get("decoder_codes", {})
