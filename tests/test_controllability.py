@@ -33,7 +33,7 @@ from disentanglement.encode import raw_pairs
 from disentanglement.evaluation import evaluate_records, posterior_latents
 from disentanglement.features import build_feature_cache
 from disentanglement.latent_space import code_labels
-from disentanglement.metrics import loops
+from disentanglement.metrics import looping_share, loops
 from disentanglement.runs import load_examples
 
 OPTIONS = dict(num_prompts=4, max_new_tokens=40, prior_latents=4, seed=0)
@@ -103,6 +103,8 @@ def test_loops_by_hand():
     assert loops("no , no , no")  # a bare comma is no word: "no no no"
     with pytest.raises(ValueError, match="copies"):
         loops("a a a", copies=1)
+    assert looping_share(["a a a", "a b", "x y x y x y", ""]) == pytest.approx(2 / 4)
+    assert looping_share([]) == 0.0  # no texts: nothing loops
 
 
 def test_choose_prompts_is_seeded_distinct_and_in_order():

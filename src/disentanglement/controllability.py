@@ -69,7 +69,7 @@ from .features import FeatureCache
 from .generation import SamplingOptions, encode_prompts, generate_texts, prompt_features
 from .guidance import Guidance
 from .latent_space import LatentSpace, code_labels
-from .metrics import distinct_n, loops
+from .metrics import distinct_n, looping_share
 from .reference import eval_mode
 
 #: Generations of the first prompts shown in the report.
@@ -125,14 +125,14 @@ def held_out_accuracy(features: np.ndarray, labels: Sequence[str], seed: int = 0
 
 def diversity(texts_per_prompt: Sequence[Sequence[str]]) -> dict[str, float]:
     """distinct-1/2 over every text, and their means over prompts of each prompt's texts; ``looping_share``, the
-    share of the texts that repeat themselves (:func:`metrics.loops`)."""
+    share of the texts that repeat themselves (:func:`metrics.looping_share`)."""
     every = [t for texts in texts_per_prompt for t in texts]
     return {
         "distinct_1": distinct_n(every, 1),
         "distinct_2": distinct_n(every, 2),
         "distinct_1_per_prompt": float(np.mean([distinct_n(t, 1) for t in texts_per_prompt])),
         "distinct_2_per_prompt": float(np.mean([distinct_n(t, 2) for t in texts_per_prompt])),
-        "looping_share": float(np.mean([loops(t) for t in every])) if every else 0.0,
+        "looping_share": looping_share(every),
     }
 
 

@@ -63,7 +63,7 @@ from .data import PromptResponse, collate, prompt_text_for_generation, tokenize_
 from .guidance import Guidance, contrast_sets, guided_generate
 from .latent_space import STEERING_MODES, LatentChoice, LatentSpace, SteeringRequest
 from .memory import decoder_text_config, memory_attention_mask, positions_from_mask
-from .metrics import distinct_n, loops
+from .metrics import distinct_n, looping_share
 from .reference import eval_mode, reference_hidden_states
 
 MODES = ("codes", "prior", "posterior", "interpolate", "row", "attribute", "traverse")
@@ -531,7 +531,7 @@ def check_codes_options(space: LatentSpace, slot: int | None, codes: Any, all_co
 
 def diversity(prompts: Sequence[str], generations: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """``distinct_1`` and ``distinct_2`` of each prompt's responses (``per_prompt``) and their means;
-    ``looping_share``, the share of all responses that repeat themselves (:func:`metrics.loops`)."""
+    ``looping_share``, the share of all responses that repeat themselves (:func:`metrics.looping_share`)."""
     per_prompt = []
     for p, prompt in enumerate(prompts):
         mine = [g["text"] for g in generations if g["prompt_index"] == p]
@@ -546,7 +546,7 @@ def diversity(prompts: Sequence[str], generations: Sequence[dict[str, Any]]) -> 
     return {
         "distinct_1": sum(d["distinct_1"] for d in per_prompt) / len(per_prompt),
         "distinct_2": sum(d["distinct_2"] for d in per_prompt) / len(per_prompt),
-        "looping_share": sum(loops(g["text"]) for g in generations) / len(generations) if generations else 0.0,
+        "looping_share": looping_share([g["text"] for g in generations]),
         "per_prompt": per_prompt,
     }
 

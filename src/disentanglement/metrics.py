@@ -352,6 +352,11 @@ def loops(text: str, max_span: int = LOOP_MAX_SPAN, copies: int = LOOP_COPIES) -
     return False
 
 
+def looping_share(texts: Sequence[str]) -> float:
+    """The share of ``texts`` that repeat themselves (:func:`loops`); 0.0 when there are none."""
+    return sum(loops(t) for t in texts) / len(texts) if texts else 0.0
+
+
 def nats_to_bits(x: Any) -> Any:
     """Convert nats to bits (divide by ``ln 2``); floats, numpy arrays and tensors alike."""
     return x / math.log(2.0)
