@@ -298,6 +298,7 @@ def controllability(
     *,
     num_prompts: int = 8,
     max_new_tokens: int = 32,
+    no_repeat_ngram: int = 0,
     prior_latents: int = 8,
     seed: int = 0,
     batch_size: int = 16,
@@ -313,7 +314,8 @@ def controllability(
     at that temperature from the decoder's whole distribution (top-p 1, no top-k; a decoder's own generation
     config still applies), seeded by ``seed`` (the same text for the same seed and ``batch_size``): at 1, a
     decoder that fits the data writes responses as predictable to the z-free reference as the real ones, where
-    greedy text is more predictable by construction.
+    greedy text is more predictable by construction. ``no_repeat_ngram`` N above 0 never writes the same N tokens
+    in a row twice in one generation (:class:`.generation.SamplingOptions`), whichever the decoding.
 
     ``examples`` and ``cache`` are the evaluated data and its frozen-pass features (as for
     ``evaluation.evaluate``), ``pairs`` their raw pairs (same order; the prompts' texts). Returns a JSON-able
@@ -340,12 +342,23 @@ def controllability(
         raise ValueError(f"--generation-latents must be an integer >= 2, got {prior_latents!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature < math.inf:
         raise ValueError(f"--generation-temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(no_repeat_ngram, bool) or not isinstance(no_repeat_ngram, int) or no_repeat_ngram < 0:
+        raise ValueError(f"--generation-no-repeat-ngram must be an integer >= 0, got {no_repeat_ngram!r}")
     if temperature > 0:
-        sampling = SamplingOptions(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
+        sampling = SamplingOptions(
+            temperature=temperature,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            no_repeat_ngram=no_repeat_ngram,
+        )
         decoding = f"sampled at temperature {temperature:g} (top-p 1), at most {max_new_tokens} new tokens"
     else:
-        sampling = SamplingOptions(greedy=True, max_new_tokens=max_new_tokens, seed=seed)
+        sampling = SamplingOptions(
+            greedy=True, max_new_tokens=max_new_tokens, seed=seed, no_repeat_ngram=no_repeat_ngram
+        )
         decoding = f"greedy, at most {max_new_tokens} new tokens"
+    decoding += sampling.describe()
     guidance = guidance if guidance is not None and guidance.scale > 0 else None
     if guidance is not None:
         decoding += f", guided at {guidance.scale:g} (plausibility {guidance.plausibility:g})"

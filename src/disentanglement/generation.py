@@ -49,12 +49,19 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (
+    DynamicCache,
+    LogitsProcessorList,
+    NoRepeatNGramLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from . import latent_file
 from .config import DataConfig, RunConfig
@@ -78,6 +85,9 @@ class SamplingOptions:
     top_p: float = 0.9
     max_new_tokens: int = 64
     seed: int = 0
+    #: 0: off; N: no N tokens in a row twice in one generation (transformers' ``no_repeat_ngram_size``: the
+    #: token that would repeat an N-gram already generated is never chosen; the prompt is not counted)
+    no_repeat_ngram: int = 0
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -86,17 +96,22 @@ class SamplingOptions:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.no_repeat_ngram, bool) or not isinstance(self.no_repeat_ngram, int):
+            raise ValueError(f"no_repeat_ngram must be an integer >= 0, got {self.no_repeat_ngram!r}")
+        if self.no_repeat_ngram < 0:
+            raise ValueError(f"no_repeat_ngram must be >= 0 (0: off), got {self.no_repeat_ngram}")
 
     def generate_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"max_new_tokens": self.max_new_tokens}
+        if self.no_repeat_ngram:
+            kwargs["no_repeat_ngram_size"] = self.no_repeat_ngram
         if self.greedy:
-            return {"do_sample": False, "max_new_tokens": self.max_new_tokens}
-        return {
-            "do_sample": True,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": 0,
-            "max_new_tokens": self.max_new_tokens,
-        }
+            return {"do_sample": False, **kwargs}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0, **kwargs}
+
+    def describe(self) -> str:
+        """What the n-gram rule adds to a decoding's description ("" when off)."""
+        return f", no {self.no_repeat_ngram}-gram twice" if self.no_repeat_ngram else ""
 
 
 # --------------------------------------------------------------------------- prompts and latents
@@ -231,13 +246,15 @@ def generate_texts(
             if model.latent_memory is not None:
                 out = memory_generate(model, embeds, attention, chunk_vectors, sampling, eos, pad)
             else:
-                out = model.decoder.generate(
-                    inputs_embeds=embeds,
-                    attention_mask=attention,
-                    pad_token_id=pad,
-                    eos_token_id=sorted(eos) or None,
-                    **sampling.generate_kwargs(),
-                )
+                with warnings.catch_warnings():  # the n-gram rule counts the new tokens only, as documented here
+                    warnings.filterwarnings("ignore", message="Passing `no_repeat_ngram_size` with `inputs_embeds`")
+                    out = model.decoder.generate(
+                        inputs_embeds=embeds,
+                        attention_mask=attention,
+                        pad_token_id=pad,
+                        eos_token_id=sorted(eos) or None,
+                        **sampling.generate_kwargs(),
+                    )
             for row in out.tolist():
                 cut = next((i for i, t in enumerate(row) if t in eos), len(row))
                 texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
@@ -319,9 +336,15 @@ def decode_step(
     return logits.float(), cache
 
 
-def choose_tokens(scores: torch.Tensor, sampling: SamplingOptions) -> torch.Tensor:
+def choose_tokens(
+    scores: torch.Tensor, sampling: SamplingOptions, generated: Sequence[torch.Tensor] = ()
+) -> torch.Tensor:
     """The next token of each row of ``scores [R, V]`` (logits or log-probabilities): the argmax when greedy,
-    else a draw after temperature, then top-p (no top-k), as ``generate`` samples."""
+    else a draw after temperature, then top-p (no top-k), as ``generate`` samples. With
+    ``sampling.no_repeat_ngram`` N, a token that would complete an N-gram already in the row's ``generated``
+    tokens (the earlier steps' ``[R]`` tensors) is never chosen, as ``generate``'s ``no_repeat_ngram_size``."""
+    if sampling.no_repeat_ngram and generated:
+        scores = NoRepeatNGramLogitsProcessor(sampling.no_repeat_ngram)(torch.stack(list(generated), dim=1), scores)
     if sampling.greedy:
         return scores.argmax(-1)
     warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature), TopPLogitsWarper(sampling.top_p)])
@@ -356,7 +379,7 @@ def memory_generate(
     tokens: list[torch.Tensor] = []
     for _ in range(sampling.max_new_tokens):
         logits, cache = decode_step(model, inputs, mask, cache if use_cache else None, latent)
-        next_tokens = choose_tokens(logits, sampling)
+        next_tokens = choose_tokens(logits, sampling, tokens)
         next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad))
         tokens.append(next_tokens)
         unfinished &= ~torch.isin(next_tokens, eos_ids)

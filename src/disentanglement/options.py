@@ -228,6 +228,13 @@ class EvalOptions(ScoringOptions):
     )
     generation_prompts: int = ranged(8, "held-out prompts generated for", Range(1), group=_STEERING)
     generation_max_new_tokens: int = ranged(32, "new tokens per generation at most", Range(1), group=_STEERING)
+    generation_no_repeat_ngram: int = ranged(
+        0,
+        "no N tokens in a row twice in one generation (breaks loops, as generate --no-repeat-ngram); 0: off",
+        Range(0),
+        group=_STEERING,
+        metavar="N",
+    )
     generation_temperature: float = ranged(
         0.0,
         "0: greedy generations; above 0: sampled at this temperature from the decoder's whole distribution "
@@ -360,6 +367,9 @@ class GenerateOptions(CheckpointOptions):
     temperature: float = ranged(0.7, "sampling temperature", Range(0, integer=False, low_open=True), group=_SAMPLING)
     top_p: float = ranged(0.9, "nucleus sampling mass", Range(0, 1, integer=False, low_open=True), group=_SAMPLING)
     max_new_tokens: int = ranged(64, "new tokens per response at most", Range(1), group=_SAMPLING)
+    no_repeat_ngram: int = ranged(
+        0, "no N tokens in a row twice in one response (breaks loops); 0: off", Range(0), group=_SAMPLING, metavar="N"
+    )
     guidance: float = ranged(
         0.0,
         "contrastive guidance: amplify by this factor what each latent adds over the mixture of the prompt's "
@@ -390,6 +400,7 @@ class GenerateOptions(CheckpointOptions):
             top_p=self.top_p,
             max_new_tokens=self.max_new_tokens,
             seed=self.seed,
+            no_repeat_ngram=self.no_repeat_ngram,
         )
 
     def generate_kwargs(self) -> dict[str, Any]:
