@@ -15,6 +15,7 @@ from conftest import NUM_FACTORS, model_and_tokenizer
 from disentanglement import cli, trainer
 from disentanglement.commands import run_eval
 from disentanglement.controllability import (
+    EXAMPLES_SHOWN,
     choose_prompts,
     controllability,
     diversity,
@@ -32,7 +33,7 @@ from disentanglement.data import collate
 from disentanglement.encode import raw_pairs
 from disentanglement.evaluation import evaluate_records, posterior_latents
 from disentanglement.features import build_feature_cache
-from disentanglement.latent_space import code_labels
+from disentanglement.latent_space import code_labels, code_shares
 from disentanglement.metrics import looping_share, loops
 from disentanglement.runs import load_examples
 
@@ -329,6 +330,53 @@ def test_factor_accuracy_by_hand():
     assert empty["accuracy"] is None and empty["majority_share"] is None
     with pytest.raises(ValueError, match="2 texts for 1 expected"):
         factor_accuracy(["a", "b"], [{}], values, detector)
+    assert "weighted_accuracy" not in got["c"]
+    # weighted by each generation's latent's share: c's right ones weigh 0.5 + 0.2 of the scored 0.5 + 0.2 + 0.1 +
+    # 0.2 + 0.0 (generation 4 is not scored for c); d's one scored generation weighs nothing
+    weighted = factor_accuracy(texts, expected, values, detector, [0.5, 0.2, 0.1, 0.2, 0.7, 0.0])
+    assert weighted["c"]["weighted_accuracy"] == pytest.approx(0.7 / 1.0)
+    assert weighted["d"]["weighted_accuracy"] is None
+    assert {k: v for k, v in weighted["c"].items() if k != "weighted_accuracy"} == got["c"]
+    for bad in ([0.5] * 5, [0.5, 0.2, 0.1, 0.2, 0.7, -0.1], [0.5, 0.2, 0.1, 0.2, 0.7, float("nan")]):
+        with pytest.raises(ValueError, match="weights must be 6 finite numbers >= 0"):
+            factor_accuracy(texts, expected, values, detector, bad)
+
+
+def test_code_shares_by_hand():
+    codes = np.array([[0, 2], [1, 2], [0, 0], [0, 2]])
+    assert code_shares(codes) == {(0, 0): 0.75, (0, 1): 0.25, (1, 0): 0.25, (1, 2): 0.75}
+    assert code_shares(torch.tensor([[3]])) == {(0, 3): 1.0}
+    assert code_shares(np.zeros((0, 1), dtype=int)) == {}
+
+
+def test_the_read_back_weighted_by_the_codes_use(discrete):
+    """``weighted_accuracy`` recomputed by hand from the report's generations (every prompt shown), the codes'
+    shares of the real examples and the value each stands for; with one code's generations all wrong, the plain
+    accuracy loses a quarter and the weighted one that code's share."""
+    model, tokenizer, _, examples, cache, _ = discrete
+    codes = posterior_latents(model, examples, cache, tokenizer.pad_token_id)["codes"]
+    shares = {k: float((codes[:, 0] == k).mean()) for k in range(model.codebook_size)}
+    named = code_labels(codes, {"label": [e.label for e in examples]})
+    options = dict(OPTIONS, num_prompts=EXAMPLES_SHOWN, max_new_tokens=64)
+
+    def wrong_for_code_0(factor, text):  # the generations under code 0 read as no value
+        return None if text in under_code_0 else clean_detector(factor, text)
+
+    report = controllability(*discrete, **options, detector=clean_detector)
+    entry = report["factor_accuracy"]["factors"]["label"]
+    right = {k: 0.0 for k in shares}
+    for example in report["examples"]:
+        k = int(example["latent"].removeprefix("codes="))
+        right[k] += clean_detector("label", example["text"]) == named[(0, k)]["label"]
+    by_hand = sum(shares[k] * right[k] / EXAMPLES_SHOWN for k in shares) / sum(shares.values())
+    assert entry["weighted_accuracy"] == pytest.approx(by_hand) and entry["accuracy"] == 1.0
+    under_code_0 = {e["text"] for e in report["examples"] if e["latent"] == "codes=0"}
+    broken = controllability(*discrete, **options, detector=wrong_for_code_0)["factor_accuracy"]["factors"]["label"]
+    assert broken["accuracy"] == pytest.approx(0.75)
+    assert broken["weighted_accuracy"] == pytest.approx(1 - shares[0])
+    assert f"accuracy 0.750, weighted by use {1 - shares[0]:.3f} (chance" in "\n".join(
+        summary_lines(controllability(*discrete, **options, detector=wrong_for_code_0))
+    )
 
 
 def test_synthetic_detector_reads_the_built_in_sets_and_nothing_else():
@@ -372,8 +420,8 @@ def test_trained_codes_generate_their_factor_as_read_from_the_text(discrete):
     assert entry["generations_scored"] == 4 * NUM_FACTORS
     assert entry["majority_share"] == 0.25  # the four codes stand for four values
     assert (
-        "  factor label read from the text: accuracy 1.000 (chance 0.250, majority 0.250; no value found "
-        "0.000) over 16" in ("\n".join(summary_lines(report)))
+        "  factor label read from the text: accuracy 1.000, weighted by use 1.000 (chance 0.250, majority 0.250; no value "
+        "found 0.000) over 16" in ("\n".join(summary_lines(report)))
     )
     # a detector that finds nothing: every scored generation is 'no value', none right
     blind = controllability(*discrete, **options, detector=lambda f, t: None)["factor_accuracy"]["factors"]["label"]
@@ -411,8 +459,8 @@ def test_read_back_by_the_decoders_codes(discrete, continuous):
     assert renamed["factor_accuracy"]["factors"]["label"]["accuracy"] == 1.0 and entry["accuracy"] == 0.0
     assert entry["none_share"] == 0.0 and entry["majority_share"] == 0.25  # read, and still four values
     assert (
-        "    each code standing for its majority value under the decoder's likeliest codes: accuracy 0.000 "
-        "(majority 0.250) over 16 generations" in summary_lines(renamed)
+        "    each code standing for its majority value under the decoder's likeliest codes: accuracy 0.000, "
+        "weighted by use 0.000 (majority 0.250) over 16 generations" in summary_lines(renamed)
     )
     assert "decoder_codes" not in controllability(*discrete, **options)["factor_accuracy"]
     # a code the decoder gives no example: its generations are not scored by the decoder's codes
@@ -474,6 +522,7 @@ def test_continuous_attribute_vectors_are_read_from_the_text(continuous):
     report = controllability(*continuous, **OPTIONS, detector=clean_detector)
     entry = report["factor_accuracy"]["factors"]["label"]
     assert entry["generations_scored"] == 4 * NUM_FACTORS  # one per (prompt, attribute); prior draws unscored
+    assert 0 <= entry["weighted_accuracy"] <= 1  # each attribute vector weighted by its value's share
     detected = [clean_detector("label", e["text"]) for e in report["examples"] if e["latent"].startswith("factor")]
     assert len(detected) == 2 * NUM_FACTORS
     # the attribute targets' generations, read back by hand, give the same shares (the first two prompts shown)

@@ -224,6 +224,13 @@ def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
     unscored = {**detected, "decoder_codes": {"style": {**decoders, "accuracy": None}}}
     row = cells(table.row(report(tmp_path, {"factor_accuracy": unscored, "labels": {}, **fluency})))
     assert row[4] == "style 0.969 (chance 0.25, none 0.00, n 32)"
+    use = {"factors": {"style": {**detected["factors"]["style"], "weighted_accuracy": 0.99}}}
+    use["decoder_codes"] = {"style": {**decoders, "weighted_accuracy": 0.875}}
+    row = cells(table.row(report(tmp_path, {"factor_accuracy": use, "labels": {}, **fluency})))
+    assert row[4] == (
+        "style 0.969 (chance 0.25, weighted 0.990, none 0.00, n 32; by the decoder's codes 1.000, weighted 0.875, "
+        "majority 0.50, n 24)"
+    )
     labels = {
         "act": {
             "accuracy": 0.5,

@@ -29,6 +29,12 @@ def majority(entry: dict) -> str:
     return "" if entry.get("majority_share") is None else f", majority {entry['majority_share']:.2f}"
 
 
+def weighted(entry: dict) -> str:
+    """``, weighted W``: the read-back with each code weighted by its share of the real examples (reports written
+    before it have none)."""
+    return "" if entry.get("weighted_accuracy") is None else f", weighted {entry['weighted_accuracy']:.3f}"
+
+
 def decoders_gain(decoder: dict) -> str:
     """The latent gain under the decoder's own likeliest codes and under the best ones, where eval reports them
     (section 25)."""
@@ -76,10 +82,13 @@ def row(path: Path) -> str:
             entry = by_decoder.get(name) or {}
             if entry.get("accuracy") is None:
                 return ""
-            return f"; by the decoder's codes {entry['accuracy']:.3f}{majority(entry)}, n {entry['generations_scored']}"
+            return (
+                f"; by the decoder's codes {entry['accuracy']:.3f}{weighted(entry)}{majority(entry)}, "
+                f"n {entry['generations_scored']}"
+            )
 
         text = "; ".join(
-            f"{n} {e['accuracy']:.3f} (chance {e['chance']:.2f}{majority(e)}, none {e['none_share']:.2f}, "
+            f"{n} {e['accuracy']:.3f} (chance {e['chance']:.2f}{weighted(e)}{majority(e)}, none {e['none_share']:.2f}, "
             f"n {e['generations_scored']}{decoders(n)})"
             for n, e in accuracy.items()
             if e["accuracy"] is not None

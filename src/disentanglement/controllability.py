@@ -35,9 +35,12 @@ end-of-sequence token alone), and measure:
   means to the decoder is what its generations should show, where the encoder's assignment can name the same
   groups differently. The generations of a code no real example has as its decoder's likeliest are not scored
   there (its ``generations_scored`` can be smaller); as in the encoder's, a tie goes to the smallest value.
-  Both read-backs also give ``majority_share``: the share of the scored generations whose wanted value is the most
-  common one among them, the accuracy of one answer for every generation (a decoder that writes the same value
-  under every latent can score this much; with skewed labels it is well above ``chance``).
+  Both read-backs also give ``weighted_accuracy``, each generation weighted by its latent's share of the real
+  examples (its code's, under the encoder's or the decoder's codes; an attribute vector's value's): what a
+  generation under a code drawn as the data draws them scores, where ``accuracy`` counts a code that holds two
+  examples as much as one that holds sixty. And ``majority_share``: the share of the scored generations whose
+  wanted value is the most common one among them, the accuracy of one answer for every generation (a decoder that
+  writes the same value under every latent can score this much; with skewed labels it is well above ``chance``).
 - **diversity**: distinct-1/2 over all generations, and the mean over prompts of distinct-1/2 across one
   prompt's generations; ``looping_share``, the share of generations that repeat a run of at most four words
   three times back to back (``metrics.loops``: a loop, which a low z-free NLL can hide).
@@ -68,7 +71,7 @@ from .evaluation import example_factor_values, posterior_latents
 from .features import FeatureCache
 from .generation import SamplingOptions, encode_prompts, generate_texts, prompt_features
 from .guidance import Guidance
-from .latent_space import LatentSpace, code_labels
+from .latent_space import LatentSpace, code_labels, code_shares
 from .metrics import distinct_n, looping_share
 from .reference import eval_mode
 
@@ -196,14 +199,21 @@ def factor_accuracy(
     expected: Sequence[dict[str, str]],
     values: dict[str, list[str]],
     detector: Detector,
+    weights: Sequence[float] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per factor of ``values`` (each real example's value), the factor read back from the generated ``texts``
     by ``detector`` against ``expected[i][factor]``, the value generation ``i`` stands for (generations
     without one for the factor are not scored): ``{"accuracy", "none_share", "chance", "majority_share",
     "generations_scored", "per_value": {value: accuracy}}`` (:func:`majority_share_of`); accuracy, none_share and
-    majority_share are None when nothing is scored."""
+    majority_share are None when nothing is scored. With ``weights`` (one per text: the share of the real examples
+    that generation ``i``'s latent stands for, e.g. its code's) also ``weighted_accuracy``, the scored
+    generations' accuracy weighted by them: what a generation under a latent drawn as the data draws them scores,
+    where ``accuracy`` counts a code that holds two examples as much as one that holds sixty (None when the scored
+    weights sum to 0)."""
     if len(texts) != len(expected):
         raise ValueError(f"{len(texts)} texts for {len(expected)} expected values")
+    if weights is not None and (len(weights) != len(texts) or any(not 0 <= w < math.inf for w in weights)):
+        raise ValueError(f"weights must be {len(texts)} finite numbers >= 0, one per text")
     out: dict[str, dict[str, Any]] = {}
     for name, real in values.items():
         scored = [i for i, e in enumerate(expected) if name in e]
@@ -221,6 +231,10 @@ def factor_accuracy(
             "generations_scored": len(scored),
             "per_value": per_value,
         }
+        if weights is not None:
+            total = sum(weights[i] for i in scored)
+            correct = sum(weights[i] for i, d, w in zip(scored, detected, wanted, strict=True) if d == w)
+            out[name]["weighted_accuracy"] = correct / total if total > 0 else None
     return out
 
 
@@ -392,12 +406,15 @@ def controllability(
     if factors and detector is not None:
         report["factor_accuracy"] = {
             "detector": detector_name or "given",
-            "factors": factor_accuracy(texts, [t["labels"] for t in targets], factors, detector),
+            "factors": factor_accuracy(
+                texts, [t["labels"] for t in targets], factors, detector, [t.get("share", 0.0) for t in targets]
+            ),
         }
         if decoder_codes is not None:
-            named = code_labels(decoder_codes, factors)
+            named, shares = code_labels(decoder_codes, factors), code_shares(decoder_codes)
             expected = [named.get((t["slot"], t["target"]), {}) for t in targets]
-            report["factor_accuracy"]["decoder_codes"] = factor_accuracy(texts, expected, factors, detector)
+            weights = [shares.get((t["slot"], t["target"]), 0.0) for t in targets]
+            report["factor_accuracy"]["decoder_codes"] = factor_accuracy(texts, expected, factors, detector, weights)
     per_prompt = [[texts[i] for i, t in enumerate(targets) if t["prompt"] == p] for p in range(len(prompts))]
     report.update(diversity(per_prompt))
     tokens = encoded["tokens"].double()
@@ -538,15 +555,15 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         if entry["accuracy"] is None:
             continue
         lines.append(
-            f"  factor {name} read from the text: accuracy {entry['accuracy']:.3f} (chance {entry['chance']:.3f}"
-            f"{_majority(entry)}; no value found {entry['none_share']:.3f}) over {entry['generations_scored']} "
-            "generations"
+            f"  factor {name} read from the text: accuracy {entry['accuracy']:.3f}{_weighted(entry)} (chance "
+            f"{entry['chance']:.3f}{_majority(entry)}; no value found {entry['none_share']:.3f}) over "
+            f"{entry['generations_scored']} generations"
         )
         decoder = report["factor_accuracy"].get("decoder_codes", {}).get(name)
         if decoder is not None and decoder["accuracy"] is not None:
             lines.append(
                 f"    each code standing for its majority value under the decoder's likeliest codes: accuracy "
-                f"{decoder['accuracy']:.3f} (majority {decoder['majority_share']:.3f}) over "
+                f"{decoder['accuracy']:.3f}{_weighted(decoder)} (majority {decoder['majority_share']:.3f}) over "
                 f"{decoder['generations_scored']} generations"
             )
     if report.get("real_zfree_nll_per_token"):
@@ -560,6 +577,12 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
 def _looping(report: dict[str, Any]) -> str:
     """``, looping 0.031`` (reports written before the field have none)."""
     return "" if report.get("looping_share") is None else f", looping {report['looping_share']:.3f}"
+
+
+def _weighted(entry: dict[str, Any]) -> str:
+    """``, weighted by use 0.971`` (reports written before the field, or without weights, have none)."""
+    weighted = entry.get("weighted_accuracy")
+    return "" if weighted is None else f", weighted by use {weighted:.3f}"
 
 
 def _majority(entry: dict[str, Any]) -> str:

@@ -375,13 +375,15 @@ class DiscreteLatentSpace(LatentSpace):
         prior_latents: int,
     ) -> list[dict[str, Any]]:
         """Every code of every slot around the prompt's prior mode (group ``slot m``, target the code, ``slot``
-        ``m``), with the label each code stands for (:func:`code_labels` of the real examples' codes)."""
+        ``m``), with the label each code stands for (:func:`code_labels` of the real examples' codes) and the
+        code's ``share`` of the real examples in that slot (:func:`code_shares`; 0 for a code none has)."""
         model = self.model
         targets: list[dict[str, Any]] = []
         P = features.prior_features.shape[0]
         M, K = model.num_slots, model.codebook_size
         mode = model.prior_log_probs(features).argmax(-1)  # [P, M]
         labels = code_labels(latents["codes"], factors or {})
+        shares = code_shares(latents["codes"])
         for p in range(P):
             for m in range(M):
                 for k in range(K):
@@ -396,6 +398,7 @@ class DiscreteLatentSpace(LatentSpace):
                             "vector": model.codes_to_vector(codes.unsqueeze(0))[0],
                             "codes": codes.tolist(),
                             "labels": labels.get((m, k), {}),
+                            "share": shares.get((m, k), 0.0),
                         }
                     )
         return targets
@@ -538,7 +541,8 @@ class ContinuousLatentSpace(LatentSpace):
         prior_latents: int,
     ) -> list[dict[str, Any]]:
         """``prior_latents`` draws from the prior (group ``prior``) and, per factor of at least two values, the
-        prior mean plus each value's attribute vector (group ``factor NAME``, target the value's index)."""
+        prior mean plus each value's attribute vector (group ``factor NAME``, target the value's index, ``share``
+        the value's share of the real examples)."""
         import torch
 
         model = self.model
@@ -566,6 +570,7 @@ class ContinuousLatentSpace(LatentSpace):
                             "vector": prior_mu[p] + attribute,
                             "attribute": attribute,
                             "labels": {name: value},
+                            "share": values.count(value) / len(values),
                         }
                     )
         return targets
@@ -684,6 +689,16 @@ def code_labels(codes: Any, factors: Mapping[str, Sequence[str]]) -> dict[tuple[
             top = max(counter.values())
             labels.setdefault(key, {})[name] = min(v for v, n in counter.items() if n == top)
     return labels
+
+
+def code_shares(codes: Any) -> dict[tuple[int, int], float]:
+    """Each code's share of the examples, ``{(slot, code): share}``, from ``codes [E, M]`` (a tensor or an array,
+    one row per example); codes no example is assigned to are left out."""
+    from collections import Counter
+
+    rows = [tuple(int(c) for c in row) for row in codes.tolist()]
+    counts = Counter((m, k) for row in rows for m, k in enumerate(row))
+    return {key: n / len(rows) for key, n in sorted(counts.items())}
 
 
 def latent_space_of(family: str) -> LatentSpace:
