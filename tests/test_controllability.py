@@ -350,33 +350,34 @@ def test_code_shares_by_hand():
 
 
 def test_the_read_back_weighted_by_the_codes_use(discrete):
-    """``weighted_accuracy`` recomputed by hand from the report's generations (every prompt shown), the codes'
-    shares of the real examples and the value each stands for; with one code's generations all wrong, the plain
-    accuracy loses a quarter and the weighted one that code's share."""
-    model, tokenizer, _, examples, cache, _ = discrete
+    """``weighted_accuracy`` on data where code 0 holds fewer examples than the others (two in three of its examples
+    left out): recomputed by hand from the report's generations (every prompt shown), the codes' shares and the
+    value each stands for; with code 0's generations all wrong, the plain accuracy loses a quarter and the weighted
+    one code 0's share."""
+    model, tokenizer, config, examples, cache, pairs = discrete
     codes = posterior_latents(model, examples, cache, tokenizer.pad_token_id)["codes"]
-    shares = {k: float((codes[:, 0] == k).mean()) for k in range(model.codebook_size)}
-    named = code_labels(codes, {"label": [e.label for e in examples]})
+    kept = [i for i in range(len(examples)) if codes[i, 0] != 0 or i % 3 == 0]
+    examples, pairs = [examples[i] for i in kept], [pairs[i] for i in kept]
+    cache = build_feature_cache(model, examples, tokenizer.pad_token_id, 16, "cpu", False)
+    codes = codes[kept]
+    share = float((codes[:, 0] == 0).mean())
+    assert 0 < share < 0.2  # uneven: any weighting other than the codes' own would show
+    data = (model, tokenizer, config, examples, cache, pairs)
     options = dict(OPTIONS, num_prompts=EXAMPLES_SHOWN, max_new_tokens=64)
 
     def wrong_for_code_0(factor, text):  # the generations under code 0 read as no value
         return None if text in under_code_0 else clean_detector(factor, text)
 
-    report = controllability(*discrete, **options, detector=clean_detector)
+    report = controllability(*data, **options, detector=clean_detector)
     entry = report["factor_accuracy"]["factors"]["label"]
-    right = {k: 0.0 for k in shares}
-    for example in report["examples"]:
-        k = int(example["latent"].removeprefix("codes="))
-        right[k] += clean_detector("label", example["text"]) == named[(0, k)]["label"]
-    by_hand = sum(shares[k] * right[k] / EXAMPLES_SHOWN for k in shares) / sum(shares.values())
-    assert entry["weighted_accuracy"] == pytest.approx(by_hand) and entry["accuracy"] == 1.0
+    by_hand = weighted_by_hand(report["examples"], codes, codes, [e.label for e in examples])
+    assert entry["weighted_accuracy"] == pytest.approx(by_hand) == 1.0 and entry["accuracy"] == 1.0
     under_code_0 = {e["text"] for e in report["examples"] if e["latent"] == "codes=0"}
-    broken = controllability(*discrete, **options, detector=wrong_for_code_0)["factor_accuracy"]["factors"]["label"]
-    assert broken["accuracy"] == pytest.approx(0.75)
-    assert broken["weighted_accuracy"] == pytest.approx(1 - shares[0])
-    assert f"accuracy 0.750, weighted by use {1 - shares[0]:.3f} (chance" in "\n".join(
-        summary_lines(controllability(*discrete, **options, detector=wrong_for_code_0))
-    )
+    broken = controllability(*data, **options, detector=wrong_for_code_0)
+    entry = broken["factor_accuracy"]["factors"]["label"]
+    assert entry["accuracy"] == pytest.approx(0.75)
+    assert entry["weighted_accuracy"] == pytest.approx(1 - share)
+    assert f"accuracy 0.750, weighted by use {1 - share:.3f} (chance" in "\n".join(summary_lines(broken))
 
 
 def test_synthetic_detector_reads_the_built_in_sets_and_nothing_else():
@@ -445,6 +446,22 @@ def test_code_labels_by_hand():
         code_labels(np.array([[0], [1]]), {"a": ["x"]})
 
 
+def weighted_by_hand(shown, named_by, weighed_by, labels):
+    """The read-back of the generations ``shown`` (a report's examples, every prompt's): each code stands for its
+    majority value among the examples ``named_by`` (codes ``[E, 1]``) gives it and weighs its share under
+    ``weighed_by``; codes that stand for nothing or weigh nothing are left out."""
+    named = code_labels(np.asarray(named_by), {"label": labels})
+    weighed = np.asarray(weighed_by)[:, 0]
+    right = total = 0.0
+    for example in shown:
+        k = int(example["latent"].removeprefix("codes="))
+        share = float((weighed == k).mean())
+        if (0, k) in named and share > 0:
+            total += share
+            right += share * (clean_detector("label", example["text"]) == named[(0, k)]["label"])
+    return right / total
+
+
 def test_read_back_by_the_decoders_codes(discrete, continuous):
     """With the decoder's likeliest codes of the real examples, each code stands for its majority value among the
     examples the decoder gives it: equal to the encoder's read-back where they are the encoder's codes, 0 where
@@ -463,6 +480,16 @@ def test_read_back_by_the_decoders_codes(discrete, continuous):
         "weighted by use 0.000 (majority 0.250) over 16 generations" in summary_lines(renamed)
     )
     assert "decoder_codes" not in controllability(*discrete, **options)["factor_accuracy"]
+    # code 0's examples given code 1: code 1 stands for the majority of both, code 0 for none (unscored), and the
+    # weighted read-back takes the decoder's shares, not the encoder's (recomputed from every generation shown)
+    moved = np.where(codes == 0, 1, codes)
+    shown = dict(options, num_prompts=EXAMPLES_SHOWN)
+    report = controllability(*discrete, **shown, decoder_codes=moved)
+    entry = report["factor_accuracy"]["decoder_codes"]["label"]
+    labels = [e.label for e in examples]
+    by_hand = weighted_by_hand(report["examples"], moved, moved, labels)
+    assert entry["weighted_accuracy"] == pytest.approx(by_hand) and 0 < by_hand < 1
+    assert by_hand != pytest.approx(weighted_by_hand(report["examples"], moved, codes, labels))  # the encoder's shares
     # a code the decoder gives no example: its generations are not scored by the decoder's codes
     merged = np.where(codes == 3, 0, codes)
     entry = controllability(*discrete, **options, decoder_codes=merged)["factor_accuracy"]["decoder_codes"]["label"]
@@ -522,7 +549,19 @@ def test_continuous_attribute_vectors_are_read_from_the_text(continuous):
     report = controllability(*continuous, **OPTIONS, detector=clean_detector)
     entry = report["factor_accuracy"]["factors"]["label"]
     assert entry["generations_scored"] == 4 * NUM_FACTORS  # one per (prompt, attribute); prior draws unscored
-    assert 0 <= entry["weighted_accuracy"] <= 1  # each attribute vector weighted by its value's share
+    # each attribute vector weighted by its value's share of the real examples (every prompt shown)
+    model, tokenizer, config, examples, cache, pairs = continuous
+    shown = controllability(*continuous, **dict(OPTIONS, num_prompts=EXAMPLES_SHOWN), detector=clean_detector)
+    labels = [e.label for e in examples]
+    names = sorted(set(labels))
+    right = total = 0.0
+    for example in shown["examples"]:
+        if example["latent"].startswith("factor label #"):
+            value = names[int(example["latent"].rsplit("#", 1)[1])]
+            total += labels.count(value) / len(labels)
+            right += labels.count(value) / len(labels) * (clean_detector("label", example["text"]) == value)
+    assert total > 0
+    assert shown["factor_accuracy"]["factors"]["label"]["weighted_accuracy"] == pytest.approx(right / total)
     detected = [clean_detector("label", e["text"]) for e in report["examples"] if e["latent"].startswith("factor")]
     assert len(detected) == 2 * NUM_FACTORS
     # the attribute targets' generations, read back by hand, give the same shares (the first two prompts shown)

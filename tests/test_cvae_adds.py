@@ -228,7 +228,7 @@ def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
     use["decoder_codes"] = {"style": {**decoders, "weighted_accuracy": 0.875}}
     row = cells(table.row(report(tmp_path, {"factor_accuracy": use, "labels": {}, **fluency})))
     assert row[4] == (
-        "style 0.969 (chance 0.25, weighted 0.990, none 0.00, n 32; by the decoder's codes 1.000, weighted 0.875, "
+        "style 0.969 weighted 0.990 (chance 0.25, none 0.00, n 32; by the decoder's codes 1.000 weighted 0.875, "
         "majority 0.50, n 24)"
     )
     labels = {

@@ -101,6 +101,24 @@ def test_guided_decoding_keeps_the_rule_and_equals_plain_decoding_at_scale_zero(
         assert not repeated_ngram([t for t in row if t != pad], 2), row
 
 
+@pytest.mark.parametrize(("arch", "training", "placement"), PLACEMENTS)
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_plausibility_cut_keeps_a_token_the_rule_allows(tokenizer, arch, training, placement, n):
+    """At plausibility 1 guidance keeps only the latent's likeliest token; where the rule bans it, the cut is taken
+    among the tokens the rule allows (never a row with none: sampling would fail, greedy would write token 0)."""
+    model, rows, vectors, keys = setup(tokenizer, arch, training, placement)
+    _, latent_sets, own = sets_of(vectors, keys)
+    pad = tokenizer.pad_token_id
+    for sampling in (
+        SamplingOptions(greedy=True, max_new_tokens=24, no_repeat_ngram=n),
+        SamplingOptions(temperature=1.0, top_p=1.0, max_new_tokens=24, no_repeat_ngram=n),
+    ):
+        torch.manual_seed(0)
+        tokens = guided_generate(model, rows, latent_sets, own, sampling, Guidance(3.0, 1.0), set(), pad)
+        for row in tokens.tolist():
+            assert not repeated_ngram(row, n), row
+
+
 def test_memory_loop_token_is_the_argmax_the_rule_allows(tokenizer):
     """The memory placement's own loop: each greedy token is the argmax of a full recompute (the training
     layout) over prompt + the tokens before it, among the tokens the plain implementation allows."""
@@ -141,8 +159,8 @@ def test_the_options_reach_the_sampling_and_its_description():
 
 
 def test_controllability_applies_the_rule_and_says_so(discrete_run):
-    """``eval --generation``'s report: with the rule no generation repeats a token bigram, and its decoding
-    says so."""
+    """``eval --generation``'s report: with the rule no generation repeats a token bigram (where without it they
+    do), and its decoding says so."""
     from disentanglement.controllability import controllability
     from test_controllability import OPTIONS
     from test_controllability import setup as controllability_inputs
@@ -151,6 +169,8 @@ def test_controllability_applies_the_rule_and_says_so(discrete_run):
     tokenizer = inputs[1]
     ruled = controllability(*inputs, **OPTIONS, no_repeat_ngram=2)
     assert ruled["decoding"] == "greedy, at most 40 new tokens, no 2-gram twice"
+    free = controllability(*inputs, **OPTIONS)  # its phrases repeat character bigrams: the rule changes them
+    assert [e["text"] for e in ruled["examples"]] != [e["text"] for e in free["examples"]]
     for example in ruled["examples"]:
         assert not repeated_ngram(tokenizer(example["text"], add_special_tokens=False)["input_ids"], 2), example
     for bad in (-1, 2.5, True):

@@ -30,9 +30,9 @@ def majority(entry: dict) -> str:
 
 
 def weighted(entry: dict) -> str:
-    """``, weighted W``: the read-back with each code weighted by its share of the real examples (reports written
-    before it have none)."""
-    return "" if entry.get("weighted_accuracy") is None else f", weighted {entry['weighted_accuracy']:.3f}"
+    """`` weighted W`` after an accuracy: the read-back with each code weighted by its share of the real examples
+    (reports written before it have none)."""
+    return "" if entry.get("weighted_accuracy") is None else f" weighted {entry['weighted_accuracy']:.3f}"
 
 
 def decoders_gain(decoder: dict) -> str:
@@ -88,7 +88,7 @@ def row(path: Path) -> str:
             )
 
         text = "; ".join(
-            f"{n} {e['accuracy']:.3f} (chance {e['chance']:.2f}{weighted(e)}{majority(e)}, none {e['none_share']:.2f}, "
+            f"{n} {e['accuracy']:.3f}{weighted(e)} (chance {e['chance']:.2f}{majority(e)}, none {e['none_share']:.2f}, "
             f"n {e['generations_scored']}{decoders(n)})"
             for n, e in accuracy.items()
             if e["accuracy"] is not None

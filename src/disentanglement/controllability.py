@@ -36,9 +36,10 @@ end-of-sequence token alone), and measure:
   groups differently. The generations of a code no real example has as its decoder's likeliest are not scored
   there (its ``generations_scored`` can be smaller); as in the encoder's, a tie goes to the smallest value.
   Both read-backs also give ``weighted_accuracy``, each generation weighted by its latent's share of the real
-  examples (its code's, under the encoder's or the decoder's codes; an attribute vector's value's): what a
-  generation under a code drawn as the data draws them scores, where ``accuracy`` counts a code that holds two
-  examples as much as one that holds sixty. And ``majority_share``: the share of the scored generations whose
+  examples (its code's in its slot, under the encoder's or the decoder's codes; an attribute vector's value's):
+  with one slot, what a generation under a code drawn as the data draws them scores, where ``accuracy`` counts a
+  code that holds two examples as much as one that holds sixty; with several, each slot's codes weighted so,
+  the slots alike (a target sets one slot and keeps the prompt's prior mode in the others). And ``majority_share``: the share of the scored generations whose
   wanted value is the most common one among them, the accuracy of one answer for every generation (a decoder that
   writes the same value under every latent can score this much; with skewed labels it is well above ``chance``).
 - **diversity**: distinct-1/2 over all generations, and the mean over prompts of distinct-1/2 across one

@@ -336,15 +336,22 @@ def decode_step(
     return logits.float(), cache
 
 
+def ban_repeats(scores: torch.Tensor, sampling: SamplingOptions, generated: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``scores [R, V]`` with -inf on each token that would complete an N-gram already in the row's ``generated``
+    tokens (the earlier steps' ``[R]`` tensors), N ``sampling.no_repeat_ngram`` (transformers'
+    ``NoRepeatNGramLogitsProcessor``, as ``generate``'s ``no_repeat_ngram_size``); unchanged when the rule is off."""
+    if not sampling.no_repeat_ngram or not generated:
+        return scores
+    return NoRepeatNGramLogitsProcessor(sampling.no_repeat_ngram)(torch.stack(list(generated), dim=1), scores)
+
+
 def choose_tokens(
     scores: torch.Tensor, sampling: SamplingOptions, generated: Sequence[torch.Tensor] = ()
 ) -> torch.Tensor:
     """The next token of each row of ``scores [R, V]`` (logits or log-probabilities): the argmax when greedy,
-    else a draw after temperature, then top-p (no top-k), as ``generate`` samples. With
-    ``sampling.no_repeat_ngram`` N, a token that would complete an N-gram already in the row's ``generated``
-    tokens (the earlier steps' ``[R]`` tensors) is never chosen, as ``generate``'s ``no_repeat_ngram_size``."""
-    if sampling.no_repeat_ngram and generated:
-        scores = NoRepeatNGramLogitsProcessor(sampling.no_repeat_ngram)(torch.stack(list(generated), dim=1), scores)
+    else a draw after temperature, then top-p (no top-k), as ``generate`` samples; never a token
+    :func:`ban_repeats` bans after the row's ``generated`` tokens."""
+    scores = ban_repeats(scores, sampling, generated)
     if sampling.greedy:
         return scores.argmax(-1)
     warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature), TopPLogitsWarper(sampling.top_p)])

@@ -92,10 +92,11 @@ def guided_generate(
     ``r``'s prompt ``prompt_ids[r]`` under latent ``latent_sets[r][own[r]]``, guided against the latents of its
     set ``latent_sets[r]`` (``[C_r, L]``), as the module docstring says. A KV-cached loop over ``sum_r C_r``
     streams (row ``r``'s prefix under each latent of its set), every placement (the memory placement's latent
-    in the cache's first ``P`` entries); sampling as ``generate`` does it (temperature, then top-p, no top-k; the
-    n-gram rule, :func:`.generation.choose_tokens`) on the guided scores. A row that has ended keeps its weights.
+    in the cache's first ``P`` entries); sampling as ``generate`` does it (temperature, then top-p, no top-k) on
+    the guided scores; the n-gram rule (:func:`.generation.ban_repeats`) bans its tokens from the latent's own
+    log-probabilities before the plausibility cut. A row that has ended keeps its weights.
     """
-    from .generation import choose_tokens, decode_step, generation_inputs
+    from .generation import ban_repeats, choose_tokens, decode_step, generation_inputs
 
     R = len(prompt_ids)
     if len(latent_sets) != R or len(own) != R:
@@ -127,8 +128,10 @@ def guided_generate(
     for _ in range(sampling.max_new_tokens):
         logits, cache = decode_step(model, inputs, mask, cache, latent)
         set_logprobs = torch.log_softmax(logits, dim=-1)[index]  # [R, C, V]
-        scores = guided_scores(set_logprobs[rows, own_index], set_logprobs, log_weights, guidance)
-        next_tokens = choose_tokens(scores, sampling, tokens)
+        # the n-gram rule before the plausibility cut, so the cut is relative to the best token the rule allows
+        # and never leaves a row without one
+        own_logprobs = ban_repeats(set_logprobs[rows, own_index], sampling, tokens)
+        next_tokens = choose_tokens(guided_scores(own_logprobs, set_logprobs, log_weights, guidance), sampling)
         next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad))
         tokens.append(next_tokens)
         # Bayes' rule on the token taken: w_j <- w_j p(y_t | z_j), renormalised (padded entries stay -inf)
