@@ -398,3 +398,67 @@ def test_a_block_added_over_a_trained_attention_pool_keeps_the_pools_optimizer_s
                 widened.state[param]["exp_avg"], optimizer.state[by_name[name]]["exp_avg"], msg=name
             )
     assert widened.state[wide.encoder_pool.query]["exp_avg"].abs().sum() > 0, "the pool's moments carried over"
+
+
+@pytest.mark.parametrize(
+    ("nll_regret", "target_regret", "chosen"), [(0.3, 0.1, "target"), (0.1, 0.3, "nll"), (0.2, 0.2, "nll")]
+)
+def test_both_objectives_keep_the_fit_of_the_lower_held_out_regret(
+    discrete_run, monkeypatch, nll_regret, target_regret, chosen
+):
+    """``fit_both`` with a stand-in for each fit (it sets the encoder to a value of its own and reports a held-out
+    regret): each fit starts from the encoder as given, the kept one is the lower regret's (a tie: nll), and its
+    weights are left on the model."""
+    import disentanglement.encoder_refit as module
+    from disentanglement.options import RefitOptions
+
+    model, tok, _, examples, cache = _scrambled(discrete_run, count=8)
+    params = encoder_parameters(model)
+    start = [p.detach().clone() for p in params]
+    regrets = {"nll": nll_regret, "target": target_regret}
+    seen = []
+
+    def fake_fit(model_, examples_, cache_, log_r, pad, *, objective, lr, **kwargs):
+        assert all(torch.equal(p, s) for p, s in zip(params, start, strict=True)), "each fit starts as given"
+        seen.append((objective, lr, kwargs["seed"], kwargs["holdout"]))
+        with torch.no_grad():
+            for p in params:
+                p.fill_(1.0 if objective == "nll" else 2.0)
+        entry = {"epoch": 1, "holdout_regret": regrets[objective]}
+        return {"history": [{"epoch": 0, "holdout_regret": 0.5}, entry], "kept_epoch": 1, "stopped": None}
+
+    monkeypatch.setattr(module, "fit_encoder", fake_fit)
+    options = RefitOptions(output_dir="y", objective="both", lr=1e-4, target_lr=2e-3, seed=5)
+    fitted = module.fit_both(model, examples, cache, torch.zeros(8, 1, 4), torch.zeros(8, 4), 0, options)
+    assert seen == [("nll", 1e-4, 5, 0.1), ("target", 2e-3, 5, 0.1)]
+    assert fitted["chosen"] == chosen and fitted["kept_epoch"] == 1
+    assert fitted["fits"]["target"]["lr"] == 2e-3 and fitted["fits"]["nll"]["after"]["holdout_regret"] == nll_regret
+    assert all(bool((p == (1.0 if chosen == "nll" else 2.0)).all()) for p in params)
+
+
+def test_cli_refit_encoder_both_objectives(discrete_run, tmp_path, injected_loader, capsys):
+    """``--objective both`` on the tiny run: the kept fit's weights are those of a refit with that objective alone
+    (same seed, same rate), the other fit's figures beside them; refused without held-out pairs."""
+    out = tmp_path / "both"
+    args = ["refit-encoder", str(discrete_run.run_dir), "--epochs", "3", "--no-progress", "--target-lr", "3e-3"]
+    assert main([*args, "--output-dir", str(out), "--objective", "both"]) == 0
+    assert "kept the " in capsys.readouterr().out
+    report = json.loads((out / REPORT_FILE).read_text())
+    chosen = report["chosen"]
+    regrets = {name: fit["after"]["holdout_regret"] for name, fit in report["fits"].items()}
+    assert set(regrets) == {"nll", "target"} and regrets[chosen] == min(regrets.values())
+    assert report["after"]["holdout_regret"] == regrets[chosen] and report["target_lr"] == 3e-3
+    alone = tmp_path / "alone"
+    rate = ["--lr", "3e-3"] if chosen == "target" else []
+    posterior = ["--posterior", str(out / POSTERIOR_FILE)]
+    assert main([*args, "--output-dir", str(alone), "--objective", chosen, *rate, *posterior]) == 0
+    step = discrete_run.checkpoint.name
+    kept = read_checkpoint(out / "checkpoints" / step).model_state
+    single = read_checkpoint(alone / "checkpoints" / step).model_state
+    assert all(torch.equal(kept[name], single[name]) for name in kept)
+    assert "fits" not in read_trainer_state(out / "checkpoints" / step)["encoder_refit"]
+    capsys.readouterr()
+    none = tmp_path / "none"
+    assert main([*args, "--output-dir", str(none), "--objective", "both", "--holdout", "0"]) == 2
+    assert "--objective both keeps the fit of the lower held-out regret" in capsys.readouterr().err
+    assert not none.exists()

@@ -436,13 +436,23 @@ class RefitOptions(CheckpointOptions):
     output_dir: str = option(REQUIRED, "the new run directory the refit writes (must not exist, or be empty)")
     data: str = option("train", "the pairs to fit on: " + _DATA_HELP + " (default: the run's training split)")
     max_examples: int | None = ranged(None, "use at most this many examples of --data (seeded subset)", Range(1))
-    objective: Literal["nll", "target"] = option(
+    objective: Literal["nll", "target", "both"] = option(
         "nll",
         "nll: the decoder's NLL under the encoder's codes, in expectation (a wrong code costs what it costs the "
-        "decoder); target: the run's decoder-posterior term (the decoder's likeliest code, every wrong one alike)",
+        "decoder); target: the run's decoder-posterior term (the decoder's likeliest code, every wrong one alike); "
+        "both: each from the encoder as trained, keeping the fit of the lower held-out NLL under its codes",
     )
     epochs: int = ranged(30, "passes over the pairs", Range(1))
-    lr: float = ranged(1e-4, "Adam's learning rate of the encoder", Range(0, integer=False, low_open=True))
+    lr: float = ranged(
+        1e-4,
+        "Adam's learning rate of the encoder (with --objective both, of the nll fit)",
+        Range(0, integer=False, low_open=True),
+    )
+    target_lr: float = ranged(
+        1e-3,
+        "with --objective both: the target fit's learning rate",
+        Range(0, integer=False, low_open=True),
+    )
     holdout: float = ranged(
         0.1,
         "share of the pairs held out to choose the epoch kept, the one of the lowest NLL under its codes (0: the last)",
