@@ -483,7 +483,7 @@ def refit_main(args: argparse.Namespace) -> int:
         f"token held out (epoch {report['kept_epoch']} of {report['epochs']} kept)"
     )
     if report.get("chosen"):
-        regrets = ", ".join(f"{name} {share(fit['after']['holdout_regret'])}" for name, fit in report["fits"].items())
+        regrets = ", ".join(f"{name} {fit['after']['holdout_regret']:.3g}" for name, fit in report["fits"].items())
         print(f"kept the {report['chosen']} fit (held-out NLL above the best codes': {regrets})")
     if report["widened"]:
         print(f"the encoder widened: encoder_view {report['encoder_view']}, encoder_block {report['encoder_block']}")
