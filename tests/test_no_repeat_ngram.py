@@ -11,14 +11,12 @@ from disentanglement.data import Example, collate
 from disentanglement.generation import (
     SamplingOptions,
     choose_tokens,
-    encode_prompts,
     generate_texts,
-    generation_inputs,
     memory_generate,
 )
 from disentanglement.guidance import Guidance, guided_generate
 from test_guidance import PLACEMENTS, sets_of, setup
-from test_memory import memory_model
+from test_memory import generation_setup
 
 
 def banned_by_hand(history: list[int], n: int) -> set[int]:
@@ -122,10 +120,7 @@ def test_the_plausibility_cut_keeps_a_token_the_rule_allows(tokenizer, arch, tra
 def test_memory_loop_token_is_the_argmax_the_rule_allows(tokenizer):
     """The memory placement's own loop: each greedy token is the argmax of a full recompute (the training
     layout) over prompt + the tokens before it, among the tokens the plain implementation allows."""
-    model, config = memory_model(tokenizer, "llama", "frozen")
-    ids = encode_prompts(["ab", "a longer prompt", "mid size"], tokenizer, config.data)
-    vectors = torch.randn(len(ids), model.latent_vector_dim, generator=torch.Generator().manual_seed(1))
-    embeds, attention = generation_inputs(model, ids, vectors, tokenizer.pad_token_id)
+    model, _, ids, vectors, embeds, attention = generation_setup(tokenizer, "llama", "frozen")
     n, steps = 2, 12
     tokens = memory_generate(model, embeds, attention, vectors, SamplingOptions(greedy=True, max_new_tokens=steps,
                              no_repeat_ngram=n), set(), tokenizer.pad_token_id)  # fmt: skip

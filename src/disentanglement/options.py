@@ -230,10 +230,10 @@ class EvalOptions(ScoringOptions):
     generation_max_new_tokens: int = ranged(32, "new tokens per generation at most", Range(1), group=_STEERING)
     generation_no_repeat_ngram: int = ranged(
         0,
-        "no N tokens in a row twice in one generation (breaks loops, as generate --no-repeat-ngram); 0: off",
+        "never the same run of this many tokens twice in one generation (breaks loops, as generate "
+        "--no-repeat-ngram); 0: off",
         Range(0),
         group=_STEERING,
-        metavar="N",
     )
     generation_temperature: float = ranged(
         0.0,
@@ -368,7 +368,10 @@ class GenerateOptions(CheckpointOptions):
     top_p: float = ranged(0.9, "nucleus sampling mass", Range(0, 1, integer=False, low_open=True), group=_SAMPLING)
     max_new_tokens: int = ranged(64, "new tokens per response at most", Range(1), group=_SAMPLING)
     no_repeat_ngram: int = ranged(
-        0, "no N tokens in a row twice in one response (breaks loops); 0: off", Range(0), group=_SAMPLING, metavar="N"
+        0,
+        "never the same run of this many tokens twice in one response (breaks loops); 0: off",
+        Range(0),
+        group=_SAMPLING,
     )
     guidance: float = ranged(
         0.0,
