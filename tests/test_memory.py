@@ -326,6 +326,16 @@ def test_memory_is_refused_where_it_does_not_apply(tokenizer):
 # --------------------------------------------------------------------------- generation
 
 
+def response_logits(model, prompt_ids, response, vector, pad_token_id):
+    """The training layout's logits ``[len(response), V]`` (``decode``, one right-padded row, positions 0 .. T-1)
+    at the positions that predict each response token, under the latent ``vector [1, L]``."""
+    batch = collate([Example(prompt_ids, response, None, "test")], pad_token_id)
+    with torch.no_grad():
+        logits, _, _, _ = model.decode_logits(batch, vector)
+    start = len(prompt_ids) - 1  # predicts the first response token
+    return logits[0, start : start + len(response)]
+
+
 def generation_setup(tokenizer, arch, training):
     model, config = memory_model(tokenizer, arch, training)
     ids = encode_prompts(["ab", "a longer prompt", "mid size"], tokenizer, config.data)
@@ -362,11 +372,8 @@ def test_greedy_generation_is_the_training_decoders_argmax(tokenizer, arch, trai
     tokens = memory_generate(model, embeds, attention, vectors, greedy, set(), tokenizer.pad_token_id)
     for row, prompt_ids in enumerate(ids):
         response = tokens[row].tolist()
-        batch = collate([Example(prompt_ids, response, None, "test")], tokenizer.pad_token_id)
-        with torch.no_grad():
-            logits, _, _, _ = model.decode_logits(batch, vectors[row : row + 1])
-        start = len(prompt_ids) - 1  # predicts the first response token
-        assert logits[0, start : start + len(response)].argmax(-1).tolist() == response
+        logits = response_logits(model, prompt_ids, response, vectors[row : row + 1], tokenizer.pad_token_id)
+        assert logits.argmax(-1).tolist() == response
 
 
 def test_generate_uses_the_memory_loop(tokenizer):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disentanglement.data import Example, collate
 from disentanglement.generation import (
     SamplingOptions,
     choose_tokens,
@@ -16,7 +15,7 @@ from disentanglement.generation import (
 )
 from disentanglement.guidance import Guidance, guided_generate
 from test_guidance import PLACEMENTS, sets_of, setup
-from test_memory import generation_setup
+from test_memory import generation_setup, response_logits
 
 
 def banned_by_hand(history: list[int], n: int) -> set[int]:
@@ -129,12 +128,9 @@ def test_memory_loop_token_is_the_argmax_the_rule_allows(tokenizer):
     assert not torch.equal(tokens, free), "the rule changed nothing: the check needs a decoder that loops"
     for row, prompt_ids in enumerate(ids):
         response = tokens[row].tolist()
-        batch = collate([Example(prompt_ids, response, None, "test")], tokenizer.pad_token_id)
-        with torch.no_grad():
-            logits, _, _, _ = model.decode_logits(batch, vectors[row : row + 1])
-        start = len(prompt_ids) - 1  # predicts the first response token
+        logits = response_logits(model, prompt_ids, response, vectors[row : row + 1], tokenizer.pad_token_id)
         for t, token in enumerate(response):
-            scores = logits[0, start + t].clone()
+            scores = logits[t].clone()
             scores[list(banned_by_hand(response[:t], n))] = -torch.inf
             assert token == scores.argmax().item(), (row, t)
 

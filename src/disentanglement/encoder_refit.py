@@ -336,14 +336,14 @@ def fit_both(
                            **common)  # fmt: skip
     params = encoder_parameters(model)
     start = [p.detach().clone() for p in params]
+    rates = {"nll": options.lr, "target": options.target_lr}
     fits: dict[str, dict[str, Any]] = {}
     weights: dict[str, list[torch.Tensor]] = {}
-    for objective, lr in (("nll", options.lr), ("target", options.target_lr)):
+    for objective, lr in rates.items():
         with torch.no_grad():
             for p, value in zip(params, start, strict=True):
                 p.copy_(value)
         fits[objective] = fit_encoder(model, examples, cache, log_r, pad_token_id, objective=objective, lr=lr, **common)
-        fits[objective]["lr"] = lr
         weights[objective] = [p.detach().clone() for p in params]
 
     def held_out_regret(objective: str) -> float:
@@ -355,7 +355,7 @@ def fit_both(
             p.copy_(value)
     summary = {
         objective: {
-            "lr": fit["lr"],
+            "lr": rates[objective],
             "kept_epoch": fit["kept_epoch"],
             "after": fit["history"][fit["kept_epoch"]],
             "stopped": fit["stopped"],
@@ -363,8 +363,7 @@ def fit_both(
         }
         for objective, fit in fits.items()
     }
-    kept = {k: v for k, v in fits[chosen].items() if k != "lr"}
-    return {**kept, "chosen": chosen, "fits": summary}
+    return {**fits[chosen], "chosen": chosen, "fits": summary}
 
 
 def posterior_metadata(trainer_state: dict[str, Any], description: str) -> dict[str, str]:
