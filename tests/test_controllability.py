@@ -340,6 +340,16 @@ def test_factor_accuracy_by_hand():
     for bad in ([0.5] * 5, [0.5, 0.2, 0.1, 0.2, 0.7, -0.1], [0.5, 0.2, 0.1, 0.2, 0.7, float("nan")]):
         with pytest.raises(ValueError, match="weights must be 6 finite numbers >= 0"):
             factor_accuracy(texts, expected, values, detector, bad)
+    # with the generations' ends: c's scored generations 0, 1, 2, 3, 5, of which 1 and 3 were cut at the cap, leave
+    # 0 (right), 2 (wrong) and 5 (wrong); d's one scored generation (5) ended and is wrong
+    ends = factor_accuracy(texts, expected, values, detector, None, [True, False, True, False, False, True])
+    assert ends["c"]["generations_ended"] == 3 and ends["c"]["ended_accuracy"] == pytest.approx(1 / 3)
+    assert ends["d"]["generations_ended"] == 1 and ends["d"]["ended_accuracy"] == 0.0
+    assert {k: v for k, v in ends["c"].items() if k not in ("generations_ended", "ended_accuracy")} == got["c"]
+    none_ended = factor_accuracy(texts, expected, values, detector, None, [False] * 6)["c"]
+    assert none_ended["generations_ended"] == 0 and none_ended["ended_accuracy"] is None
+    with pytest.raises(ValueError, match="5 ended flags for 6 texts"):
+        factor_accuracy(texts, expected, values, detector, None, [True] * 5)
 
 
 def test_code_shares_by_hand():
@@ -411,8 +421,14 @@ def clean_detector(factor, text):
 
 def test_trained_codes_generate_their_factor_as_read_from_the_text(discrete):
     # at 40 new tokens (characters here) the longest phrase is cut short: the detector finds no value in it
-    cut = controllability(*discrete, **OPTIONS, detector=clean_detector)["factor_accuracy"]["factors"]["label"]
+    short = controllability(*discrete, **OPTIONS, detector=clean_detector)
+    cut = short["factor_accuracy"]["factors"]["label"]
     assert cut["per_value"] == {"0": 0.0, "1": 1.0, "2": 1.0, "3": 1.0} and cut["none_share"] == 0.25
+    # ... and those are the generations cut at the cap: the ones that ended are all right
+    assert short["truncated_share"] == 0.25 and cut["generations_ended"] == 12 and cut["ended_accuracy"] == 1.0
+    assert "accuracy 0.750, weighted by use 0.750, 1.000 of the 12 that ended (chance" in "\n".join(
+        summary_lines(short)
+    )
     options = dict(OPTIONS, max_new_tokens=64)
     report = controllability(*discrete, **options, detector=clean_detector, detector_name="clean phrases")
     entry = report["factor_accuracy"]["factors"]["label"]
@@ -424,6 +440,7 @@ def test_trained_codes_generate_their_factor_as_read_from_the_text(discrete):
         "  factor label read from the text: accuracy 1.000, weighted by use 1.000 (chance 0.250, majority 0.250; no value "
         "found 0.000) over 16" in ("\n".join(summary_lines(report)))
     )
+    assert report["truncated_share"] == 0.0 and entry["generations_ended"] == 16 and entry["ended_accuracy"] == 1.0
     # a detector that finds nothing: every scored generation is 'no value', none right
     blind = controllability(*discrete, **options, detector=lambda f, t: None)["factor_accuracy"]["factors"]["label"]
     assert blind["accuracy"] == 0.0 and blind["none_share"] == 1.0
@@ -592,3 +609,38 @@ def test_sampled_generations_are_seeded_and_cool_to_greedy(discrete):
     for bad in (-0.5, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="--generation-temperature must be a finite number >= 0"):
             controllability(*discrete, **OPTIONS, temperature=bad)
+
+
+def test_nucleus_sampling_narrows_to_the_greedy_text(discrete):
+    """``top_p`` below 1 samples from the nucleus: seeded like the whole distribution, other text than it at the
+    same seed, and a nucleus of one token (a tiny mass) is the greedy text whatever the temperature."""
+    greedy = controllability(*discrete, **OPTIONS)
+    whole = controllability(*discrete, **OPTIONS, temperature=2.0)
+    nucleus = controllability(*discrete, **OPTIONS, temperature=2.0, top_p=0.5)
+    assert nucleus["top_p"] == 0.5 and whole["top_p"] == 1.0
+    assert nucleus["decoding"] == "sampled at temperature 2 (top-p 0.5), at most 40 new tokens"
+    assert controllability(*discrete, **OPTIONS, temperature=2.0, top_p=0.5) == nucleus
+    assert [e["text"] for e in nucleus["examples"]] != [e["text"] for e in whole["examples"]]
+    one_token = controllability(*discrete, **OPTIONS, temperature=2.0, top_p=1e-9)
+    assert [e["text"] for e in one_token["examples"]] == [e["text"] for e in greedy["examples"]]
+    with pytest.raises(ValueError, match="--generation-top-p 0.9 applies to sampling"):
+        controllability(*discrete, **OPTIONS, top_p=0.9)
+    for bad in (0, 1.5, float("nan"), True):
+        with pytest.raises(ValueError, match="--generation-top-p must be a number in"):
+            controllability(*discrete, **OPTIONS, temperature=1.0, top_p=bad)
+
+
+def test_generations_cut_at_the_cap_are_counted(discrete, monkeypatch):
+    """``truncated_share``: at one new token at most, a generation ended exactly when its one token was the end
+    (its text empty; every generation shown, each checked); at 64 the trained tiny decoder ends every one."""
+    from disentanglement import controllability as module
+
+    monkeypatch.setattr(module, "EXAMPLES_SHOWN", 10**6)
+    one = controllability(*discrete, **dict(OPTIONS, max_new_tokens=1))
+    texts = [e["text"] for e in one["examples"]]
+    assert len(texts) == one["generations"]
+    assert one["truncated_share"] == pytest.approx(np.mean([t != "" for t in texts]))
+    assert one["truncated_share"] > 0
+    assert "cut at the token cap 1.000" in summary_lines(one)[0]
+    full = controllability(*discrete, **dict(OPTIONS, max_new_tokens=64))
+    assert full["truncated_share"] == 0.0 and "cut at the token cap" not in summary_lines(full)[0]

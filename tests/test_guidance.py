@@ -229,7 +229,8 @@ def test_cli_eval_and_generate_take_guidance(discrete_run, tmp_path, injected_lo
     argv = ["eval", str(discrete_run.run_dir), "--output", str(tmp_path / "e.json"), "--no-progress", "--generation"]
     options = ["--generation-prompts", "2", "--device", "cpu", "--generation-guidance", "2.5"]
     assert cli.main([*argv, *options, "--generation-guidance-plausibility", "0.2"]) == 0
-    assert "(greedy, at most 32 new tokens, guided at 2.5 (plausibility 0.2))" in capsys.readouterr().out
+    # at most the run's data.max_response_tokens (48) new tokens unless told
+    assert "(greedy, at most 48 new tokens, guided at 2.5 (plausibility 0.2))" in capsys.readouterr().out
     out = tmp_path / "g.json"
     generate = ["generate", str(discrete_run.run_dir), "--prompt", "sun pen 201", "--greedy", "--device", "cpu"]
     assert cli.main([*generate, "--guidance", "2", "--output", str(out), "--json", "--no-progress"]) == 0

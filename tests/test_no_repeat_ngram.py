@@ -176,7 +176,7 @@ def test_cli_eval_and_generate_take_the_rule(discrete_run, tmp_path, injected_lo
 
     argv = ["eval", str(discrete_run.run_dir), "--output", str(tmp_path / "e.json"), "--no-progress", "--generation"]
     assert cli.main([*argv, "--generation-prompts", "2", "--device", "cpu", "--generation-no-repeat-ngram", "3"]) == 0
-    assert "(greedy, at most 32 new tokens, no 3-gram twice)" in capsys.readouterr().out
+    assert "(greedy, at most 48 new tokens, no 3-gram twice)" in capsys.readouterr().out
     assert cli.main([*argv, "--generation-no-repeat-ngram", "-1"]) == 2
     out = tmp_path / "g.json"
     generate = ["generate", str(discrete_run.run_dir), "--prompt", "sun pen 201", "--greedy", "--device", "cpu"]

@@ -14,7 +14,7 @@ frozen features gives the code's value, beside chance, the majority share and th
 held-out real responses), and the generations' z-free NLL over the real responses' (and the share of generations
 that repeat themselves, where the report has it). A report of
 ``eval --generation-guidance`` is named by its run and ", guided G", one of ``--generation-temperature T`` by ", sampled
-at T T".
+at T T" (" top-p P" with ``--generation-top-p P`` below 1).
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ def row(path: Path) -> str:
         run += f", guided {guidance['scale']:g}"
     temperature = control.get("temperature")
     if temperature:  # eval --generation-temperature: sampled, not greedy
-        run += f", sampled at T {temperature:g}"
+        run += f", sampled at T {temperature:g}" + (
+            f" top-p {control['top_p']:g}" if control.get("top_p", 1) < 1 else ""
+        )
     factors = report.get("factors") or {}
     decoder = (report.get("decoder_posterior") or {}).get("factors") or {}
 

@@ -77,8 +77,9 @@ def run_eval(
     data="train", iw_samples=4)``). ``output`` defaults to ``RUN/eval/eval_<data>.json``; the summary is the
     same path with ``.md``. With ``generation`` the report gets ``controllability``
     (:func:`controllability.controllability` on ``generation_prompts`` prompts of ``data``,
-    ``generation_max_new_tokens`` tokens at most, greedy or sampled at ``generation_temperature``, and
-    ``generation_latents`` prior draws per prompt for a continuous model; with the decoder's likeliest codes of
+    ``generation_max_new_tokens`` tokens at most (default the run's ``data.max_response_tokens``), greedy or
+    sampled at ``generation_temperature``, and ``generation_latents`` prior draws per prompt for a continuous
+    model; with the decoder's likeliest codes of
     the report's ``decoder_posterior``, its read-back by them too). Returns
     ``(report, json_path, markdown_path)``.
     """
@@ -178,9 +179,10 @@ def _eval_controllability(model, tokenizer, config, examples, cache, options: Ev
         cache,
         raw_pairs(options.data, config, examples),
         num_prompts=options.generation_prompts,
-        max_new_tokens=options.generation_max_new_tokens,
+        max_new_tokens=options.generation_max_new_tokens or config.data.max_response_tokens,
         no_repeat_ngram=options.generation_no_repeat_ngram,
         temperature=options.generation_temperature,
+        top_p=options.generation_top_p,
         prior_latents=options.generation_latents,
         guidance=Guidance(options.generation_guidance, options.generation_guidance_plausibility),
         seed=options.seed,

@@ -70,7 +70,7 @@ from .cvae_base import CVAEBase
 from .data import Example, PromptResponse, collate, tokenize_pairs
 from .evaluation import example_factor_values, posterior_latents
 from .features import FeatureCache
-from .generation import SamplingOptions, encode_prompts, generate_texts, prompt_features
+from .generation import SamplingOptions, encode_prompts, generate_responses, prompt_features
 from .guidance import Guidance
 from .latent_space import LatentSpace, code_labels, code_shares
 from .metrics import distinct_n, looping_share
@@ -201,6 +201,7 @@ def factor_accuracy(
     values: dict[str, list[str]],
     detector: Detector,
     weights: Sequence[float] | None = None,
+    ended: Sequence[bool] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per factor of ``values`` (each real example's value), the factor read back from the generated ``texts``
     by ``detector`` against ``expected[i][factor]``, the value generation ``i`` stands for (generations
@@ -210,11 +211,15 @@ def factor_accuracy(
     that generation ``i``'s latent stands for, e.g. its code's) also ``weighted_accuracy``, the scored
     generations' accuracy weighted by them: what a generation under a latent drawn as the data draws them scores,
     where ``accuracy`` counts a code that holds two examples as much as one that holds sixty (None when the scored
-    weights sum to 0)."""
+    weights sum to 0). With ``ended`` (one per text: whether the generation ended before the token cap) also
+    ``ended_accuracy`` and ``generations_ended``: the accuracy over the scored generations that ended (None when
+    none did); a generation cut at the cap never wrote its end, where a suffix would be."""
     if len(texts) != len(expected):
         raise ValueError(f"{len(texts)} texts for {len(expected)} expected values")
     if weights is not None and (len(weights) != len(texts) or any(not 0 <= w < math.inf for w in weights)):
         raise ValueError(f"weights must be {len(texts)} finite numbers >= 0, one per text")
+    if ended is not None and len(ended) != len(texts):
+        raise ValueError(f"{len(ended)} ended flags for {len(texts)} texts")
     out: dict[str, dict[str, Any]] = {}
     for name, real in values.items():
         scored = [i for i, e in enumerate(expected) if name in e]
@@ -236,6 +241,10 @@ def factor_accuracy(
             total = sum(weights[i] for i in scored)
             correct = sum(weights[i] for i, d, w in zip(scored, detected, wanted, strict=True) if d == w)
             out[name]["weighted_accuracy"] = correct / total if total > 0 else None
+        if ended is not None:
+            done = [(d, w) for i, d, w in zip(scored, detected, wanted, strict=True) if ended[i]]
+            out[name]["generations_ended"] = len(done)
+            out[name]["ended_accuracy"] = float(np.mean([d == w for d, w in done])) if done else None
     return out
 
 
@@ -319,6 +328,7 @@ def controllability(
     batch_size: int = 16,
     progress: bool = False,
     temperature: float = 0.0,
+    top_p: float = 1.0,
     guidance: Guidance | None = None,
     detector: Detector | None = None,
     detector_name: str | None = None,
@@ -329,7 +339,8 @@ def controllability(
     at that temperature from the decoder's whole distribution (top-p 1, no top-k; a decoder's own generation
     config still applies), seeded by ``seed`` (the same text for the same seed and ``batch_size``): at 1, a
     decoder that fits the data writes responses as predictable to the z-free reference as the real ones, where
-    greedy text is more predictable by construction. ``no_repeat_ngram`` N above 0 never writes the same N tokens
+    greedy text is more predictable by construction. ``top_p`` below 1 samples from the nucleus instead (the
+    likeliest tokens whose probabilities first reach it; sampling only). ``no_repeat_ngram`` N above 0 never writes the same N tokens
     in a row twice in one generation (:class:`.generation.SamplingOptions`), whichever the decoding.
 
     ``examples`` and ``cache`` are the evaluated data and its frozen-pass features (as for
@@ -357,17 +368,21 @@ def controllability(
         raise ValueError(f"--generation-latents must be an integer >= 2, got {prior_latents!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature < math.inf:
         raise ValueError(f"--generation-temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1:
+        raise ValueError(f"--generation-top-p must be a number in (0, 1], got {top_p!r}")
+    if top_p < 1 and temperature == 0:
+        raise ValueError(f"--generation-top-p {top_p:g} applies to sampling: set --generation-temperature above 0")
     if isinstance(no_repeat_ngram, bool) or not isinstance(no_repeat_ngram, int) or no_repeat_ngram < 0:
         raise ValueError(f"--generation-no-repeat-ngram must be an integer >= 0, got {no_repeat_ngram!r}")
     if temperature > 0:
         sampling = SamplingOptions(
             temperature=temperature,
-            top_p=1.0,
+            top_p=top_p,
             max_new_tokens=max_new_tokens,
             seed=seed,
             no_repeat_ngram=no_repeat_ngram,
         )
-        decoding = f"sampled at temperature {temperature:g} (top-p 1), at most {max_new_tokens} new tokens"
+        decoding = f"sampled at temperature {temperature:g} (top-p {top_p:g}), at most {max_new_tokens} new tokens"
     else:
         sampling = SamplingOptions(
             greedy=True, max_new_tokens=max_new_tokens, seed=seed, no_repeat_ngram=no_repeat_ngram
@@ -380,7 +395,7 @@ def controllability(
     space = model.latent_space
     prompts = choose_prompts([p.prompt for p in pairs], num_prompts, seed)
     factors = example_factor_values(examples)
-    targets, texts, encoded, recovered, real_features = _generate_and_reencode(
+    targets, texts, ended, encoded, recovered, real_features = _generate_and_reencode(
         model, tokenizer, config, examples, cache, prompts, factors, sampling, guidance, prior_latents, seed,
         batch_size, progress,
     )  # fmt: skip
@@ -389,6 +404,7 @@ def controllability(
         "generations": len(targets),
         "decoding": decoding,
         "temperature": float(temperature),
+        "top_p": float(top_p),
         "guidance": asdict(guidance) if guidance is not None else None,
         "seed": seed,
     }
@@ -408,16 +424,24 @@ def controllability(
         report["factor_accuracy"] = {
             "detector": detector_name or "given",
             "factors": factor_accuracy(
-                texts, [t["labels"] for t in targets], factors, detector, [t.get("share", 0.0) for t in targets]
+                texts,
+                [t["labels"] for t in targets],
+                factors,
+                detector,
+                [t.get("share", 0.0) for t in targets],
+                ended,
             ),
         }
         if decoder_codes is not None:
             named, shares = code_labels(decoder_codes, factors), code_shares(decoder_codes)
             expected = [named.get((t["slot"], t["target"]), {}) for t in targets]
             weights = [shares.get((t["slot"], t["target"]), 0.0) for t in targets]
-            report["factor_accuracy"]["decoder_codes"] = factor_accuracy(texts, expected, factors, detector, weights)
+            report["factor_accuracy"]["decoder_codes"] = factor_accuracy(
+                texts, expected, factors, detector, weights, ended
+            )
     per_prompt = [[texts[i] for i, t in enumerate(targets) if t["prompt"] == p] for p in range(len(prompts))]
     report.update(diversity(per_prompt))
+    report["truncated_share"] = float(np.mean([not e for e in ended]))
     tokens = encoded["tokens"].double()
     report["zfree_nll_per_token"] = float(encoded["nll"].sum() / tokens.sum())
     real_tokens = sum(len(n) for n in cache.response_nll)
@@ -477,10 +501,11 @@ def _generate_and_reencode(
     seed: int,
     batch_size: int,
     progress: bool,
-) -> tuple[list[dict[str, Any]], list[str], dict[str, Any], list[int], np.ndarray | None]:
+) -> tuple[list[dict[str, Any]], list[str], list[bool], dict[str, Any], list[int], np.ndarray | None]:
     """Generate under every target latent of the model's latent space and re-encode the generations (in eval
-    mode, under ``seed``): ``(targets, texts, encoded, recovered, real_features)``, the last the real
-    examples' encoder inputs when there are factors (else None)."""
+    mode, under ``seed``): ``(targets, texts, ended, encoded, recovered, real_features)``, ``ended`` whether each
+    generation ended before the token cap, the last the real examples' encoder inputs when there are factors (else
+    None)."""
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id
     space = model.latent_space
@@ -493,12 +518,14 @@ def _generate_and_reencode(
         vectors = torch.stack([t["vector"] for t in targets])  # [G, L]
         rows = [prompt_ids[t["prompt"]] for t in targets]
         keys = [(t["prompt"], t["group"]) for t in targets]  # guidance: against the prompt's others of the group
-        texts = generate_texts(model, tokenizer, rows, vectors, sampling, batch_size, progress, guidance, keys)
+        texts, ended = generate_responses(
+            model, tokenizer, rows, vectors, sampling, batch_size, progress, guidance, keys
+        )
         generated = generated_examples(tokenizer, config, [prompts[t["prompt"]] for t in targets], texts)
         encoded = reencode(model, generated, pad, batch_size)
         recovered = space.recovered(targets, encoded, features)
         real_features = real_encoder_inputs(model, examples, cache, pad) if factors else None
-    return targets, texts, encoded, recovered, real_features
+    return targets, texts, ended, encoded, recovered, real_features
 
 
 def _labels_report(
@@ -539,7 +566,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"controllability: {recovery} (chance {report['recovery_chance']:.3f}) over {report['generations']} "
         f"generations for {report['prompts']} prompts ({report.get('decoding', 'greedy')}); "
         f"distinct-1 {report['distinct_1']:.3f}, distinct-2 {report['distinct_2']:.3f}"
-        f"{_looping(report)}; "
+        f"{_looping(report)}{_truncated(report)}; "
         f"z-free NLL {report['zfree_nll_per_token']:.3f} nats/token "
         f"(real responses {report['real_zfree_nll_per_token']:.3f})",
     ]
@@ -556,7 +583,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         if entry["accuracy"] is None:
             continue
         lines.append(
-            f"  factor {name} read from the text: accuracy {entry['accuracy']:.3f}{_weighted(entry)} (chance "
+            f"  factor {name} read from the text: accuracy {entry['accuracy']:.3f}{_weighted(entry)}{_ended(entry)} (chance "
             f"{entry['chance']:.3f}{_majority(entry)}; no value found {entry['none_share']:.3f}) over "
             f"{entry['generations_scored']} generations"
         )
@@ -578,6 +605,20 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
 def _looping(report: dict[str, Any]) -> str:
     """``, looping 0.031`` (reports written before the field have none)."""
     return "" if report.get("looping_share") is None else f", looping {report['looping_share']:.3f}"
+
+
+def _truncated(report: dict[str, Any]) -> str:
+    """``, cut at the token cap 0.047`` when some generations ran to it (reports written before the field have none)."""
+    share = report.get("truncated_share")
+    return "" if not share else f", cut at the token cap {share:.3f}"
+
+
+def _ended(entry: dict[str, Any]) -> str:
+    """``, 0.967 of the 61 that ended`` when some generations were cut at the token cap (else nothing)."""
+    count = entry.get("generations_ended")
+    if count is None or count == entry["generations_scored"]:
+        return ""
+    return ", none ended" if count == 0 else f", {entry['ended_accuracy']:.3f} of the {count} that ended"
 
 
 def _weighted(entry: dict[str, Any]) -> str:

@@ -221,8 +221,34 @@ def generate_texts(
     guidance: Guidance | None = None,
     contrast_keys: Sequence[Any] | None = None,
 ) -> list[str]:
-    """One response per row (``prompt_ids[r]`` under latent ``vectors[r]``), new tokens only; with ``progress``
-    a progress bar (stderr) counts the responses.
+    """The texts of :func:`generate_responses` (same arguments)."""
+    return generate_responses(
+        model, tokenizer, prompt_ids, vectors, sampling, batch_size, progress, guidance, contrast_keys
+    )[0]
+
+
+def _text_and_end(tokenizer: Any, row: list[int], eos: set[int]) -> tuple[str, bool]:
+    """A generated row's text (its tokens before the first end-of-sequence token) and whether it has that token;
+    a row without one ran to ``max_new_tokens`` (rows are only cut short once every row has ended)."""
+    cut = next((i for i, t in enumerate(row) if t in eos), None)
+    return tokenizer.decode(row[:cut], skip_special_tokens=True), cut is not None
+
+
+@torch.no_grad()
+def generate_responses(
+    model: CVAEBase,
+    tokenizer: Any,
+    prompt_ids: Sequence[list[int]],
+    vectors: torch.Tensor,
+    sampling: SamplingOptions,
+    batch_size: int = 16,
+    progress: bool = False,
+    guidance: Guidance | None = None,
+    contrast_keys: Sequence[Any] | None = None,
+) -> tuple[list[str], list[bool]]:
+    """One response per row (``prompt_ids[r]`` under latent ``vectors[r]``), new tokens only, and whether each
+    ended (wrote an end-of-sequence token within ``sampling.max_new_tokens``; False: cut at the cap, its end
+    unwritten); with ``progress`` a progress bar (stderr) counts the responses.
 
     With a ``guidance`` scale above 0, each row is guided against the latents of the rows of its own key in
     ``contrast_keys`` (one key per row, e.g. ``(prompt, slot)``; :mod:`.guidance`): a guided row decodes one
@@ -237,6 +263,7 @@ def generate_texts(
         return _guided_texts(model, tokenizer, prompt_ids, vectors, sampling, guidance, contrast_keys, eos, pad,
                              batch_size, progress)  # fmt: skip
     texts: list[str] = []
+    ended: list[bool] = []
     bar = tqdm(total=len(prompt_ids), desc="generate", unit="response", disable=not progress)
     with eval_mode(model), bar:
         for start in range(0, len(prompt_ids), batch_size):
@@ -256,10 +283,11 @@ def generate_texts(
                         **sampling.generate_kwargs(),
                     )
             for row in out.tolist():
-                cut = next((i for i, t in enumerate(row) if t in eos), len(row))
-                texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+                text, finished = _text_and_end(tokenizer, row, eos)
+                texts.append(text)
+                ended.append(finished)
             bar.update(len(chunk))
-    return texts
+    return texts, ended
 
 
 def _guided_texts(
@@ -274,8 +302,8 @@ def _guided_texts(
     pad: int,
     batch_size: int,
     progress: bool,
-) -> list[str]:
-    """:func:`generate_texts` under contrastive guidance: a guided row decodes one stream per latent of its
+) -> tuple[list[str], list[bool]]:
+    """:func:`generate_responses` under contrastive guidance: a guided row decodes one stream per latent of its
     set, and about ``batch_size`` streams go through at a time (at least one row)."""
     from tqdm.auto import tqdm
 
@@ -285,6 +313,7 @@ def _guided_texts(
     if all(len(members) < 2 for members in sets):
         raise ValueError("guidance contrasts each latent with the prompt's others, and every prompt here has one")
     texts: list[str] = []
+    ended: list[bool] = []
     bar = tqdm(total=len(prompt_ids), desc="generate (guided)", unit="response", disable=not progress)
     with eval_mode(model), bar:
         start = 0
@@ -299,11 +328,12 @@ def _guided_texts(
                 [sets[r].index(r) for r in chunk], sampling, guidance, eos, pad,
             )  # fmt: skip
             for row in out.tolist():
-                cut = next((i for i, t in enumerate(row) if t in eos), len(row))
-                texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+                text, finished = _text_and_end(tokenizer, row, eos)
+                texts.append(text)
+                ended.append(finished)
             bar.update(len(chunk))
             start = end
-    return texts
+    return texts, ended
 
 
 @torch.no_grad()
@@ -621,8 +651,10 @@ def generate(
     guided against the prompt's other latents of the call (:mod:`.guidance`; the same sample index), so
     every prompt needs two latents or more; the result's ``guidance`` says how. Returns a JSON-able dict: ``latent``,
     ``mode``, ``sampling``, ``prompts``, ``generations`` (one record per response: ``prompt_index``,
-    ``prompt``, ``latent`` label, ``latent_description``, ``sample``, ``text``) and ``diversity``
-    (``distinct_1``, ``distinct_2`` averaged over prompts, and ``per_prompt``). Deterministic given
+    ``prompt``, ``latent`` label, ``latent_description``, ``sample``, ``text``, ``ended``: False when the
+    response ran to ``sampling.max_new_tokens`` without its end) and ``diversity``
+    (``distinct_1``, ``distinct_2`` averaged over prompts, and ``per_prompt``), and ``truncated_share``, the share
+    of responses cut at the cap. Deterministic given
     ``sampling.seed``; the caller's random state is left untouched.
     """
     sampling = sampling or SamplingOptions()
@@ -633,7 +665,7 @@ def generate(
     )  # fmt: skip
     mode = request.mode
     guidance = guidance if guidance is not None and guidance.scale > 0 else None
-    choices, rows, texts = _generate_choices(
+    choices, rows, texts, ended = _generate_choices(
         model, tokenizer, config, prompts, request, reference_response, reference_response_b, sampling, guidance,
         batch_size, progress,
     )  # fmt: skip
@@ -645,8 +677,9 @@ def generate(
             "latent_description": c.description,
             "sample": s,
             "text": text,
+            "ended": finished,
         }
-        for (c, s), text in zip(rows, texts, strict=True)
+        for (c, s), text, finished in zip(rows, texts, ended, strict=True)
     ]
     result: dict[str, Any] = {
         "latent": space.kind,
@@ -656,6 +689,7 @@ def generate(
         "prompts": list(prompts),
         "generations": generations,
         "diversity": diversity(prompts, generations),
+        "truncated_share": sum(not g["ended"] for g in generations) / len(generations),
     }
     _add_request_fields(result, model, request, steering, choices, code_examples)
     if reference_response is not None:
@@ -725,9 +759,10 @@ def _generate_choices(
     guidance: Guidance | None,
     batch_size: int,
     progress: bool,
-) -> tuple[list[LatentChoice], list[tuple[LatentChoice, int]], list[str]]:
+) -> tuple[list[LatentChoice], list[tuple[LatentChoice, int]], list[str], list[bool]]:
     """The latents the model's latent space plans for ``request``, and the responses under them: the
-    choices, the ``(choice, sample)`` rows generated and their texts (in eval mode, under ``sampling.seed``)."""
+    choices, the ``(choice, sample)`` rows generated, their texts and whether each ended (in eval mode, under
+    ``sampling.seed``)."""
     mode = request.mode
     pad = tokenizer.pad_token_id
     prompt_ids = encode_prompts(prompts, tokenizer, config.data)
@@ -753,11 +788,11 @@ def _generate_choices(
                 f"--guidance contrasts each latent with the prompt's other latents, and mode {mode!r} gives one "
                 "latent per prompt here: sweep codes, draw several prior latents or traverse"
             )
-        texts = generate_texts(
+        texts, ended = generate_responses(
             model, tokenizer, [prompt_ids[c.prompt_index] for c, _ in rows], vectors, sampling, batch_size, progress,
             guidance, keys,
         )  # fmt: skip
-    return choices, rows, texts
+    return choices, rows, texts, ended
 
 
 def _add_request_fields(
@@ -809,7 +844,8 @@ def format_generations(result: dict[str, Any]) -> str:
         lines.append(f"  {'-' * width}-+-{'-' * 40}")
         for label, g in zip(labels, rows, strict=True):
             text = g["text"].replace("\n", "\\n")
-            lines.append(f"  {label.ljust(width)} | {text}")
+            cut = "" if g.get("ended", True) else f" [cut at {result['sampling']['max_new_tokens']} tokens]"
+            lines.append(f"  {label.ljust(width)} | {text}{cut}")
         d = result["diversity"]["per_prompt"][p]
         lines.append(
             f"  distinct-1 {d['distinct_1']:.3f}  distinct-2 {d['distinct_2']:.3f}  ({d['responses']} responses)"
@@ -819,6 +855,7 @@ def format_generations(result: dict[str, Any]) -> str:
     lines.append(
         f"mean over prompts: distinct-1 {d['distinct_1']:.3f}  distinct-2 {d['distinct_2']:.3f}; "
         f"responses that repeat themselves {d['looping_share']:.3f}"
+        + (f"; cut at the token cap {result['truncated_share']:.3f}" if "truncated_share" in result else "")
     )
     for entry in result.get("code_examples", []):
         lines.append("")

@@ -227,7 +227,13 @@ class EvalOptions(ScoringOptions):
         group=_STEERING,
     )
     generation_prompts: int = ranged(8, "held-out prompts generated for", Range(1), group=_STEERING)
-    generation_max_new_tokens: int = ranged(32, "new tokens per generation at most", Range(1), group=_STEERING)
+    generation_max_new_tokens: int | None = ranged(
+        None,
+        "new tokens per generation at most (default: the run's data.max_response_tokens, the longest response "
+        "training saw; a generation cut there never wrote its end)",
+        Range(1),
+        group=_STEERING,
+    )
     generation_no_repeat_ngram: int = ranged(
         0,
         "never the same run of this many tokens twice in one generation (breaks loops, as generate "
@@ -240,6 +246,13 @@ class EvalOptions(ScoringOptions):
         "0: greedy generations; above 0: sampled at this temperature from the decoder's whole distribution "
         "(seeded by --seed, at the same --batch-size); at 1 their z-free NLL is comparable with the real responses'",
         Range(0, integer=False),
+        group=_STEERING,
+    )
+    generation_top_p: float = ranged(
+        1.0,
+        "with --generation-temperature above 0: sample from the likeliest tokens whose probabilities first reach "
+        "this mass (nucleus sampling, as generate --top-p); 1: the whole distribution",
+        Range(0, 1, integer=False, low_open=True),
         group=_STEERING,
     )
     generation_latents: int = ranged(
