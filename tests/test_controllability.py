@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from disentanglement.controllability import (
     reencode,
     summary_lines,
     synthetic_detector,
+    wilson_interval,
 )
 from disentanglement.data import collate
 from disentanglement.encode import raw_pairs
@@ -244,6 +246,8 @@ def test_eval_generation_report_and_summary(discrete_run, tmp_path):
         (dict(generation_prompts=0), "--generation-prompts must be an integer >= 1"),
         (dict(generation_max_new_tokens=0), "--generation-max-new-tokens must be an integer >= 1"),
         (dict(generation_latents=1), "--generation-latents must be an integer >= 2"),
+        (dict(generation_top_p=0.9), "--generation-top-p 0.9 applies to sampling"),  # greedy unless a temperature
+        (dict(generation_top_p=0), r"--generation-top-p must be a finite number in \(0, 1\]"),
     ],
 )
 def test_eval_generation_options_are_refused_before_the_model_loads(discrete_run, tmp_path, no_model, kwargs, message):
@@ -306,6 +310,28 @@ def test_every_slot_is_swept_on_an_untrained_two_slot_model():
 # --------------------------------------------------------------------------- the factor read back from the text
 
 
+def wilson_by_hand(k: int, n: int, z: float = 1.959963984540054) -> list[float]:
+    """The Wilson score interval: centre ``(p + z^2 / 2n) / (1 + z^2 / n)``, half-width ``z / (1 + z^2 / n) *
+    sqrt(p (1 - p) / n + z^2 / 4n^2)``, z the normal's 97.5 % point."""
+    p, shrink = k / n, 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / shrink
+    half = z / shrink * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return [centre - half, centre + half]
+
+
+def interval_shown(k: int, n: int) -> str:
+    low, high = wilson_by_hand(k, n)
+    return f"[{low:.2f}, {high:.2f}]"
+
+
+def test_wilson_interval_by_hand():
+    for k, n in ((2, 5), (0, 8), (8, 8), (60, 64), (61, 64), (1, 1)):
+        assert wilson_interval(k, n) == pytest.approx(wilson_by_hand(k, n), abs=1e-9), (k, n)
+    low, high = wilson_interval(61, 64)  # 0.953 of 64 generations: 0.95 is well inside
+    assert low < 0.9 < 0.95 < high < 1
+    assert wilson_interval(0, 8)[0] == pytest.approx(0, abs=1e-12) and wilson_interval(8, 8)[1] == pytest.approx(1)
+
+
 def test_factor_accuracy_by_hand():
     def detector(factor, text):  # the first word, when it is a colour
         word = text.split()[0] if text.split() else ""
@@ -316,8 +342,10 @@ def test_factor_accuracy_by_hand():
     values = {"c": ["red", "blue", "green", "red"], "d": ["x", "y", "x", "y"]}
     got = factor_accuracy(texts, expected, values, detector)
     # c: scored 0, 1, 2, 3, 5 -> red ok, blue ok, red for blue, none for red, blue for green: 2 of 5, 1 none
+    assert got["c"]["accuracy_interval"] == pytest.approx(wilson_by_hand(2, 5))
     assert got["c"] == {
         "accuracy": 2 / 5,
+        "accuracy_interval": got["c"]["accuracy_interval"],
         "none_share": 1 / 5,
         "chance": 1 / 3,
         "majority_share": 2 / 5,  # red and blue are each wanted by 2 of the 5: one answer for all is right for 2
@@ -387,7 +415,8 @@ def test_the_read_back_weighted_by_the_codes_use(discrete):
     entry = broken["factor_accuracy"]["factors"]["label"]
     assert entry["accuracy"] == pytest.approx(0.75)
     assert entry["weighted_accuracy"] == pytest.approx(1 - share)
-    assert f"accuracy 0.750, weighted by use {1 - share:.3f} (chance" in "\n".join(summary_lines(broken))
+    shown = f"accuracy 0.750 {interval_shown(6, 8)}, weighted by use {1 - share:.3f} (chance"
+    assert shown in "\n".join(summary_lines(broken))
 
 
 def test_synthetic_detector_reads_the_built_in_sets_and_nothing_else():
@@ -426,9 +455,8 @@ def test_trained_codes_generate_their_factor_as_read_from_the_text(discrete):
     assert cut["per_value"] == {"0": 0.0, "1": 1.0, "2": 1.0, "3": 1.0} and cut["none_share"] == 0.25
     # ... and those are the generations cut at the cap: the ones that ended are all right
     assert short["truncated_share"] == 0.25 and cut["generations_ended"] == 12 and cut["ended_accuracy"] == 1.0
-    assert "accuracy 0.750, weighted by use 0.750, 1.000 of the 12 that ended (chance" in "\n".join(
-        summary_lines(short)
-    )
+    shown = f"accuracy 0.750 {interval_shown(12, 16)}, weighted by use 0.750, 1.000 of the 12 that ended (chance"
+    assert shown in "\n".join(summary_lines(short))
     options = dict(OPTIONS, max_new_tokens=64)
     report = controllability(*discrete, **options, detector=clean_detector, detector_name="clean phrases")
     entry = report["factor_accuracy"]["factors"]["label"]
@@ -437,8 +465,8 @@ def test_trained_codes_generate_their_factor_as_read_from_the_text(discrete):
     assert entry["generations_scored"] == 4 * NUM_FACTORS
     assert entry["majority_share"] == 0.25  # the four codes stand for four values
     assert (
-        "  factor label read from the text: accuracy 1.000, weighted by use 1.000 (chance 0.250, majority 0.250; no value "
-        "found 0.000) over 16" in ("\n".join(summary_lines(report)))
+        f"  factor label read from the text: accuracy 1.000 {interval_shown(16, 16)}, weighted by use 1.000 (chance "
+        "0.250, majority 0.250; no value found 0.000) over 16" in ("\n".join(summary_lines(report)))
     )
     assert report["truncated_share"] == 0.0 and entry["generations_ended"] == 16 and entry["ended_accuracy"] == 1.0
     # a detector that finds nothing: every scored generation is 'no value', none right
@@ -631,8 +659,9 @@ def test_nucleus_sampling_narrows_to_the_greedy_text(discrete):
 
 
 def test_generations_cut_at_the_cap_are_counted(discrete, monkeypatch):
-    """``truncated_share``: at one new token at most, a generation ended exactly when its one token was the end
-    (its text empty; every generation shown, each checked); at 64 the trained tiny decoder ends every one."""
+    """``truncated_share``: at one new token at most, the share of generations with any text (a generation that
+    ended at once is empty; every generation shown, each checked: here none ends); at 64 the trained tiny decoder
+    ends every one. The summary line without any ended generation; the run's response cap as the default cap."""
     from disentanglement import controllability as module
 
     monkeypatch.setattr(module, "EXAMPLES_SHOWN", 10**6)
@@ -642,5 +671,13 @@ def test_generations_cut_at_the_cap_are_counted(discrete, monkeypatch):
     assert one["truncated_share"] == pytest.approx(np.mean([t != "" for t in texts]))
     assert one["truncated_share"] > 0
     assert "cut at the token cap 1.000" in summary_lines(one)[0]
+    none_ended = {**one, "factor_accuracy": {"factors": {"f": {
+        "accuracy": 0.5, "none_share": 0.0, "chance": 0.25, "majority_share": 0.5, "generations_scored": 4,
+        "generations_ended": 0, "ended_accuracy": None}}}}  # fmt: skip
+    assert "accuracy 0.500, none ended (chance 0.250" in "\n".join(summary_lines(none_ended))
+    # without a cap the run's response cap is the cap (the tiny runs': 48)
+    assert (
+        controllability(*discrete, **dict(OPTIONS, max_new_tokens=None))["decoding"] == "greedy, at most 48 new tokens"
+    )
     full = controllability(*discrete, **dict(OPTIONS, max_new_tokens=64))
     assert full["truncated_share"] == 0.0 and "cut at the token cap" not in summary_lines(full)[0]

@@ -277,6 +277,7 @@ def test_guided_evals_follow_the_plain_one(run, tmp_path, monkeypatch):
     ]
     assert len(calls) == 1 and calls[0][calls[0].index("--generation-guidance") + 1] == "2"
     assert calls[0][calls[0].index("--output") + 1].endswith("seed-0-guided-2.json")
+    assert calls[0][calls[0].index("--generation-max-new-tokens") + 1] == "32"  # the cap the documented reports had
 
 
 @pytest.mark.parametrize(

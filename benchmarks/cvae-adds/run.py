@@ -588,7 +588,10 @@ def refit_run(out: Path, name: str, recipe: str, seed: int, dailydialog: Path | 
 
 
 def generation_options(name: str) -> list[str]:
-    return ["--max-examples", "600", "--generation"] if name == "dailydialog" else ["--generation"]
+    """eval's options for a run of set ``name``: at most 32 new tokens a generation, the cap the reports of
+    sections 1-41 were made with (eval's default became the run's response cap; DailyDialog's config has 48)."""
+    cap = ["--generation", "--generation-max-new-tokens", "32"]
+    return ["--max-examples", "600", *cap] if name == "dailydialog" else cap
 
 
 def plain_run(out: Path, name: str, recipe: str, seed: int, dailydialog: Path | None, dtype: str) -> Path:

@@ -195,6 +195,16 @@ def majority_share_of(wanted: Sequence[Any]) -> float | None:
     return max(Counter(wanted).values()) / len(wanted)
 
 
+def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> list[float]:
+    """The Wilson score interval ``[low, high]`` of a share ``successes / trials`` (scipy's ``binomtest``): how
+    far the share of a few dozen generations may sit from the share a decoder would write over many, the
+    generations taken as independent draws (they are not quite: one code's share its prompts' together)."""
+    from scipy.stats import binomtest
+
+    interval = binomtest(successes, trials).proportion_ci(confidence_level=confidence, method="wilson")
+    return [float(interval.low), float(interval.high)]
+
+
 def factor_accuracy(
     texts: Sequence[str],
     expected: Sequence[dict[str, str]],
@@ -205,9 +215,10 @@ def factor_accuracy(
 ) -> dict[str, dict[str, Any]]:
     """Per factor of ``values`` (each real example's value), the factor read back from the generated ``texts``
     by ``detector`` against ``expected[i][factor]``, the value generation ``i`` stands for (generations
-    without one for the factor are not scored): ``{"accuracy", "none_share", "chance", "majority_share",
-    "generations_scored", "per_value": {value: accuracy}}`` (:func:`majority_share_of`); accuracy, none_share and
-    majority_share are None when nothing is scored. With ``weights`` (one per text: the share of the real examples
+    without one for the factor are not scored): ``{"accuracy", "accuracy_interval", "none_share", "chance",
+    "majority_share", "generations_scored", "per_value": {value: accuracy}}`` (:func:`majority_share_of`; the
+    interval :func:`wilson_interval`'s 95 %); accuracy, its interval, none_share and majority_share are None when
+    nothing is scored. With ``weights`` (one per text: the share of the real examples
     that generation ``i``'s latent stands for, e.g. its code's) also ``weighted_accuracy``, the scored
     generations' accuracy weighted by them: what a generation under a latent drawn as the data draws them scores,
     where ``accuracy`` counts a code that holds two examples as much as one that holds sixty (None when the scored
@@ -229,8 +240,10 @@ def factor_accuracy(
             v: recovery_accuracy([d for d, w in zip(detected, wanted, strict=True) if w == v], [v] * wanted.count(v))
             for v in sorted(set(wanted))
         }
+        right = sum(d == w for d, w in zip(detected, wanted, strict=True))
         out[name] = {
             "accuracy": recovery_accuracy(detected, wanted) if scored else None,
+            "accuracy_interval": wilson_interval(right, len(scored)) if scored else None,
             "none_share": float(np.mean([d is None for d in detected])) if scored else None,
             "chance": 1 / len(set(real)),
             "majority_share": majority_share_of(wanted),
@@ -242,9 +255,11 @@ def factor_accuracy(
             correct = sum(weights[i] for i, d, w in zip(scored, detected, wanted, strict=True) if d == w)
             out[name]["weighted_accuracy"] = correct / total if total > 0 else None
         if ended is not None:
-            done = [(d, w) for i, d, w in zip(scored, detected, wanted, strict=True) if ended[i]]
+            done = [j for j, i in enumerate(scored) if ended[i]]  # positions among the scored
             out[name]["generations_ended"] = len(done)
-            out[name]["ended_accuracy"] = float(np.mean([d == w for d, w in done])) if done else None
+            out[name]["ended_accuracy"] = (
+                recovery_accuracy([detected[j] for j in done], [wanted[j] for j in done]) if done else None
+            )
     return out
 
 
@@ -321,7 +336,7 @@ def controllability(
     pairs: Sequence[PromptResponse],
     *,
     num_prompts: int = 8,
-    max_new_tokens: int = 32,
+    max_new_tokens: int | None = None,
     no_repeat_ngram: int = 0,
     prior_latents: int = 8,
     seed: int = 0,
@@ -335,13 +350,15 @@ def controllability(
     decoder_codes: Any = None,
 ) -> dict[str, Any]:
     """The controllability report of a model on held-out data (see the module docstring); ``progress`` shows
-    a progress bar over the generations. ``temperature`` 0 decodes greedily (the default); above 0 it samples
+    a progress bar over the generations; ``max_new_tokens`` defaults to the run's response cap
+    (``config.data.max_response_tokens``). ``temperature`` 0 decodes greedily (the default); above 0 it samples
     at that temperature from the decoder's whole distribution (top-p 1, no top-k; a decoder's own generation
     config still applies), seeded by ``seed`` (the same text for the same seed and ``batch_size``): at 1, a
     decoder that fits the data writes responses as predictable to the z-free reference as the real ones, where
     greedy text is more predictable by construction. ``top_p`` below 1 samples from the nucleus instead (the
-    likeliest tokens whose probabilities first reach it; sampling only). ``no_repeat_ngram`` N above 0 never writes the same N tokens
-    in a row twice in one generation (:class:`.generation.SamplingOptions`), whichever the decoding.
+    likeliest tokens whose probabilities first reach it; sampling only). ``no_repeat_ngram`` N above 0 never
+    writes the same N tokens in a row twice in one generation (:class:`.generation.SamplingOptions`), whichever
+    the decoding.
 
     ``examples`` and ``cache`` are the evaluated data and its frozen-pass features (as for
     ``evaluation.evaluate``), ``pairs`` their raw pairs (same order; the prompts' texts). Returns a JSON-able
@@ -361,6 +378,8 @@ def controllability(
         raise ValueError(f"{len(pairs)} pairs and {len(cache)} cached examples for {len(examples)} examples")
     if decoder_codes is not None:
         decoder_codes = _checked_codes(model, decoder_codes, len(examples))
+    if max_new_tokens is None:
+        max_new_tokens = config.data.max_response_tokens
     for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--generation-{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
@@ -583,15 +602,16 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         if entry["accuracy"] is None:
             continue
         lines.append(
-            f"  factor {name} read from the text: accuracy {entry['accuracy']:.3f}{_weighted(entry)}{_ended(entry)} (chance "
-            f"{entry['chance']:.3f}{_majority(entry)}; no value found {entry['none_share']:.3f}) over "
+            f"  factor {name} read from the text: accuracy {entry['accuracy']:.3f}{_interval(entry)}"
+            f"{_weighted(entry)}{_ended(entry)} (chance {entry['chance']:.3f}{_majority(entry)}; no value found {entry['none_share']:.3f}) over "
             f"{entry['generations_scored']} generations"
         )
         decoder = report["factor_accuracy"].get("decoder_codes", {}).get(name)
         if decoder is not None and decoder["accuracy"] is not None:
             lines.append(
                 f"    each code standing for its majority value under the decoder's likeliest codes: accuracy "
-                f"{decoder['accuracy']:.3f}{_weighted(decoder)} (majority {decoder['majority_share']:.3f}) over "
+                f"{decoder['accuracy']:.3f}{_weighted(decoder)}{_ended(decoder)} (majority "
+                f"{decoder['majority_share']:.3f}) over "
                 f"{decoder['generations_scored']} generations"
             )
     if report.get("real_zfree_nll_per_token"):
@@ -605,6 +625,12 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
 def _looping(report: dict[str, Any]) -> str:
     """``, looping 0.031`` (reports written before the field have none)."""
     return "" if report.get("looping_share") is None else f", looping {report['looping_share']:.3f}"
+
+
+def _interval(entry: dict[str, Any]) -> str:
+    """`` [0.85, 0.98]``, the accuracy's 95 % interval (reports written before the field have none)."""
+    interval = entry.get("accuracy_interval")
+    return "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
 
 
 def _truncated(report: dict[str, Any]) -> str:

@@ -229,7 +229,9 @@ def generate_texts(
 
 def _text_and_end(tokenizer: Any, row: list[int], eos: set[int]) -> tuple[str, bool]:
     """A generated row's text (its tokens before the first end-of-sequence token) and whether it has that token;
-    a row without one ran to ``max_new_tokens`` (rows are only cut short once every row has ended)."""
+    a row without one ran to ``max_new_tokens`` (rows are only cut short once every row has ended). A decoder whose
+    generation config forces an end token at the cap (``forced_eos_token_id``) would have its cut rows read as
+    ended; the built-in decoders set none."""
     cut = next((i for i, t in enumerate(row) if t in eos), None)
     return tokenizer.decode(row[:cut], skip_special_tokens=True), cut is not None
 
@@ -855,7 +857,7 @@ def format_generations(result: dict[str, Any]) -> str:
     lines.append(
         f"mean over prompts: distinct-1 {d['distinct_1']:.3f}  distinct-2 {d['distinct_2']:.3f}; "
         f"responses that repeat themselves {d['looping_share']:.3f}"
-        + (f"; cut at the token cap {result['truncated_share']:.3f}" if "truncated_share" in result else "")
+        + (f"; cut at the token cap {result['truncated_share']:.3f}" if result.get("truncated_share") else "")
     )
     for entry in result.get("code_examples", []):
         lines.append("")

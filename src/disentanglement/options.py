@@ -229,8 +229,8 @@ class EvalOptions(ScoringOptions):
     generation_prompts: int = ranged(8, "held-out prompts generated for", Range(1), group=_STEERING)
     generation_max_new_tokens: int | None = ranged(
         None,
-        "new tokens per generation at most (default: the run's data.max_response_tokens, the longest response "
-        "training saw; a generation cut there never wrote its end)",
+        "new tokens per generation at most (default: the run's response cap, data.max_response_tokens; a "
+        "generation cut at it never wrote its end)",
         Range(1),
         group=_STEERING,
     )
@@ -271,6 +271,14 @@ class EvalOptions(ScoringOptions):
         Range(0, 1, integer=False, low_open=True),
         group=_STEERING,
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.generation_top_p < 1 and self.generation_temperature == 0:
+            raise ValueError(
+                f"--generation-top-p {self.generation_top_p:g} applies to sampling: set --generation-temperature "
+                "above 0"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
