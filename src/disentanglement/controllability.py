@@ -603,8 +603,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             continue
         lines.append(
             f"  factor {name} read from the text: accuracy {entry['accuracy']:.3f}{_interval(entry)}"
-            f"{_weighted(entry)}{_ended(entry)} (chance {entry['chance']:.3f}{_majority(entry)}; no value found {entry['none_share']:.3f}) over "
-            f"{entry['generations_scored']} generations"
+            f"{_weighted(entry)}{_ended(entry)} (chance {entry['chance']:.3f}{_majority(entry)}; no value found "
+            f"{entry['none_share']:.3f}) over {entry['generations_scored']} generations"
         )
         decoder = report["factor_accuracy"].get("decoder_codes", {}).get(name)
         if decoder is not None and decoder["accuracy"] is not None:
@@ -634,7 +634,7 @@ def _interval(entry: dict[str, Any]) -> str:
 
 
 def _truncated(report: dict[str, Any]) -> str:
-    """``, cut at the token cap 0.047`` when some generations ran to it (reports written before the field have none)."""
+    """``, cut at the token cap 0.047`` when some generations ran to it (older reports have no such field)."""
     share = report.get("truncated_share")
     return "" if not share else f", cut at the token cap {share:.3f}"
 
