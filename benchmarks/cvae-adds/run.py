@@ -486,8 +486,8 @@ PLAN = [  # (set, recipe, seeds)
     # section 39: eight codes between prompt and response on held-out style-in-content (with --refit)
     ("style-in-content", "centered-lora-240-between-random-k8", (0, 1, 2)),
     ("style-in-content", "centered-lora-240-between-random-k5", (0, 1, 2)),
-    # section 41: eight codes between prompt and response with a 48-token response cap (with --refit)
-    ("chatterbot-style", "centered-lora-240-between-random-k8-r48", (0,)),
+    # section 41: eight codes between prompt and response with a 48-token response cap (with --refit; seed 0 first)
+    ("chatterbot-style", "centered-lora-240-between-random-k8-r48", (0, 1, 2)),
 ]
 
 
