@@ -346,10 +346,8 @@ def fit_both(
         fits[objective] = fit_encoder(model, examples, cache, log_r, pad_token_id, objective=objective, lr=lr, **common)
         weights[objective] = [p.detach().clone() for p in params]
 
-    def held_out_regret(objective: str) -> float:
-        return fits[objective]["history"][fits[objective]["kept_epoch"]]["holdout_regret"]
-
-    chosen = "target" if held_out_regret("target") < held_out_regret("nll") else "nll"
+    kept = {objective: fit["history"][fit["kept_epoch"]] for objective, fit in fits.items()}  # each kept epoch's
+    chosen = "target" if kept["target"]["holdout_regret"] < kept["nll"]["holdout_regret"] else "nll"
     with torch.no_grad():
         for p, value in zip(params, weights[chosen], strict=True):
             p.copy_(value)
@@ -357,7 +355,7 @@ def fit_both(
         objective: {
             "lr": rates[objective],
             "kept_epoch": fit["kept_epoch"],
-            "after": fit["history"][fit["kept_epoch"]],
+            "after": kept[objective],
             "stopped": fit["stopped"],
             "history": fit["history"],
         }
