@@ -177,6 +177,10 @@ RECIPES = {
     # end and any suffix, and the generations cut at 32 tokens were a third to two thirds of the misses
     "centered-lora-240-between-random-k8-r48": [*CENTERED_LORA, "--max-steps", "240", *BETWEEN_RANDOM,
                                                 "--codebook-size", "8", "--max-response-tokens", "48"],  # fmt: skip
+    # that trained twice as long (section 42): on its own generations the decoder under a `signoff` code gave the
+    # end-of-turn token 0.4-0.55 after the marker (0.81 in the mean on real training responses), and ran on
+    "centered-lora-480-between-random-k8-r48": [*CENTERED_LORA, "--max-steps", "480", *BETWEEN_RANDOM,
+                                                "--codebook-size", "8", "--max-response-tokens", "48"],  # fmt: skip
     # that with five codes (section 39): one spare code for style-in-content's four styles, where eight split each
     "centered-lora-240-between-random-k5": [*CENTERED_LORA, "--max-steps", "240", *BETWEEN_RANDOM,
                                             "--codebook-size", "5"],  # fmt: skip
@@ -488,6 +492,8 @@ PLAN = [  # (set, recipe, seeds)
     ("style-in-content", "centered-lora-240-between-random-k5", (0, 1, 2)),
     # section 41: eight codes between prompt and response with a 48-token response cap (with --refit; seed 0 first)
     ("chatterbot-style", "centered-lora-240-between-random-k8-r48", (0, 1, 2)),
+    # section 42: that trained twice as long
+    ("chatterbot-style", "centered-lora-480-between-random-k8-r48", (0, 1, 2)),
 ]
 
 
