@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -497,3 +498,11 @@ def test_refit_commands_are_the_cli_s(run, tmp_path):
     assert refit.output_dir == str(tmp_path / "runs" / "dailydialog-r" / "seed-2-refit") and refit.data == "train"
     assert evaluate.command == "eval" and evaluate.checkpoint == refit.output_dir and evaluate.generation
     assert (evaluate.data, evaluate.max_examples, evaluate.output) == ("dd-eval.jsonl", 600, str(report))
+
+
+def test_marker_share_end_probability_is_that_of_the_first_end_token(marker_share):
+    # the NLL at the end-of-sequence token (index 6), not at the template's newline after it (index 7)
+    tokens = ["Salt", ".", " Over", " and", " out", ".", "<|im_end|>", "\n"]
+    parts = marker_share.token_parts(tokens, {"<|im_end|>"}, "signoff")
+    nll = [2.0, 0.5, 1.0, 0.1, 0.1, 0.2, math.log(4.0), 0.01]
+    assert marker_share.end_probability(parts, nll) == pytest.approx(0.25)

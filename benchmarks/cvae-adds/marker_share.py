@@ -11,13 +11,17 @@ examples (the marker column over every example, plain ones included): the z-free
 weight ``pi_t``, the decoder's NLL under the posterior code ``l_t``, and the latent gain ``prior_nll -
 conditioned_nll`` (what the posterior code saves over the prior mixture, the quantity ``eval`` averages per token).
 A latent that carries the style gains on the marker and the end; one that carries something else gains on the
-content. Responses cut off before their end (no end-of-sequence token: a long ``chatterbot-style`` response under
+content. Last, per style, the probability the decoder gives the end-of-sequence token where the response ends, under
+the posterior code (:func:`end_probability`; mean, median and least): a decoder that has learnt where a response
+with a suffix marker ends gives it nearly 1 (section 42). Responses cut off before their end (no end-of-sequence token: a long ``chatterbot-style`` response under
 ``max_response_tokens``) are left out and counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -64,6 +68,12 @@ def token_parts(tokens: list[str], specials: set[str], style: str) -> list[str] 
     return parts + ["end"] * (len(tokens) - end)
 
 
+def end_probability(parts: list[str], conditioned_nll: list[float]) -> float:
+    """``exp(-l_t)`` at the response's first "end" token (its end-of-sequence token): the probability the decoder
+    gives ending there, under the code it was scored with."""
+    return math.exp(-conditioned_nll[parts.index("end")])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run")
@@ -76,6 +86,7 @@ def main(argv=None) -> int:
     sums = defaultdict(float)
     styles = defaultdict(int)
     cut_off = 0
+    ends = defaultdict(list)
     for example in examples[: args.examples]:
         style = example.label["style"]
         tokens, values, _ = token_values(model, tokenizer, example)
@@ -84,6 +95,7 @@ def main(argv=None) -> int:
             cut_off += 1
             continue
         styles[style] += 1
+        ends[style].append(end_probability(parts, values["conditioned_nll"]))
         for quantity in QUANTITIES:
             for part, value in zip(parts, values[quantity], strict=True):
                 sums[quantity, part] += value
@@ -101,6 +113,11 @@ def main(argv=None) -> int:
         cells = [f"{sums[quantity, p] / n:.3f}" for p in PARTS]
         cells += [" / ".join(f"{sums[quantity, s, p] / styles[s]:.2f}" for p in PARTS) for s in styles]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    print()
+    print("| style | examples | p(end) under the posterior code: mean | median | least |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for s, p in ends.items():
+        print(f"| {s} | {len(p)} | {statistics.fmean(p):.3f} | {statistics.median(p):.3f} | {min(p):.3f} |")
     return 0
 
 
