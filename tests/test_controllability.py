@@ -25,6 +25,7 @@ from disentanglement.controllability import (
     generated_examples,
     held_out_accuracy,
     nearest_target,
+    real_zfree_nll,
     recovery_accuracy,
     reencode,
     summary_lines,
@@ -71,6 +72,20 @@ def collapse_encoder(model, output: torch.Tensor):
 
 
 # --------------------------------------------------------------------------- by hand
+
+
+class _Pair:
+    def __init__(self, prompt: str) -> None:
+        self.prompt = prompt
+
+
+def test_real_zfree_nll_pools_tokens_and_keeps_the_chosen_prompts_responses():
+    nll = [torch.tensor([1.0, 3.0]), torch.tensor([2.0]), torch.tensor([0.5, 0.5, 2.0])]
+    pairs = [_Pair("a"), _Pair("b"), _Pair("a")]
+    assert real_zfree_nll(nll) == pytest.approx((1 + 3 + 2 + 0.5 + 0.5 + 2) / 6)
+    # pooled over tokens, not a mean of the responses' means (which would be (2 + 1) / 2)
+    assert real_zfree_nll(nll, pairs, ["a"]) == pytest.approx((1 + 3 + 0.5 + 0.5 + 2) / 5)
+    assert real_zfree_nll(nll, pairs, ["b", "c"]) == pytest.approx(2.0)
 
 
 def test_recovery_accuracy_and_nearest_target():
@@ -166,6 +181,15 @@ def test_trained_discrete_codes_are_recovered_and_read_as_their_labels(discrete)
     # four fixed phrases, one per code: every prompt's four generations differ
     assert report["distinct_2_per_prompt"] == 1.0 and 0 < report["distinct_1"] < 1
     assert report["zfree_nll_per_token"] > 0 and report["real_zfree_nll_per_token"] > 0
+    # the real responses of the four prompts generated for, pooled over their tokens, by hand from the cache
+    _, _, _, examples, cache, pairs = discrete
+    chosen = choose_prompts([p.prompt for p in pairs], 4, 0)
+    same = [i for i, p in enumerate(pairs) if p.prompt in chosen]
+    assert 0 < len(same) < len(pairs)
+    by_hand = sum(float(cache.response_nll[i].double().sum()) for i in same) / sum(
+        len(examples[i].response_ids) for i in same
+    )
+    assert report["real_zfree_nll_per_token_same_prompts"] == pytest.approx(by_hand, rel=1e-9)
     assert len(report["examples"]) == 2 * NUM_FACTORS and all(e["recovered"] for e in report["examples"])
     assert controllability(*discrete, **OPTIONS) == report  # deterministic
     json.dumps(report, allow_nan=False)

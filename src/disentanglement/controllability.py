@@ -147,6 +147,21 @@ def choose_prompts(prompts: Sequence[str], count: int, seed: int = 0) -> list[st
     return [p for i, p in enumerate(unique) if i in chosen]
 
 
+def real_zfree_nll(
+    response_nll: Sequence[torch.Tensor], pairs: Sequence[Any] | None = None, prompts: Sequence[str] | None = None
+) -> float:
+    """The z-free NLL per token of the real responses (``response_nll``: each example's per-token NLL), pooled over
+    their tokens; with ``pairs`` and ``prompts``, of the responses whose pair's prompt is one of ``prompts`` only
+    (the real responses of the prompts generated for: the generations' like-for-like comparison, where the
+    evaluated data's prompts ask for responses of other lengths and kinds than the chosen ones)."""
+    chosen = range(len(response_nll))
+    if prompts is not None:
+        wanted = set(prompts)
+        chosen = [i for i, pair in enumerate(pairs) if pair.prompt in wanted]
+    tokens = sum(len(response_nll[i]) for i in chosen)
+    return float(sum(response_nll[i].double().sum() for i in chosen) / tokens)
+
+
 #: A detector is used only when it reads at least this share of the real responses' factor values back.
 DETECTOR_MIN_REAL_ACCURACY = 0.9
 
@@ -463,8 +478,8 @@ def controllability(
     report["truncated_share"] = float(np.mean([not e for e in ended]))
     tokens = encoded["tokens"].double()
     report["zfree_nll_per_token"] = float(encoded["nll"].sum() / tokens.sum())
-    real_tokens = sum(len(n) for n in cache.response_nll)
-    report["real_zfree_nll_per_token"] = float(sum(n.double().sum() for n in cache.response_nll) / real_tokens)
+    report["real_zfree_nll_per_token"] = real_zfree_nll(cache.response_nll)
+    report["real_zfree_nll_per_token_same_prompts"] = real_zfree_nll(cache.response_nll, pairs, prompts)
     report["examples"] = _shown_examples(space, targets, prompts, texts, recovered)
     return report
 
@@ -615,9 +630,15 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                 f"{decoder['generations_scored']} generations"
             )
     if report.get("real_zfree_nll_per_token"):
+        same = report.get("real_zfree_nll_per_token_same_prompts")
         lines.append(
             f"  z-free NLL of the generations / of the real responses: "
             f"{report['zfree_nll_per_token'] / report['real_zfree_nll_per_token']:.3f}"
+            + (
+                ""
+                if not same
+                else f" (/ the real responses of the same prompts: {report['zfree_nll_per_token'] / same:.3f})"
+            )
         )
     return lines
 
