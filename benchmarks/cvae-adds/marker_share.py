@@ -13,8 +13,8 @@ conditioned_nll`` (what the posterior code saves over the prior mixture, the qua
 A latent that carries the style gains on the marker and the end; one that carries something else gains on the
 content. Last, per style, the probability the decoder gives the end-of-sequence token where the response ends, under
 the posterior code (:func:`end_probability`; mean, median and least): a decoder that has learnt where a response
-with a suffix marker ends gives it nearly 1 (section 42). Responses cut off before their end (no end-of-sequence token: a long ``chatterbot-style`` response under
-``max_response_tokens``) are left out and counted.
+with a suffix marker ends gives it nearly 1 (section 42). Responses cut off before their end (no end-of-sequence
+token: a long ``chatterbot-style`` response under ``max_response_tokens``) are left out and counted.
 """
 
 from __future__ import annotations
