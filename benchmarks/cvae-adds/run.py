@@ -178,7 +178,7 @@ RECIPES = {
     "centered-lora-240-between-random-k8-r48": [*CENTERED_LORA, "--max-steps", "240", *BETWEEN_RANDOM,
                                                 "--codebook-size", "8", "--max-response-tokens", "48"],  # fmt: skip
     # that trained twice as long (section 42): on its own generations the decoder under a `signoff` code gave the
-    # end-of-turn token 0.4-0.55 after the marker (0.81 in the mean on real training responses), and ran on
+    # end-of-turn token 0.4-0.55 after the marker (0.81 in the mean on real responses), and ran on
     "centered-lora-480-between-random-k8-r48": [*CENTERED_LORA, "--max-steps", "480", *BETWEEN_RANDOM,
                                                 "--codebook-size", "8", "--max-response-tokens", "48"],  # fmt: skip
     # that with five codes (section 39): one spare code for style-in-content's four styles, where eight split each
