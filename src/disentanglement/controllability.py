@@ -630,16 +630,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                 f"{decoder['generations_scored']} generations"
             )
     if report.get("real_zfree_nll_per_token"):
-        same = report.get("real_zfree_nll_per_token_same_prompts")
-        lines.append(
+        line = (
             f"  z-free NLL of the generations / of the real responses: "
             f"{report['zfree_nll_per_token'] / report['real_zfree_nll_per_token']:.3f}"
-            + (
-                ""
-                if not same
-                else f" (/ the real responses of the same prompts: {report['zfree_nll_per_token'] / same:.3f})"
-            )
         )
+        same = report.get("real_zfree_nll_per_token_same_prompts")
+        if same:
+            line += f" (/ the real responses of the same prompts: {report['zfree_nll_per_token'] / same:.3f})"
+        lines.append(line)
     return lines
 
 
