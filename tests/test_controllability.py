@@ -25,6 +25,7 @@ from disentanglement.controllability import (
     generated_examples,
     held_out_accuracy,
     nearest_target,
+    nll_ratio_interval,
     real_zfree_nll,
     recovery_accuracy,
     reencode,
@@ -86,6 +87,57 @@ def test_real_zfree_nll_pools_tokens_and_keeps_the_chosen_prompts_responses():
     # pooled over tokens, not a mean of the responses' means (which would be (2 + 1) / 2)
     assert real_zfree_nll(nll, pairs, ["a"]) == pytest.approx((1 + 3 + 0.5 + 0.5 + 2) / 5)
     assert real_zfree_nll(nll, pairs, ["b", "c"]) == pytest.approx(2.0)
+
+
+def _loop_interval(generated, real, resamples, confidence, seed):
+    """nll_ratio_interval written out: the same draws of the same generator, summed one by one."""
+    rng = np.random.default_rng(seed)
+    prompts = max(generated[2]) + 1
+    ratios = []
+    draws = rng.multinomial(prompts, [1 / prompts] * prompts, size=resamples)
+    if real[2] is None:
+        real_draws = rng.multinomial(len(real[0]), [1 / len(real[0])] * len(real[0]), size=resamples)
+    for b in range(resamples):
+        sums = {"g": 0.0, "gt": 0.0, "r": 0.0, "rt": 0.0}
+        for nll, tokens, p in zip(*generated, strict=True):
+            sums["g"] += draws[b][p] * nll
+            sums["gt"] += draws[b][p] * tokens
+        for i, (nll, tokens) in enumerate(zip(real[0], real[1], strict=True)):
+            times = real_draws[b][i] if real[2] is None else draws[b][real[2][i]]
+            sums["r"] += times * nll
+            sums["rt"] += times * tokens
+        ratios.append(sums["g"] / sums["gt"] / (sums["r"] / sums["rt"]))
+    tail = (1 - confidence) / 2 * 100
+    return [float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail))]
+
+
+def test_nll_ratio_interval_by_hand_and_against_a_loop():
+    # two prompts of ten tokens each, the real responses 4 nats a token on both: a resample draws prompt 0 twice
+    # (ratio 0.9, a chance of 1/4), both (1.1) or prompt 1 twice (1.3): the 95 % interval spans 0.9 to 1.3
+    generated = ([36.0, 52.0], [10, 10], [0, 1])
+    real = ([40.0, 40.0], [10, 10], [0, 1])
+    assert nll_ratio_interval(generated, real, resamples=4000) == pytest.approx([0.9, 1.3])
+    # the middle 40 % holds only the draws of one of each
+    assert nll_ratio_interval(generated, real, resamples=4000, confidence=0.4) == pytest.approx([1.1, 1.1])
+    # one prompt: every resample is the ratio itself
+    assert nll_ratio_interval(([30.0], [10], [0]), ([20.0], [8], [0])) == pytest.approx([1.2, 1.2])
+    # real responses of equal NLL per token resampled on their own: the generations' spread alone
+    assert nll_ratio_interval(generated, ([40.0, 8.0, 20.0], [10, 2, 5], None), resamples=4000) == pytest.approx(
+        [0.9, 1.3]
+    )
+    # uneven prompts, generations and real responses, both ways of drawing the real ones, against the loop
+    rng = np.random.default_rng(3)
+    generated = (list(rng.uniform(5, 60, 12)), list(rng.integers(2, 20, 12)), [0, 0, 1, 2, 2, 2, 3, 4, 4, 5, 5, 5])
+    for real in (
+        (list(rng.uniform(5, 60, 9)), list(rng.integers(2, 20, 9)), [0, 1, 1, 2, 3, 3, 4, 5, 5]),
+        (list(rng.uniform(5, 60, 30)), list(rng.integers(2, 20, 30)), None),
+    ):
+        got = nll_ratio_interval(generated, real, resamples=300, confidence=0.9, seed=7)
+        assert got == pytest.approx(_loop_interval(generated, real, 300, 0.9, 7), rel=1e-12)
+    with pytest.raises(ValueError, match="resamples"):
+        nll_ratio_interval(generated, real, resamples=0)
+    with pytest.raises(ValueError, match="one NLL, token count"):
+        nll_ratio_interval(generated, (real[0][:-1], real[1], None))
 
 
 def test_recovery_accuracy_and_nearest_target():
@@ -190,6 +242,13 @@ def test_trained_discrete_codes_are_recovered_and_read_as_their_labels(discrete)
         len(examples[i].response_ids) for i in same
     )
     assert report["real_zfree_nll_per_token_same_prompts"] == pytest.approx(by_hand, rel=1e-9)
+    # each ratio's bootstrap interval over the four prompts holds the ratio itself
+    for key, real in (("", "real_zfree_nll_per_token"), ("_same_prompts", "real_zfree_nll_per_token_same_prompts")):
+        low, high = report["zfree_nll_ratio_interval" + key]
+        assert low <= report["zfree_nll_per_token"] / report[real] <= high and low < high
+    ratio_line = next(line for line in summary_lines(report) if "z-free NLL of the generations /" in line)
+    low, high = report["zfree_nll_ratio_interval_same_prompts"]
+    assert ratio_line.endswith(f"same prompts: {report['zfree_nll_per_token'] / by_hand:.3f} [{low:.2f}, {high:.2f}])")
     assert len(report["examples"]) == 2 * NUM_FACTORS and all(e["recovered"] for e in report["examples"])
     assert controllability(*discrete, **OPTIONS) == report  # deterministic
     json.dumps(report, allow_nan=False)

@@ -250,6 +250,8 @@ def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
     assert cells(table.row(report(tmp_path, None)))[4:] == ["-", "-"]
     looping = {"factor_accuracy": detected, "labels": {}, "looping_share": 0.125, **fluency}
     assert cells(table.row(report(tmp_path, looping)))[5] == "0.90 (looping 0.12)"
+    bounded = {**looping, "zfree_nll_ratio_interval": [0.8123, 1.0456]}
+    assert cells(table.row(report(tmp_path, bounded)))[5] == "0.90 [0.81, 1.05] (looping 0.12)"
     guided = {"factor_accuracy": detected, "guidance": {"scale": 2.0, "plausibility": 0.1}, **fluency}
     assert cells(table.row(report(tmp_path, guided)))[0] == "set-recipe/seed-0 @120, guided 2"
     sampled = {**guided, "temperature": 1.0}

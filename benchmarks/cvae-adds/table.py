@@ -105,6 +105,9 @@ def row(path: Path) -> str:
             )
         cells.append(text or "-")
         ratio = f"{control['zfree_nll_per_token'] / control['real_zfree_nll_per_token']:.2f}"
+        interval = control.get("zfree_nll_ratio_interval")  # reports written before eval gave it have none
+        if interval is not None:
+            ratio += f" [{interval[0]:.2f}, {interval[1]:.2f}]"
         looping = control.get("looping_share")  # reports written before eval measured it have none
         cells.append(ratio if looping is None else f"{ratio} (looping {looping:.2f})")
     else:

@@ -46,7 +46,11 @@ end-of-sequence token alone), and measure:
   prompt's generations; ``looping_share``, the share of generations that repeat a run of at most four words
   three times back to back (``metrics.loops``: a loop, which a low z-free NLL can hide).
 - **fluency**: the z-free reference's NLL of the generations, nats per response token (the
-  end-of-sequence token included, as in training), beside the same for the real responses.
+  end-of-sequence token included, as in training), beside the same for all the real responses and for those of
+  the prompts generated for (``real_zfree_nll_per_token_same_prompts``); each ratio's 95 % percentile bootstrap
+  interval, the generations resampled by prompt (``zfree_nll_ratio_interval`` and
+  ``..._same_prompts``, :func:`nll_ratio_interval`): with a few prompts a ratio moves by tenths from one prompt
+  set to the next.
 
 Deterministic given ``seed`` (greedy decoding by default, or sampling under the seed; the prior draws and the
 split are seeded); the caller's random state and the model's mode are kept.
@@ -160,6 +164,57 @@ def real_zfree_nll(
         chosen = [i for i, pair in enumerate(pairs) if pair.prompt in wanted]
     tokens = sum(len(response_nll[i]) for i in chosen)
     return float(sum(response_nll[i].double().sum() for i in chosen) / tokens)
+
+
+def nll_ratio_interval(
+    generated: tuple[Sequence[float], Sequence[float], Sequence[int]],
+    real: tuple[Sequence[float], Sequence[float], Sequence[int] | None],
+    *,
+    resamples: int = 2000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> list[float]:
+    """A percentile bootstrap interval of the generations' pooled z-free NLL per token over the real responses'.
+
+    ``generated`` is ``(nll_sums, token_counts, prompt_index)`` per generation, ``real`` the same per real
+    response. The generations are resampled by prompt (every generation of a drawn prompt comes in together: a
+    prompt's generations share its difficulty, so they are not independent draws). With the real responses'
+    prompt indices (the same-prompt ratio) each resample's real responses are those of the same drawn prompts
+    (a paired draw); with ``None`` (the ratio to the whole data's real responses) the real responses are
+    resampled one by one on their own. Returns ``[low, high]``; with one prompt and one real response, both equal
+    the ratio itself. Example::
+
+        nll_ratio_interval(([40.0, 50.0], [10, 10], [0, 1]), ([45.0, 45.0], [10, 10], [0, 1]))
+    """
+    if resamples < 1 or not 0 < confidence < 1:
+        raise ValueError(f"need resamples >= 1 and 0 < confidence < 1, got {resamples} and {confidence}")
+    rng = np.random.default_rng(seed)
+    gen_nll, gen_tokens, gen_prompt = (np.asarray(v) for v in generated)
+    real_nll, real_tokens, real_prompt = np.asarray(real[0]), np.asarray(real[1]), real[2]
+    lengths = {len(gen_nll), len(gen_tokens), len(gen_prompt)}, {len(real_nll), len(real_tokens)}
+    if real_prompt is not None:
+        lengths[1].add(len(real_prompt))
+    if len(lengths[0]) != 1 or len(lengths[1]) != 1 or not len(gen_nll) or not len(real_nll):
+        raise ValueError(f"need one NLL, token count (and prompt) per generation and per real response: {lengths}")
+    prompts = int(gen_prompt.max()) + 1
+    per_prompt = np.stack(
+        [np.bincount(gen_prompt, weights=v, minlength=prompts) for v in (gen_nll, gen_tokens)]
+    )  # [2, P]
+    draws = rng.multinomial(prompts, np.full(prompts, 1.0 / prompts), size=resamples)  # [B, P] counts
+    gen_ratio = (draws @ per_prompt[0]) / (draws @ per_prompt[1])
+    if real_prompt is not None:
+        real_prompt = np.asarray(real_prompt)
+        real_per_prompt = np.stack(
+            [np.bincount(real_prompt, weights=v, minlength=prompts) for v in (real_nll, real_tokens)]
+        )
+        real_ratio = (draws @ real_per_prompt[0]) / (draws @ real_per_prompt[1])
+    else:
+        n = len(real_nll)
+        real_draws = rng.multinomial(n, np.full(n, 1.0 / n), size=resamples)
+        real_ratio = (real_draws @ real_nll) / (real_draws @ real_tokens)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(gen_ratio / real_ratio, [tail, 100 - tail])
+    return [float(low), float(high)]
 
 
 #: A detector is used only when it reads at least this share of the real responses' factor values back.
@@ -379,7 +434,8 @@ def controllability(
     ``evaluation.evaluate``), ``pairs`` their raw pairs (same order; the prompts' texts). Returns a JSON-able
     dict: ``prompts``, ``generations``, ``decoding``, ``code_recovery_accuracy`` and ``per_slot`` (discrete) or
     ``latent_recovery_accuracy`` and ``attributes`` (continuous), ``recovery_chance``, ``labels`` (per factor,
-    when every example is labelled), distinct-n, ``zfree_nll_per_token`` and ``real_zfree_nll_per_token``,
+    when every example is labelled), distinct-n, ``zfree_nll_per_token``, ``real_zfree_nll_per_token`` (and
+    ``..._same_prompts``) and the ratios' intervals,
     and ``examples`` (the first prompts' generations); with labelled data and a ``detector`` (default: the
     synthetic set's, :func:`synthetic_detector`, when the examples' sources name one) also ``factor_accuracy``
     (``{"detector": NAME, "factors": {factor: ...}}``, :func:`factor_accuracy`), and with ``decoder_codes``
@@ -480,6 +536,17 @@ def controllability(
     report["zfree_nll_per_token"] = float(encoded["nll"].sum() / tokens.sum())
     report["real_zfree_nll_per_token"] = real_zfree_nll(cache.response_nll)
     report["real_zfree_nll_per_token_same_prompts"] = real_zfree_nll(cache.response_nll, pairs, prompts)
+    generated = (encoded["nll"].numpy(), tokens.numpy(), [t["prompt"] for t in targets])
+    real_nll = [float(nll.double().sum()) for nll in cache.response_nll]
+    real_tokens = [len(nll) for nll in cache.response_nll]
+    index = {p: i for i, p in enumerate(prompts)}
+    same = [i for i, pair in enumerate(pairs) if pair.prompt in index]
+    report["zfree_nll_ratio_interval"] = nll_ratio_interval(generated, (real_nll, real_tokens, None), seed=seed)
+    report["zfree_nll_ratio_interval_same_prompts"] = nll_ratio_interval(
+        generated,
+        ([real_nll[i] for i in same], [real_tokens[i] for i in same], [index[pairs[i].prompt] for i in same]),
+        seed=seed,
+    )
     report["examples"] = _shown_examples(space, targets, prompts, texts, recovered)
     return report
 
@@ -633,10 +700,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         line = (
             f"  z-free NLL of the generations / of the real responses: "
             f"{report['zfree_nll_per_token'] / report['real_zfree_nll_per_token']:.3f}"
+            f"{_ratio_interval(report, 'zfree_nll_ratio_interval')}"
         )
         same = report.get("real_zfree_nll_per_token_same_prompts")
         if same:
-            line += f" (/ the real responses of the same prompts: {report['zfree_nll_per_token'] / same:.3f})"
+            line += (
+                f" (/ the real responses of the same prompts: {report['zfree_nll_per_token'] / same:.3f}"
+                f"{_ratio_interval(report, 'zfree_nll_ratio_interval_same_prompts')})"
+            )
         lines.append(line)
     return lines
 
@@ -649,6 +720,12 @@ def _looping(report: dict[str, Any]) -> str:
 def _interval(entry: dict[str, Any]) -> str:
     """`` [0.85, 0.98]``, the accuracy's 95 % interval (reports written before the field have none)."""
     interval = entry.get("accuracy_interval")
+    return "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
+
+
+def _ratio_interval(report: dict[str, Any], key: str) -> str:
+    """`` [0.91, 1.12]``, an NLL ratio's 95 % bootstrap interval over prompts (older reports have none)."""
+    interval = report.get(key)
     return "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
 
 
