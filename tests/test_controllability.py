@@ -89,55 +89,97 @@ def test_real_zfree_nll_pools_tokens_and_keeps_the_chosen_prompts_responses():
     assert real_zfree_nll(nll, pairs, ["b", "c"]) == pytest.approx(2.0)
 
 
-def _loop_interval(generated, real, resamples, confidence, seed):
+def _loop_interval(generated, real, paired, resamples, confidence, seed):
     """nll_ratio_interval written out: the same draws of the same generator, summed one by one."""
     rng = np.random.default_rng(seed)
-    prompts = max(generated[2]) + 1
+    prompts, own = max(generated[2]) + 1, max(real[2]) + 1
     ratios = []
     draws = rng.multinomial(prompts, [1 / prompts] * prompts, size=resamples)
-    if real[2] is None:
-        real_draws = rng.multinomial(len(real[0]), [1 / len(real[0])] * len(real[0]), size=resamples)
+    real_draws = draws if paired else rng.multinomial(own, [1 / own] * own, size=resamples)
     for b in range(resamples):
         sums = {"g": 0.0, "gt": 0.0, "r": 0.0, "rt": 0.0}
         for nll, tokens, p in zip(*generated, strict=True):
             sums["g"] += draws[b][p] * nll
             sums["gt"] += draws[b][p] * tokens
-        for i, (nll, tokens) in enumerate(zip(real[0], real[1], strict=True)):
-            times = real_draws[b][i] if real[2] is None else draws[b][real[2][i]]
-            sums["r"] += times * nll
-            sums["rt"] += times * tokens
+        for nll, tokens, p in zip(*real, strict=True):
+            sums["r"] += real_draws[b][p] * nll
+            sums["rt"] += real_draws[b][p] * tokens
         ratios.append(sums["g"] / sums["gt"] / (sums["r"] / sums["rt"]))
     tail = (1 - confidence) / 2 * 100
     return [float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail))]
 
 
-def test_nll_ratio_interval_by_hand_and_against_a_loop():
+def _exact_quantiles(generated, real, paired, quantiles):
+    """The ratio's bootstrap distribution by enumeration (every ordered draw of the prompts, equally likely):
+    the atom at each quantile, with how far the quantile is from the nearest jump of the distribution."""
+    from itertools import product
+
+    def sums(rows, draw):
+        counts = np.bincount(draw, minlength=max(rows[2]) + 1)
+        return sum(counts[p] * n for n, _, p in zip(*rows, strict=True)), sum(
+            counts[p] * t for _, t, p in zip(*rows, strict=True)
+        )
+
+    prompts, own = max(generated[2]) + 1, max(real[2]) + 1
+    atoms = []
+    for draw in product(range(prompts), repeat=prompts):
+        real_choices = [draw] if paired else list(product(range(own), repeat=own))
+        for real_draw in real_choices:
+            (g, gt), (r, rt) = sums(generated, draw), sums(real, real_draw)
+            atoms.append(round(g / gt / (r / rt), 12))
+    values, counts = np.unique(atoms, return_counts=True)
+    cdf = np.cumsum(counts) / len(atoms)
+    found = []
+    for q in quantiles:
+        at = int(np.searchsorted(cdf, q))
+        found.append((float(values[at]), float(np.min(np.abs(cdf - q)))))
+    return found
+
+
+def test_nll_ratio_interval_by_hand_against_enumeration_and_a_loop():
     # two prompts of ten tokens each, the real responses 4 nats a token on both: a resample draws prompt 0 twice
     # (ratio 0.9, a chance of 1/4), both (1.1) or prompt 1 twice (1.3): the 95 % interval spans 0.9 to 1.3
     generated = ([36.0, 52.0], [10, 10], [0, 1])
     real = ([40.0, 40.0], [10, 10], [0, 1])
-    assert nll_ratio_interval(generated, real, resamples=4000) == pytest.approx([0.9, 1.3])
+    assert nll_ratio_interval(generated, real, paired=True, resamples=4000) == pytest.approx([0.9, 1.3])
     # the middle 40 % holds only the draws of one of each
-    assert nll_ratio_interval(generated, real, resamples=4000, confidence=0.4) == pytest.approx([1.1, 1.1])
-    # one prompt: every resample is the ratio itself
-    assert nll_ratio_interval(([30.0], [10], [0]), ([20.0], [8], [0])) == pytest.approx([1.2, 1.2])
-    # real responses of equal NLL per token resampled on their own: the generations' spread alone
-    assert nll_ratio_interval(generated, ([40.0, 8.0, 20.0], [10, 2, 5], None), resamples=4000) == pytest.approx(
-        [0.9, 1.3]
-    )
-    # uneven prompts, generations and real responses, both ways of drawing the real ones, against the loop
+    middle = nll_ratio_interval(generated, real, paired=True, resamples=4000, confidence=0.4)
+    assert middle == pytest.approx([1.1, 1.1])
+    # one prompt on each side: every resample is the ratio itself
+    assert nll_ratio_interval(([30.0], [10], [0]), ([20.0], [8], [0]), paired=True) == pytest.approx([1.2, 1.2])
+    # real responses of equal NLL per token drawn on their own: the generations' spread alone
+    spread = nll_ratio_interval(generated, ([40.0, 8.0, 20.0], [10, 2, 5], [0, 1, 1]), paired=False, resamples=4000)
+    assert spread == pytest.approx([0.9, 1.3])
+    # uneven prompts: the 20 % and 80 % points of 20,000 resamples are the atoms enumeration gives there (each
+    # checked 0.02 or more from a jump of the distribution, eight standard errors of the resampled share)
+    generated = ([30.0, 12.0, 50.0, 9.0], [10, 3, 12, 4], [0, 0, 1, 2])
+    for paired, real in (
+        (True, ([20.0, 33.0, 8.0], [6, 9, 2], [0, 1, 2])),
+        (False, ([20.0, 40.0, 5.0], [5, 9, 2], [0, 1, 1])),
+    ):
+        exact = _exact_quantiles(generated, real, paired, [0.2, 0.8])
+        assert all(margin > 0.02 for _, margin in exact)
+        got = nll_ratio_interval(generated, real, paired=paired, resamples=20000, confidence=0.6, seed=1)
+        assert got == pytest.approx([atom for atom, _ in exact], rel=1e-9)
+    # many uneven prompts, both ways of drawing the real responses: the vectorised sums against a loop
     rng = np.random.default_rng(3)
     generated = (list(rng.uniform(5, 60, 12)), list(rng.integers(2, 20, 12)), [0, 0, 1, 2, 2, 2, 3, 4, 4, 5, 5, 5])
-    for real in (
-        (list(rng.uniform(5, 60, 9)), list(rng.integers(2, 20, 9)), [0, 1, 1, 2, 3, 3, 4, 5, 5]),
-        (list(rng.uniform(5, 60, 30)), list(rng.integers(2, 20, 30)), None),
+    for paired, real in (
+        (True, (list(rng.uniform(5, 60, 9)), list(rng.integers(2, 20, 9)), [0, 1, 1, 2, 3, 3, 4, 5, 5])),
+        (False, (list(rng.uniform(5, 60, 30)), list(rng.integers(2, 20, 30)), [*range(11), *rng.integers(0, 11, 19)])),
     ):
-        got = nll_ratio_interval(generated, real, resamples=300, confidence=0.9, seed=7)
-        assert got == pytest.approx(_loop_interval(generated, real, 300, 0.9, 7), rel=1e-12)
+        got = nll_ratio_interval(generated, real, paired=paired, resamples=300, confidence=0.9, seed=7)
+        assert got == pytest.approx(_loop_interval(generated, real, paired, 300, 0.9, 7), rel=1e-12)
     with pytest.raises(ValueError, match="resamples"):
-        nll_ratio_interval(generated, real, resamples=0)
-    with pytest.raises(ValueError, match="one NLL, token count"):
-        nll_ratio_interval(generated, (real[0][:-1], real[1], None))
+        nll_ratio_interval(generated, real, paired=False, resamples=0)
+    with pytest.raises(ValueError, match="one NLL, token count and prompt per real response"):
+        nll_ratio_interval(generated, (real[0][:-1], real[1], real[2]), paired=False)
+    with pytest.raises(ValueError, match="prompt 1 of 0-2 has no generation tokens"):
+        nll_ratio_interval(([1.0, 2.0], [1, 1], [0, 2]), ([1.0], [1], [0]), paired=False)
+    with pytest.raises(ValueError, match="the real responses answer 1 prompts, the generations 2"):
+        nll_ratio_interval(([1.0, 2.0], [1, 1], [0, 1]), ([1.0], [1], [0]), paired=True)
+    with pytest.raises(ValueError, match="answer 3 prompts"):
+        nll_ratio_interval(([1.0, 2.0], [1, 1], [0, 1]), ([1.0, 1.0, 1.0], [1, 1, 1], [0, 1, 2]), paired=True)
 
 
 def test_recovery_accuracy_and_nearest_target():
@@ -242,10 +284,12 @@ def test_trained_discrete_codes_are_recovered_and_read_as_their_labels(discrete)
         len(examples[i].response_ids) for i in same
     )
     assert report["real_zfree_nll_per_token_same_prompts"] == pytest.approx(by_hand, rel=1e-9)
-    # each ratio's bootstrap interval over the four prompts holds the ratio itself
+    # each ratio, and its bootstrap interval over the four prompts, here about it (a percentile interval need not be)
     for key, real in (("", "real_zfree_nll_per_token"), ("_same_prompts", "real_zfree_nll_per_token_same_prompts")):
+        ratio = report["zfree_nll_ratio" + key]
+        assert ratio == report["zfree_nll_per_token"] / report[real]
         low, high = report["zfree_nll_ratio_interval" + key]
-        assert low <= report["zfree_nll_per_token"] / report[real] <= high and low < high
+        assert low <= ratio <= high and low < high
     ratio_line = next(line for line in summary_lines(report) if "z-free NLL of the generations /" in line)
     low, high = report["zfree_nll_ratio_interval_same_prompts"]
     assert ratio_line.endswith(f"same prompts: {report['zfree_nll_per_token'] / by_hand:.3f} [{low:.2f}, {high:.2f}])")

@@ -47,10 +47,11 @@ end-of-sequence token alone), and measure:
   three times back to back (``metrics.loops``: a loop, which a low z-free NLL can hide).
 - **fluency**: the z-free reference's NLL of the generations, nats per response token (the
   end-of-sequence token included, as in training), beside the same for all the real responses and for those of
-  the prompts generated for (``real_zfree_nll_per_token_same_prompts``); each ratio's 95 % percentile bootstrap
-  interval, the generations resampled by prompt (``zfree_nll_ratio_interval`` and
-  ``..._same_prompts``, :func:`nll_ratio_interval`): with a few prompts a ratio moves by tenths from one prompt
-  set to the next.
+  the prompts generated for (``real_zfree_nll_per_token_same_prompts``); the two ratios (``zfree_nll_ratio``,
+  ``..._same_prompts``) and each one's 95 % percentile bootstrap interval, the generations resampled by prompt
+  and, against the same prompts, their real responses with them, against the whole data its real responses by
+  their own prompts (``zfree_nll_ratio_interval``, ``..._same_prompts``, :func:`nll_ratio_interval`): with a few
+  prompts a ratio moves by tenths from one prompt set to the next.
 
 Deterministic given ``seed`` (greedy decoding by default, or sampling under the seed; the prior draws and the
 split are seeded); the caller's random state and the model's mode are kept.
@@ -168,53 +169,58 @@ def real_zfree_nll(
 
 def nll_ratio_interval(
     generated: tuple[Sequence[float], Sequence[float], Sequence[int]],
-    real: tuple[Sequence[float], Sequence[float], Sequence[int] | None],
+    real: tuple[Sequence[float], Sequence[float], Sequence[int]],
     *,
+    paired: bool,
     resamples: int = 2000,
     confidence: float = 0.95,
     seed: int = 0,
 ) -> list[float]:
     """A percentile bootstrap interval of the generations' pooled z-free NLL per token over the real responses'.
 
-    ``generated`` is ``(nll_sums, token_counts, prompt_index)`` per generation, ``real`` the same per real
-    response. The generations are resampled by prompt (every generation of a drawn prompt comes in together: a
-    prompt's generations share its difficulty, so they are not independent draws). With the real responses'
-    prompt indices (the same-prompt ratio) each resample's real responses are those of the same drawn prompts
-    (a paired draw); with ``None`` (the ratio to the whole data's real responses) the real responses are
-    resampled one by one on their own. Returns ``[low, high]``; with one prompt and one real response, both equal
-    the ratio itself. Example::
+    ``generated`` is ``(nll_sums, token_counts, prompt)`` per generation, the prompts numbered ``0 .. P-1``, each
+    with a generation at least; ``real`` the same per real response. The generations are resampled by prompt
+    (every generation of a drawn prompt comes in together: a prompt's generations share its difficulty, so they
+    are not independent draws). ``paired`` (the ratio to the real responses of the same prompts): ``real``'s
+    third field is the generations' prompt each response answers, every prompt answered, and each resample's real
+    responses are those of its drawn prompts. Not paired (the ratio to the whole data's real responses): it
+    numbers the real responses' own prompts ``0 .. Q-1``, drawn by prompt on their own. Returns ``[low, high]``;
+    with one prompt on each side, both equal the ratio itself. Example::
 
-        nll_ratio_interval(([40.0, 50.0], [10, 10], [0, 1]), ([45.0, 45.0], [10, 10], [0, 1]))
+        nll_ratio_interval(([40.0, 50.0], [10, 10], [0, 1]), ([45.0, 45.0], [10, 10], [0, 1]), paired=True)
     """
     if resamples < 1 or not 0 < confidence < 1:
         raise ValueError(f"need resamples >= 1 and 0 < confidence < 1, got {resamples} and {confidence}")
+    gen, truth = _prompt_sums(generated, "generation"), _prompt_sums(real, "real response")  # [P, 2], [Q, 2]
+    if paired and len(truth) != len(gen):
+        raise ValueError(f"paired: the real responses answer {len(truth)} prompts, the generations {len(gen)}")
     rng = np.random.default_rng(seed)
-    gen_nll, gen_tokens, gen_prompt = (np.asarray(v) for v in generated)
-    real_nll, real_tokens, real_prompt = np.asarray(real[0]), np.asarray(real[1]), real[2]
-    lengths = {len(gen_nll), len(gen_tokens), len(gen_prompt)}, {len(real_nll), len(real_tokens)}
-    if real_prompt is not None:
-        lengths[1].add(len(real_prompt))
-    if len(lengths[0]) != 1 or len(lengths[1]) != 1 or not len(gen_nll) or not len(real_nll):
-        raise ValueError(f"need one NLL, token count (and prompt) per generation and per real response: {lengths}")
-    prompts = int(gen_prompt.max()) + 1
-    per_prompt = np.stack(
-        [np.bincount(gen_prompt, weights=v, minlength=prompts) for v in (gen_nll, gen_tokens)]
-    )  # [2, P]
-    draws = rng.multinomial(prompts, np.full(prompts, 1.0 / prompts), size=resamples)  # [B, P] counts
-    gen_ratio = (draws @ per_prompt[0]) / (draws @ per_prompt[1])
-    if real_prompt is not None:
-        real_prompt = np.asarray(real_prompt)
-        real_per_prompt = np.stack(
-            [np.bincount(real_prompt, weights=v, minlength=prompts) for v in (real_nll, real_tokens)]
-        )
-        real_ratio = (draws @ real_per_prompt[0]) / (draws @ real_per_prompt[1])
-    else:
-        n = len(real_nll)
-        real_draws = rng.multinomial(n, np.full(n, 1.0 / n), size=resamples)
-        real_ratio = (real_draws @ real_nll) / (real_draws @ real_tokens)
+    ratios = []
+    chunk = max(1, 4_000_000 // max(len(gen), len(truth)))  # draws of at most 4M counts at a time
+    for done in range(0, resamples, chunk):
+        size = min(chunk, resamples - done)
+        draws = rng.multinomial(len(gen), np.full(len(gen), 1.0 / len(gen)), size=size)  # [b, P] counts
+        real_draws = draws if paired else rng.multinomial(len(truth), np.full(len(truth), 1.0 / len(truth)), size)
+        g, r = draws @ gen, real_draws @ truth  # [b, 2]: NLL and tokens of each resample
+        ratios.append(g[:, 0] / g[:, 1] / (r[:, 0] / r[:, 1]))
     tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(gen_ratio / real_ratio, [tail, 100 - tail])
+    low, high = np.percentile(np.concatenate(ratios), [tail, 100 - tail])
     return [float(low), float(high)]
+
+
+def _prompt_sums(rows: tuple[Sequence[float], Sequence[float], Sequence[int]], what: str) -> np.ndarray:
+    """``[P, 2]``: the NLL and token sums of each prompt ``0 .. P-1`` of ``(nll_sums, token_counts, prompt)``."""
+    nll, tokens, prompt = (np.asarray(v) for v in rows)
+    if not len(nll) or not len(nll) == len(tokens) == len(prompt):
+        raise ValueError(f"need one NLL, token count and prompt per {what}: {len(nll)}, {len(tokens)}, {len(prompt)}")
+    if prompt.dtype.kind not in "iu" or prompt.min() < 0:
+        raise ValueError(f"each {what}'s prompt must be an index >= 0")
+    count = int(prompt.max()) + 1
+    sums = np.stack([np.bincount(prompt, weights=v, minlength=count) for v in (nll, tokens)], axis=1)
+    empty = np.flatnonzero(sums[:, 1] <= 0)
+    if len(empty):
+        raise ValueError(f"prompt {int(empty[0])} of 0-{count - 1} has no {what} tokens")
+    return sums
 
 
 #: A detector is used only when it reads at least this share of the real responses' factor values back.
@@ -435,7 +441,7 @@ def controllability(
     dict: ``prompts``, ``generations``, ``decoding``, ``code_recovery_accuracy`` and ``per_slot`` (discrete) or
     ``latent_recovery_accuracy`` and ``attributes`` (continuous), ``recovery_chance``, ``labels`` (per factor,
     when every example is labelled), distinct-n, ``zfree_nll_per_token``, ``real_zfree_nll_per_token`` (and
-    ``..._same_prompts``) and the ratios' intervals,
+    ``..._same_prompts``), the ratios and their intervals,
     and ``examples`` (the first prompts' generations); with labelled data and a ``detector`` (default: the
     synthetic set's, :func:`synthetic_detector`, when the examples' sources name one) also ``factor_accuracy``
     (``{"detector": NAME, "factors": {factor: ...}}``, :func:`factor_accuracy`), and with ``decoder_codes``
@@ -541,12 +547,15 @@ def controllability(
     real_tokens = [len(nll) for nll in cache.response_nll]
     index = {p: i for i, p in enumerate(prompts)}
     same = [i for i, pair in enumerate(pairs) if pair.prompt in index]
-    report["zfree_nll_ratio_interval"] = nll_ratio_interval(generated, (real_nll, real_tokens, None), seed=seed)
-    report["zfree_nll_ratio_interval_same_prompts"] = nll_ratio_interval(
-        generated,
-        ([real_nll[i] for i in same], [real_tokens[i] for i in same], [index[pairs[i].prompt] for i in same]),
-        seed=seed,
-    )
+    own = {p: i for i, p in enumerate(dict.fromkeys(pair.prompt for pair in pairs))}  # the data's prompts
+    whole = (real_nll, real_tokens, [own[pair.prompt] for pair in pairs])
+    answering = ([real_nll[i] for i in same], [real_tokens[i] for i in same], [index[pairs[i].prompt] for i in same])
+    for key, real, denominator in (
+        ("", whole, report["real_zfree_nll_per_token"]),
+        ("_same_prompts", answering, report["real_zfree_nll_per_token_same_prompts"]),
+    ):
+        report["zfree_nll_ratio" + key] = report["zfree_nll_per_token"] / denominator
+        report["zfree_nll_ratio_interval" + key] = nll_ratio_interval(generated, real, paired=bool(key), seed=seed)
     report["examples"] = _shown_examples(space, targets, prompts, texts, recovered)
     return report
 
