@@ -246,6 +246,10 @@ RECIPES = {
     # that with five codes for chatterbot-style's four styles: at K = 4 two codes shared a marker on every seed and no
     # code stood for the responses without one (section 21)
     "centered-full-between-random-dpost-hard-late-k5": [*DPOST_HARD_LATE, "--codebook-size", "5"],
+    # that trained twice as long, the decoder's likeliest code teaching over the last 60 steps as at 240 (section 43:
+    # on held-out style-in-content the `signoff` code ended after the content sentence on seeds 0 and 1, guided or not)
+    "centered-full-between-random-dpost-hard-late-k5-480": [*teaching_last_60(480, DPOST_HARD_LATE), "--codebook-size",
+                                                            "5"],  # fmt: skip
     # that with the bag-of-words loss (Zhao, Zhao and Eskenazi 2017's remedy for a dialogue CVAE's unused latent): the
     # code must predict the response's words, at the weight of term 1 (section 23: DailyDialog's latent gain, item 4)
     "centered-full-between-random-dpost-hard-late-bow": DPOST_HARD_LATE_BOW,
@@ -494,6 +498,9 @@ PLAN = [  # (set, recipe, seeds)
     ("chatterbot-style", "centered-lora-240-between-random-k8-r48", (0, 1, 2)),
     # section 42: that trained twice as long
     ("chatterbot-style", "centered-lora-480-between-random-k8-r48", (0, 1, 2)),
+    # section 43: section 40's five codes with `steer` on held-out style-in-content (with --heldout-split --dtype
+    # float32 --refit), trained twice as long; seed 1, the one whose `signoff` code never wrote its marker, first
+    ("style-in-content", "centered-full-between-random-dpost-hard-late-k5-480", (1,)),
 ]
 
 
