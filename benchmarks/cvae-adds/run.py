@@ -500,7 +500,7 @@ PLAN = [  # (set, recipe, seeds)
     ("chatterbot-style", "centered-lora-480-between-random-k8-r48", (0, 1, 2)),
     # section 43: section 40's five codes with `steer` on held-out style-in-content (with --heldout-split --dtype
     # float32 --refit), trained twice as long; seed 1, the one whose `signoff` code never wrote its marker, first
-    ("style-in-content", "centered-full-between-random-dpost-hard-late-k5-480", (1,)),
+    ("style-in-content", "centered-full-between-random-dpost-hard-late-k5-480", (0, 1, 2)),
 ]
 
 
