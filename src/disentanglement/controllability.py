@@ -709,13 +709,13 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         line = (
             f"  z-free NLL of the generations / of the real responses: "
             f"{report['zfree_nll_per_token'] / report['real_zfree_nll_per_token']:.3f}"
-            f"{_ratio_interval(report, 'zfree_nll_ratio_interval')}"
+            f"{_interval(report, 'zfree_nll_ratio_interval')}"
         )
         same = report.get("real_zfree_nll_per_token_same_prompts")
         if same:
             line += (
                 f" (/ the real responses of the same prompts: {report['zfree_nll_per_token'] / same:.3f}"
-                f"{_ratio_interval(report, 'zfree_nll_ratio_interval_same_prompts')})"
+                f"{_interval(report, 'zfree_nll_ratio_interval_same_prompts')})"
             )
         lines.append(line)
     return lines
@@ -726,15 +726,10 @@ def _looping(report: dict[str, Any]) -> str:
     return "" if report.get("looping_share") is None else f", looping {report['looping_share']:.3f}"
 
 
-def _interval(entry: dict[str, Any]) -> str:
-    """`` [0.85, 0.98]``, the accuracy's 95 % interval (reports written before the field have none)."""
-    interval = entry.get("accuracy_interval")
-    return "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
-
-
-def _ratio_interval(report: dict[str, Any], key: str) -> str:
-    """`` [0.91, 1.12]``, an NLL ratio's 95 % bootstrap interval over prompts (older reports have none)."""
-    interval = report.get(key)
+def _interval(entry: dict[str, Any], key: str = "accuracy_interval") -> str:
+    """`` [0.85, 0.98]``, the 95 % interval under ``key`` (the accuracy's, or an NLL ratio's); reports written before
+    the field have none."""
+    interval = entry.get(key)
     return "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
 
 
