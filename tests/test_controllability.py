@@ -37,6 +37,7 @@ from disentanglement.data import collate
 from disentanglement.encode import raw_pairs
 from disentanglement.evaluation import evaluate_records, posterior_latents
 from disentanglement.features import build_feature_cache
+from disentanglement.guidance import Guidance
 from disentanglement.latent_space import code_labels, code_shares
 from disentanglement.metrics import looping_share, loops
 from disentanglement.runs import load_examples
@@ -375,6 +376,8 @@ def test_eval_generation_report_and_summary(discrete_run, tmp_path):
         (dict(generation_latents=1), "--generation-latents must be an integer >= 2"),
         (dict(generation_top_p=0.9), "--generation-top-p 0.9 applies to sampling"),  # greedy unless a temperature
         (dict(generation_top_p=0), r"--generation-top-p must be a finite number in \(0, 1\]"),
+        (dict(generation_samples=0), "--generation-samples must be an integer >= 1"),
+        (dict(generation_samples=2), "--generation-samples 2 draws several generations"),  # greedy
     ],
 )
 def test_eval_generation_options_are_refused_before_the_model_loads(discrete_run, tmp_path, no_model, kwargs, message):
@@ -390,6 +393,10 @@ def test_cli_eval_generation(discrete_run, tmp_path, injected_loader, capsys):
     sampled = ["--generation-temperature", "1.5", "--output", str(tmp_path / "s.json")]
     assert cli.main([*argv, "--generation-prompts", "2", "--device", "cpu", *sampled]) == 0
     assert "for 2 prompts (sampled at temperature 1.5 (top-p 1)" in capsys.readouterr().out
+    drawn = [*sampled[:2], "--generation-samples", "2", "--output", str(tmp_path / "d.json")]
+    assert cli.main([*argv, "--generation-prompts", "2", "--device", "cpu", *drawn]) == 0
+    assert "over 16 generations for 2 prompts (sampled at temperature 1.5" in capsys.readouterr().out
+    assert json.loads((tmp_path / "d.json").read_text())["controllability"]["samples"] == 2
     assert "label label: classifier accuracy on generations 1.000" in printed
 
 
@@ -808,3 +815,62 @@ def test_generations_cut_at_the_cap_are_counted(discrete, monkeypatch):
     )
     full = controllability(*discrete, **dict(OPTIONS, max_new_tokens=64))
     assert full["truncated_share"] == 0.0 and "cut at the token cap" not in summary_lines(full)[0]
+
+
+def test_several_samples_per_prompt_and_latent(discrete, continuous, monkeypatch):
+    """``samples`` draws that many generations under each target latent for each prompt, each scored on its own:
+    the targets repeated per draw (the same prompt and latent), guided against the prompt's other latents of the
+    same draw; near temperature 0 every draw is the greedy text, so the read-back over three draws is the greedy
+    one over three times the generations; at temperature 2 the draws differ. Greedy several times is refused."""
+    from disentanglement import controllability as module
+
+    calls = []
+    generate = module.generate_responses
+
+    def recorded(model, tokenizer, rows, vectors, sampling, batch_size, progress, guidance=None, keys=None):
+        texts, ended = generate(model, tokenizer, rows, vectors, sampling, batch_size, progress, guidance, keys)
+        calls.append({"rows": rows, "vectors": vectors, "keys": keys, "texts": texts})
+        return texts, ended
+
+    monkeypatch.setattr(module, "generate_responses", recorded)
+    options = dict(OPTIONS, max_new_tokens=64, detector=clean_detector)
+    greedy = controllability(*discrete, **options)
+    cold = controllability(*discrete, **options, temperature=1e-4, samples=3)
+    G = greedy["generations"]
+    assert cold["generations"] == 3 * G and cold["samples"] == 3 and greedy["samples"] == 1
+    assert (
+        cold["decoding"] == "sampled at temperature 0.0001 (top-p 1), at most 64 new tokens, 3 generations per "
+        "prompt and latent"
+    )
+    one, three = calls[0], calls[1]
+    assert three["rows"] == one["rows"] * 3 and torch.equal(three["vectors"], one["vectors"].repeat(3, 1))
+    assert three["texts"] == one["texts"] * 3
+    read, read3 = (r["factor_accuracy"]["factors"]["label"] for r in (greedy, cold))
+    assert read3["generations_scored"] == 3 * read["generations_scored"]
+    assert read3["accuracy"] == read["accuracy"] and read3["per_value"] == read["per_value"]
+    assert cold["examples"] == greedy["examples"]  # the report shows the first draw's generations
+    assert len(cold["zfree_nll_ratio_interval_same_prompts"]) == 2
+    hot = controllability(*discrete, **options, temperature=2.0, samples=3)
+    texts = calls[-1]["texts"]
+    assert hot["generations"] == 3 * G and any(texts[i] != texts[i + G] for i in range(G))
+    assert controllability(*discrete, **options, temperature=2.0, samples=3) == hot  # seeded
+    # guided: each draw is contrasted with the prompt's other codes of its own draw, and cold it is the guided greedy
+    guided = controllability(*discrete, **options, guidance=Guidance(3.0))
+    guided3 = controllability(*discrete, **options, guidance=Guidance(3.0), temperature=1e-4, samples=2)
+    keys = calls[-1]["keys"]
+    assert len(set(keys)) == 2 * len(set(calls[-2]["keys"])) and keys[:G] == [k[:2] + (0,) for k in keys[G:]]
+    assert calls[-1]["texts"] == calls[-2]["texts"] * 2
+    assert (
+        guided3["factor_accuracy"]["factors"]["label"]["accuracy"]
+        == (guided["factor_accuracy"]["factors"]["label"]["accuracy"])
+    )
+    # continuous: each draw's re-encoding is matched among its own draw's targets
+    flat = controllability(*continuous, **OPTIONS)
+    flat2 = controllability(*continuous, **OPTIONS, temperature=1e-4, samples=2)
+    assert flat2["generations"] == 2 * flat["generations"]
+    assert flat2["latent_recovery_accuracy"] == flat["latent_recovery_accuracy"]
+    assert flat2["attributes"] == flat["attributes"]
+    with pytest.raises(ValueError, match="--generation-samples must be an integer >= 1"):
+        controllability(*discrete, **OPTIONS, temperature=1.0, samples=0)
+    with pytest.raises(ValueError, match="--generation-samples 2 draws several generations .* above 0"):
+        controllability(*discrete, **OPTIONS, samples=2)

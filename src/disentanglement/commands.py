@@ -179,6 +179,7 @@ def _eval_controllability(model, tokenizer, config, examples, cache, options: Ev
         cache,
         raw_pairs(options.data, config, examples),
         num_prompts=options.generation_prompts,
+        samples=options.generation_samples,
         max_new_tokens=options.generation_max_new_tokens,
         no_repeat_ngram=options.generation_no_repeat_ngram,
         temperature=options.generation_temperature,

@@ -1,7 +1,8 @@
 """Does forcing a latent steer the response the way the latent means? (``disentangle eval --generation``)
 
 For ``P`` held-out prompts (a seeded choice of the distinct prompts of the evaluated data), generate one
-response (greedy, or sampled at a temperature) under each of a set of target latents, then re-encode every
+response (greedy, or sampled at a temperature; or ``samples`` sampled ones, each a draw of its own) under each of a
+set of target latents, then re-encode every
 ``(prompt, generation)`` pair with the model's own encoder, tokenised as in training (an empty generation is its
 end-of-sequence token alone), and measure:
 
@@ -412,6 +413,7 @@ def controllability(
     pairs: Sequence[PromptResponse],
     *,
     num_prompts: int = 8,
+    samples: int = 1,
     max_new_tokens: int | None = None,
     no_repeat_ngram: int = 0,
     prior_latents: int = 8,
@@ -434,7 +436,11 @@ def controllability(
     greedy text is more predictable by construction. ``top_p`` below 1 samples from the nucleus instead (the
     likeliest tokens whose probabilities first reach it; sampling only). ``no_repeat_ngram`` N above 0 never
     writes the same N tokens in a row twice in one generation (:class:`.generation.SamplingOptions`), whichever
-    the decoding.
+    the decoding. ``samples`` above 1 (sampling only) draws that many generations under each target latent for each
+    prompt, every one scored as a generation of its own (guided, each draw against its own streams of the prompt's
+    other latents): where the data has few distinct prompts (a held-out set of eight), more generations to read a
+    factor back from; they share their prompt, so the read-back's Wilson interval, which takes them as
+    independent, is the narrower for it, while the NLL ratios' intervals resample prompts.
 
     ``examples`` and ``cache`` are the evaluated data and its frozen-pass features (as for
     ``evaluation.evaluate``), ``pairs`` their raw pairs (same order; the prompts' texts). Returns a JSON-able
@@ -457,7 +463,7 @@ def controllability(
         decoder_codes = _checked_codes(model, decoder_codes, len(examples))
     if max_new_tokens is None:
         max_new_tokens = config.data.max_response_tokens
-    for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
+    for name, value in (("num_prompts", num_prompts), ("samples", samples), ("max_new_tokens", max_new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--generation-{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
     if isinstance(prior_latents, bool) or not isinstance(prior_latents, int) or prior_latents < 2:
@@ -468,6 +474,11 @@ def controllability(
         raise ValueError(f"--generation-top-p must be a number in (0, 1], got {top_p!r}")
     if top_p < 1 and temperature == 0:
         raise ValueError(f"--generation-top-p {top_p:g} applies to sampling: set --generation-temperature above 0")
+    if samples > 1 and temperature == 0:
+        raise ValueError(
+            f"--generation-samples {samples} draws several generations per prompt and latent: set "
+            "--generation-temperature above 0 (greedy decoding writes the same text each time)"
+        )
     if isinstance(no_repeat_ngram, bool) or not isinstance(no_repeat_ngram, int) or no_repeat_ngram < 0:
         raise ValueError(f"--generation-no-repeat-ngram must be an integer >= 0, got {no_repeat_ngram!r}")
     if temperature > 0:
@@ -485,6 +496,8 @@ def controllability(
         )
         decoding = f"greedy, at most {max_new_tokens} new tokens"
     decoding += sampling.describe()
+    if samples > 1:
+        decoding += f", {samples} generations per prompt and latent"
     guidance = guidance if guidance is not None and guidance.scale > 0 else None
     if guidance is not None:
         decoding += f", guided at {guidance.scale:g} (plausibility {guidance.plausibility:g})"
@@ -493,11 +506,12 @@ def controllability(
     factors = example_factor_values(examples)
     targets, texts, ended, encoded, recovered, real_features = _generate_and_reencode(
         model, tokenizer, config, examples, cache, prompts, factors, sampling, guidance, prior_latents, seed,
-        batch_size, progress,
+        batch_size, progress, samples,
     )  # fmt: skip
     report: dict[str, Any] = {
         "prompts": len(prompts),
         "generations": len(targets),
+        "samples": samples,
         "decoding": decoding,
         "temperature": float(temperature),
         "top_p": float(top_p),
@@ -580,11 +594,11 @@ def _checked_codes(model: CVAEBase, codes: Any, examples: int) -> np.ndarray:
 def _shown_examples(
     space: LatentSpace, targets: list[dict[str, Any]], prompts: list[str], texts: list[str], recovered: list[int]
 ) -> list[dict[str, Any]]:
-    """The report's ``examples``: the generations for the first ``EXAMPLES_SHOWN`` prompts, each with its target
-    latent (named by the latent ``space``) and whether its re-encoding recovered it."""
+    """The report's ``examples``: the (first sampled) generations for the first ``EXAMPLES_SHOWN`` prompts, each with
+    its target latent (named by the latent ``space``) and whether its re-encoding recovered it."""
     shown = []
     for i, t in enumerate(targets):
-        if t["prompt"] < EXAMPLES_SHOWN:
+        if t["prompt"] < EXAMPLES_SHOWN and t["sample"] == 0:
             latent = space.target_name(t)
             shown.append(
                 {
@@ -611,9 +625,11 @@ def _generate_and_reencode(
     seed: int,
     batch_size: int,
     progress: bool,
+    samples: int = 1,
 ) -> tuple[list[dict[str, Any]], list[str], list[bool], dict[str, Any], list[int], np.ndarray | None]:
-    """Generate under every target latent of the model's latent space and re-encode the generations (in eval
-    mode, under ``seed``): ``(targets, texts, ended, encoded, recovered, real_features)``, ``ended`` whether each
+    """Generate ``samples`` times under every target latent of the model's latent space and re-encode the
+    generations (in eval mode, under ``seed``): ``(targets, texts, ended, encoded, recovered, real_features)``, the
+    targets repeated per draw (``sample`` numbers them; the first draw's first), ``ended`` whether each
     generation ended before the token cap, the last the real examples' encoder inputs when there are factors (else
     None)."""
     device = next(model.parameters()).device
@@ -625,9 +641,11 @@ def _generate_and_reencode(
         prompt_ids = encode_prompts(prompts, tokenizer, config.data)
         features = prompt_features(model, prompt_ids, pad)
         targets = space.control_targets(features, latents, factors, prior_latents)
+        targets = [dict(t, sample=s) for s in range(samples) for t in targets]
         vectors = torch.stack([t["vector"] for t in targets])  # [G, L]
         rows = [prompt_ids[t["prompt"]] for t in targets]
-        keys = [(t["prompt"], t["group"]) for t in targets]  # guidance: against the prompt's others of the group
+        # guidance: against the prompt's others of the group, within the same draw
+        keys = [(t["prompt"], t["group"], t["sample"]) for t in targets]
         texts, ended = generate_responses(
             model, tokenizer, rows, vectors, sampling, batch_size, progress, guidance, keys
         )

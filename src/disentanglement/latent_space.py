@@ -586,11 +586,11 @@ class ContinuousLatentSpace(LatentSpace):
         from .controllability import nearest_target
 
         prior_mu = self.model.prior(features)[0].cpu()
-        by_group: dict[tuple[int, str], list[int]] = {}
-        for i, t in enumerate(targets):
-            by_group.setdefault((t["prompt"], t["group"]), []).append(i)
+        by_group: dict[tuple[int, str, int], list[int]] = {}
+        for i, t in enumerate(targets):  # each draw (eval --generation-samples) among its own targets
+            by_group.setdefault((t["prompt"], t["group"], t.get("sample", 0)), []).append(i)
         recovered = [0] * len(targets)
-        for (p, group), members in by_group.items():
+        for (p, group, _), members in by_group.items():
             mu = encoded["mu"][members].double()  # [n, D]
             if group == "prior":
                 candidates = torch.stack([targets[i]["vector"].double().cpu() for i in members])  # [J, D]

@@ -255,6 +255,13 @@ class EvalOptions(ScoringOptions):
         Range(0, 1, integer=False, low_open=True),
         group=_STEERING,
     )
+    generation_samples: int = ranged(
+        1,
+        "generations per prompt and latent, each drawn on its own (needs --generation-temperature above 0): more "
+        "generations to read a factor back from where the data has few distinct prompts",
+        Range(1),
+        group=_STEERING,
+    )
     generation_latents: int = ranged(
         8, "continuous: prior draws per prompt (recovery targets)", Range(2), group=_STEERING
     )
@@ -278,6 +285,11 @@ class EvalOptions(ScoringOptions):
             raise ValueError(
                 f"--generation-top-p {self.generation_top_p:g} applies to sampling: set --generation-temperature "
                 "above 0"
+            )
+        if self.generation_samples > 1 and self.generation_temperature == 0:
+            raise ValueError(
+                f"--generation-samples {self.generation_samples} draws several generations per prompt and latent: "
+                "set --generation-temperature above 0 (greedy decoding writes the same text each time)"
             )
 
 
