@@ -29,6 +29,7 @@ from disentanglement.controllability import (
     real_zfree_nll,
     recovery_accuracy,
     reencode,
+    share_interval,
     summary_lines,
     synthetic_detector,
     wilson_interval,
@@ -458,6 +459,33 @@ def interval_shown(k: int, n: int) -> str:
     return f"[{low:.2f}, {high:.2f}]"
 
 
+def test_share_interval_by_hand_and_against_a_loop():
+    """The read-back's interval resampled by prompt: two prompts, 2 of 2 and 1 of 2 right: a draw takes the first
+    prompt twice (1/4: share 1), the second twice (1/4: 0.5) or one of each (1/2: 0.75), so the 95 % interval is
+    [0.5, 1] and the middle 40 % exactly 0.75; prompt ids are any integers; a loop over draws gives the same."""
+    hits, prompts = [True, True, True, False], [7, 7, -2, -2]
+    assert share_interval(hits, prompts) == [0.5, 1.0]
+    assert share_interval(hits, prompts, confidence=0.4) == [0.75, 0.75]
+    assert share_interval([True, False, True], [3, 3, 3]) == pytest.approx([2 / 3, 2 / 3])  # one prompt
+    rng = np.random.default_rng(5)
+    hits, prompts = rng.random(60) < 0.8, rng.integers(0, 9, 60)
+    ids = np.unique(prompts)
+    draws = np.random.default_rng(1).multinomial(len(ids), np.full(len(ids), 1 / len(ids)), size=500)
+    shares = [
+        sum(c * hits[prompts == p].sum() for c, p in zip(d, ids, strict=True))
+        / sum(c * (prompts == p).sum() for c, p in zip(d, ids, strict=True))
+        for d in draws
+    ]
+    assert share_interval(hits, prompts, resamples=500, seed=1) == pytest.approx(
+        list(np.percentile(shares, [2.5, 97.5]))
+    )
+    for bad in (dict(hits=[], prompts=[]), dict(hits=[True], prompts=[0, 1])):
+        with pytest.raises(ValueError, match="need one prompt per generation"):
+            share_interval(**bad)
+    with pytest.raises(ValueError, match="need resamples >= 1"):
+        share_interval([True], [0], resamples=0)
+
+
 def test_wilson_interval_by_hand():
     for k, n in ((2, 5), (0, 8), (8, 8), (60, 64), (61, 64), (1, 1)):
         assert wilson_interval(k, n) == pytest.approx(wilson_by_hand(k, n), abs=1e-9), (k, n)
@@ -512,6 +540,18 @@ def test_factor_accuracy_by_hand():
     assert none_ended["generations_ended"] == 0 and none_ended["ended_accuracy"] is None
     with pytest.raises(ValueError, match="5 ended flags for 6 texts"):
         factor_accuracy(texts, expected, values, detector, None, [True] * 5)
+    # by prompt: c's scored generations 0, 1, 2, 3, 5 answer prompts a, a, b, b, b: a 2 of 2 right, b 0 of 3; a draw
+    # takes a twice (1/4: share 1), b twice (1/4: 0) or one of each (1/2: 2/5), so the 95 % interval is [0, 1]
+    # and the middle 40 % exactly 2/5; generation 4 (not scored for c) does not count
+    prompts = [0, 0, 1, 1, 0, 1]
+    by_prompt = factor_accuracy(texts, expected, values, detector, None, None, prompts)
+    assert by_prompt["c"]["accuracy_interval_by_prompt"] == [0.0, 1.0]
+    assert share_interval([True, True, False, False, False], [0, 0, 1, 1, 1], confidence=0.4) == [0.4, 0.4]
+    assert by_prompt["d"]["accuracy_interval_by_prompt"] == [0.0, 0.0]
+    assert {k: v for k, v in by_prompt["c"].items() if k != "accuracy_interval_by_prompt"} == got["c"]
+    assert factor_accuracy([], [], {"c": ["a"]}, detector, None, None, [])["c"]["accuracy_interval_by_prompt"] is None
+    with pytest.raises(ValueError, match="5 prompts for 6 texts"):
+        factor_accuracy(texts, expected, values, detector, None, None, [0] * 5)
 
 
 def test_code_shares_by_hand():
@@ -549,7 +589,9 @@ def test_the_read_back_weighted_by_the_codes_use(discrete):
     entry = broken["factor_accuracy"]["factors"]["label"]
     assert entry["accuracy"] == pytest.approx(0.75)
     assert entry["weighted_accuracy"] == pytest.approx(1 - share)
-    shown = f"accuracy 0.750 {interval_shown(6, 8)}, weighted by use {1 - share:.3f} (chance"
+    # each of the two prompts has 3 of its 4 generations right: resampled by prompt, the share is always 0.75
+    assert entry["accuracy_interval_by_prompt"] == [0.75, 0.75]
+    shown = f"accuracy 0.750 {interval_shown(6, 8)} (by prompt [0.75, 0.75]), weighted by use {1 - share:.3f} (chance"
     assert shown in "\n".join(summary_lines(broken))
 
 
@@ -589,7 +631,10 @@ def test_trained_codes_generate_their_factor_as_read_from_the_text(discrete):
     assert cut["per_value"] == {"0": 0.0, "1": 1.0, "2": 1.0, "3": 1.0} and cut["none_share"] == 0.25
     # ... and those are the generations cut at the cap: the ones that ended are all right
     assert short["truncated_share"] == 0.25 and cut["generations_ended"] == 12 and cut["ended_accuracy"] == 1.0
-    shown = f"accuracy 0.750 {interval_shown(12, 16)}, weighted by use 0.750, 1.000 of the 12 that ended (chance"
+    shown = (
+        f"accuracy 0.750 {interval_shown(12, 16)} (by prompt [0.75, 0.75]), weighted by use 0.750, 1.000 of the "
+        "12 that ended (chance"
+    )
     assert shown in "\n".join(summary_lines(short))
     options = dict(OPTIONS, max_new_tokens=64)
     report = controllability(*discrete, **options, detector=clean_detector, detector_name="clean phrases")
@@ -599,7 +644,8 @@ def test_trained_codes_generate_their_factor_as_read_from_the_text(discrete):
     assert entry["generations_scored"] == 4 * NUM_FACTORS
     assert entry["majority_share"] == 0.25  # the four codes stand for four values
     assert (
-        f"  factor label read from the text: accuracy 1.000 {interval_shown(16, 16)}, weighted by use 1.000 (chance "
+        f"  factor label read from the text: accuracy 1.000 {interval_shown(16, 16)} (by prompt [1.00, 1.00]), "
+        "weighted by use 1.000 (chance "
         "0.250, majority 0.250; no value found 0.000) over 16" in ("\n".join(summary_lines(report)))
     )
     assert report["truncated_share"] == 0.0 and entry["generations_ended"] == 16 and entry["ended_accuracy"] == 1.0

@@ -232,6 +232,9 @@ def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
         "style 0.969 weighted 0.990 (chance 0.25, none 0.00, n 32; by the decoder's codes 1.000 weighted 0.875, "
         "majority 0.50, n 24)"
     )
+    spread = {"factors": {"style": {**detected["factors"]["style"], "accuracy_interval_by_prompt": [0.875, 1.0]}}}
+    row = cells(table.row(report(tmp_path, {"factor_accuracy": spread, "labels": {}, **fluency})))
+    assert row[4] == "style 0.969 [0.88, 1.00] (chance 0.25, none 0.00, n 32)"
     labels = {
         "act": {
             "accuracy": 0.5,

@@ -89,8 +89,12 @@ def row(path: Path) -> str:
                 f"n {entry['generations_scored']}"
             )
 
+        def by_prompt(entry: dict) -> str:  # the read-back's interval resampled by prompt (older reports: none)
+            interval = entry.get("accuracy_interval_by_prompt")
+            return "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
+
         text = "; ".join(
-            f"{n} {e['accuracy']:.3f}{weighted(e)} (chance {e['chance']:.2f}{majority(e)}, none {e['none_share']:.2f}, "
+            f"{n} {e['accuracy']:.3f}{by_prompt(e)}{weighted(e)} (chance {e['chance']:.2f}{majority(e)}, none {e['none_share']:.2f}, "
             f"n {e['generations_scored']}{decoders(n)})"
             for n, e in accuracy.items()
             if e["accuracy"] is not None
@@ -121,7 +125,7 @@ def main(argv: list[str]) -> int:
         return 2
     print(
         "| run @step | NMI per factor (k-means of the view, of the prior) | posterior / z-free NLL | latent gain "
-        "| factor read from the generations (chance, majority share, no value, generations; by the decoder's codes; "
+        "| factor read from the generations [95 % interval by prompt] (chance, majority share, no value, generations; by the decoder's codes; "
         "or by the classifier) "
         "| generations' / real z-free NLL |"
     )

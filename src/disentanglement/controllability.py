@@ -28,7 +28,9 @@ end-of-sequence token alone), and measure:
   from the generated text itself (``synthetic.detect_factor`` for data whose every source is ``synth/NAME:...``);
   per factor, ``accuracy`` is the share of the generations standing for a value (as for label accuracy) whose
   detected value is that value, ``none_share`` the share where the detector finds no single value, and
-  ``chance`` one over the factor's number of values among the real examples.
+  ``chance`` one over the factor's number of values among the real examples; ``accuracy_interval`` (Wilson's,
+  the generations as independent draws) and ``accuracy_interval_by_prompt`` (the generations resampled by prompt,
+  :func:`share_interval`).
   Where the decoder's own likeliest code of each real example is given (``decoder_codes``: ``eval`` passes
   them where the prior mixture is exact over the codes, the ``decoder_posterior`` of its report), the same
   read-back is scored again with each code standing for its majority value among the real examples the
@@ -197,15 +199,46 @@ def nll_ratio_interval(
         raise ValueError(f"paired: the real responses answer {len(truth)} prompts, the generations {len(gen)}")
     rng = np.random.default_rng(seed)
     ratios = []
-    chunk = max(1, 4_000_000 // max(len(gen), len(truth)))  # draws of at most 4M counts at a time
-    for done in range(0, resamples, chunk):
-        size = min(chunk, resamples - done)
-        draws = rng.multinomial(len(gen), np.full(len(gen), 1.0 / len(gen)), size=size)  # [b, P] counts
-        real_draws = draws if paired else rng.multinomial(len(truth), np.full(len(truth), 1.0 / len(truth)), size)
+    for draws in _prompt_draws(len(gen), resamples, rng, max(len(gen), len(truth))):  # [b, P] counts
+        real_draws = draws if paired else rng.multinomial(len(truth), np.full(len(truth), 1 / len(truth)), len(draws))
         g, r = draws @ gen, real_draws @ truth  # [b, 2]: NLL and tokens of each resample
         ratios.append(g[:, 0] / g[:, 1] / (r[:, 0] / r[:, 1]))
+    return _percentiles(np.concatenate(ratios), confidence)
+
+
+def share_interval(
+    hits: Sequence[bool], prompts: Sequence[int], *, resamples: int = 2000, confidence: float = 0.95, seed: int = 0
+) -> list[float]:
+    """A percentile bootstrap interval of the share of ``hits``, the generations resampled by prompt (``prompts``:
+    each generation's prompt, any integer ids): a read-back's interval where a prompt's generations are not
+    independent draws (its several codes, or several samples under one code, share its wording). With one prompt,
+    both ends equal the share. Example::
+
+        share_interval([True, True, False, True], [0, 0, 1, 1])  # [0.5, 1.0]
+    """
+    if resamples < 1 or not 0 < confidence < 1:
+        raise ValueError(f"need resamples >= 1 and 0 < confidence < 1, got {resamples} and {confidence}")
+    if not len(hits) or len(hits) != len(prompts):
+        raise ValueError(f"need one prompt per generation and a generation at least: {len(hits)}, {len(prompts)}")
+    _, index = np.unique(np.asarray(prompts), return_inverse=True)
+    sums = np.stack([np.bincount(index, weights=np.asarray(hits, dtype=float)), np.bincount(index)], axis=1)
+    rng = np.random.default_rng(seed)
+    shares = [(c := draws @ sums)[:, 0] / c[:, 1] for draws in _prompt_draws(len(sums), resamples, rng, len(sums))]
+    return _percentiles(np.concatenate(shares), confidence)
+
+
+def _prompt_draws(prompts: int, resamples: int, rng: np.random.Generator, width: int):
+    """``resamples`` bootstrap draws of ``prompts`` prompts, as counts ``[b, prompts]`` in chunks of at most 4M
+    numbers (``width``: the widest count array drawn beside them)."""
+    chunk = max(1, 4_000_000 // width)
+    for done in range(0, resamples, chunk):
+        yield rng.multinomial(prompts, np.full(prompts, 1.0 / prompts), size=min(chunk, resamples - done))
+
+
+def _percentiles(values: np.ndarray, confidence: float) -> list[float]:
+    """``[low, high]``: the central ``confidence`` percentile interval of ``values``."""
     tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(np.concatenate(ratios), [tail, 100 - tail])
+    low, high = np.percentile(values, [tail, 100 - tail])
     return [float(low), float(high)]
 
 
@@ -289,6 +322,7 @@ def factor_accuracy(
     detector: Detector,
     weights: Sequence[float] | None = None,
     ended: Sequence[bool] | None = None,
+    prompts: Sequence[int] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per factor of ``values`` (each real example's value), the factor read back from the generated ``texts``
     by ``detector`` against ``expected[i][factor]``, the value generation ``i`` stands for (generations
@@ -301,13 +335,18 @@ def factor_accuracy(
     where ``accuracy`` counts a code that holds two examples as much as one that holds sixty (None when the scored
     weights sum to 0). With ``ended`` (one per text: whether the generation ended before the token cap) also
     ``ended_accuracy`` and ``generations_ended``: the accuracy over the scored generations that ended (None when
-    none did); a generation cut at the cap never wrote its end, where a suffix would be."""
+    none did); a generation cut at the cap never wrote its end, where a suffix would be. With ``prompts`` (one per
+    text: the prompt it answers) also ``accuracy_interval_by_prompt``, the accuracy's 95 % bootstrap interval with
+    the generations resampled by prompt (:func:`share_interval`): the Wilson interval takes every generation as an
+    independent draw, where a prompt's generations share its wording (None when nothing is scored)."""
     if len(texts) != len(expected):
         raise ValueError(f"{len(texts)} texts for {len(expected)} expected values")
     if weights is not None and (len(weights) != len(texts) or any(not 0 <= w < math.inf for w in weights)):
         raise ValueError(f"weights must be {len(texts)} finite numbers >= 0, one per text")
     if ended is not None and len(ended) != len(texts):
         raise ValueError(f"{len(ended)} ended flags for {len(texts)} texts")
+    if prompts is not None and len(prompts) != len(texts):
+        raise ValueError(f"{len(prompts)} prompts for {len(texts)} texts")
     out: dict[str, dict[str, Any]] = {}
     for name, real in values.items():
         scored = [i for i, e in enumerate(expected) if name in e]
@@ -327,6 +366,10 @@ def factor_accuracy(
             "generations_scored": len(scored),
             "per_value": per_value,
         }
+        if prompts is not None:
+            hits = [d == w for d, w in zip(detected, wanted, strict=True)]
+            by_prompt = share_interval(hits, [prompts[i] for i in scored]) if scored else None
+            out[name]["accuracy_interval_by_prompt"] = by_prompt
         if weights is not None:
             total = sum(weights[i] for i in scored)
             correct = sum(weights[i] for i, d, w in zip(scored, detected, wanted, strict=True) if d == w)
@@ -540,6 +583,7 @@ def controllability(
                 detector,
                 [t.get("share", 0.0) for t in targets],
                 ended,
+                [t["prompt"] for t in targets],
             ),
         }
         if decoder_codes is not None:
@@ -547,7 +591,7 @@ def controllability(
             expected = [named.get((t["slot"], t["target"]), {}) for t in targets]
             weights = [shares.get((t["slot"], t["target"]), 0.0) for t in targets]
             report["factor_accuracy"]["decoder_codes"] = factor_accuracy(
-                texts, expected, factors, detector, weights, ended
+                texts, expected, factors, detector, weights, ended, [t["prompt"] for t in targets]
             )
     per_prompt = [[texts[i] for i, t in enumerate(targets) if t["prompt"] == p] for p in range(len(prompts))]
     report.update(diversity(per_prompt))
@@ -712,6 +756,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             continue
         lines.append(
             f"  factor {name} read from the text: accuracy {entry['accuracy']:.3f}{_interval(entry)}"
+            f"{_by_prompt(entry)}"
             f"{_weighted(entry)}{_ended(entry)} (chance {entry['chance']:.3f}{_majority(entry)}; no value found "
             f"{entry['none_share']:.3f}) over {entry['generations_scored']} generations"
         )
@@ -749,6 +794,12 @@ def _interval(entry: dict[str, Any], key: str = "accuracy_interval") -> str:
     the field have none."""
     interval = entry.get(key)
     return "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
+
+
+def _by_prompt(entry: dict[str, Any]) -> str:
+    """`` (by prompt [0.80, 1.00])``, the accuracy's interval resampled by prompt (older reports have none)."""
+    interval = _interval(entry, "accuracy_interval_by_prompt")
+    return f" (by prompt{interval})" if interval else ""
 
 
 def _truncated(report: dict[str, Any]) -> str:
