@@ -459,26 +459,48 @@ def interval_shown(k: int, n: int) -> str:
     return f"[{low:.2f}, {high:.2f}]"
 
 
-def test_share_interval_by_hand_and_against_a_loop():
-    """The read-back's interval resampled by prompt: two prompts, 2 of 2 and 1 of 2 right: a draw takes the first
-    prompt twice (1/4: share 1), the second twice (1/4: 0.5) or one of each (1/2: 0.75), so the 95 % interval is
-    [0.5, 1] and the middle 40 % exactly 0.75; prompt ids are any integers; a loop over draws gives the same."""
+def _two_stage_atoms(right, count):
+    """The exact distribution ``{share: probability}`` of one two-stage resample: the prompts drawn with replacement,
+    then each drawn prompt's generations at its share (``right[p]`` of ``count[p]``), by enumeration."""
+    from itertools import product
+
+    from scipy.stats import binom
+
+    P, atoms = len(count), {}
+    for picks in product(range(P), repeat=P):
+        total = sum(count[p] for p in picks)
+        parts = [{k: binom.pmf(k, count[p], right[p] / count[p]) for k in range(count[p] + 1)} for p in picks]
+        for ks in product(*[list(part) for part in parts]):
+            prob = math.prod(part[k] for part, k in zip(parts, ks, strict=True)) / P**P
+            atoms[sum(ks) / total] = atoms.get(sum(ks) / total, 0.0) + prob
+    return atoms
+
+
+def test_share_interval_by_hand_and_against_enumeration():
+    """The read-back's interval, two-stage: two prompts, 2 of 2 and 1 of 2 right. A draw takes the first prompt
+    twice (1/4: share 1), the second twice (1/4: Binomial(4, 1/2) / 4) or one of each (1/2: (2 + Binomial(2, 1/2))
+    / 4); so P(0) = 1/64, P(1/4) = 1/16, P(1/2) = 7/32, P(3/4) = 5/16, P(1) = 25/64: the 95 % interval is
+    [1/4, 1] and the middle 50 % [1/2, 1]. Prompt ids are any integers. Against the exact distribution of three
+    uneven prompts, each percentile away from the atoms' jumps; every generation right is a point; eight prompts
+    that each score 15 of 16 are not (resampling the prompts alone would give 0.9375 exactly)."""
+    atoms = _two_stage_atoms([2, 1], [2, 2])
+    assert atoms == pytest.approx({0.0: 1 / 64, 0.25: 1 / 16, 0.5: 7 / 32, 0.75: 5 / 16, 1.0: 25 / 64})
     hits, prompts = [True, True, True, False], [7, 7, -2, -2]
-    assert share_interval(hits, prompts) == [0.5, 1.0]
-    assert share_interval(hits, prompts, confidence=0.4) == [0.75, 0.75]
-    assert share_interval([True, False, True], [3, 3, 3]) == pytest.approx([2 / 3, 2 / 3])  # one prompt
-    rng = np.random.default_rng(5)
-    hits, prompts = rng.random(60) < 0.8, rng.integers(0, 9, 60)
-    ids = np.unique(prompts)
-    draws = np.random.default_rng(1).multinomial(len(ids), np.full(len(ids), 1 / len(ids)), size=500)
-    shares = [
-        sum(c * hits[prompts == p].sum() for c, p in zip(d, ids, strict=True))
-        / sum(c * (prompts == p).sum() for c, p in zip(d, ids, strict=True))
-        for d in draws
-    ]
-    assert share_interval(hits, prompts, resamples=500, seed=1) == pytest.approx(
-        list(np.percentile(shares, [2.5, 97.5]))
-    )
+    assert share_interval(hits, prompts, resamples=20000) == [0.25, 1.0]
+    assert share_interval(hits, prompts, resamples=20000, confidence=0.5) == [0.5, 1.0]
+    right, count = [3, 1, 2], [3, 2, 4]
+    atoms = _two_stage_atoms(right, count)
+    values, cdf = np.array(sorted(atoms)), np.cumsum([atoms[v] for v in sorted(atoms)])
+    hits = [k < r for r, c in zip(right, count, strict=True) for k in range(c)]
+    prompts = [p for p, c in enumerate(count) for _ in range(c)]
+    for confidence in (0.9, 0.46):
+        tail = (1 - confidence) / 2
+        assert min(abs(cdf - tail).min(), abs(cdf - 1 + tail).min()) > 0.007  # away from a jump (5 sd of 20,000)
+        expected = [values[np.searchsorted(cdf, q)] for q in (tail, 1 - tail)]
+        assert share_interval(hits, prompts, resamples=20000, confidence=confidence) == pytest.approx(expected)
+    assert share_interval([True] * 6, [0, 0, 1, 1, 2, 2]) == [1.0, 1.0]
+    low, high = share_interval([k < 15 for _ in range(8) for k in range(16)], [p for p in range(8) for _ in range(16)])
+    assert low < 0.9 < 0.9375 < high <= 1.0
     for bad in (dict(hits=[], prompts=[]), dict(hits=[True], prompts=[0, 1])):
         with pytest.raises(ValueError, match="need one prompt per generation"):
             share_interval(**bad)
@@ -540,9 +562,10 @@ def test_factor_accuracy_by_hand():
     assert none_ended["generations_ended"] == 0 and none_ended["ended_accuracy"] is None
     with pytest.raises(ValueError, match="5 ended flags for 6 texts"):
         factor_accuracy(texts, expected, values, detector, None, [True] * 5)
-    # by prompt: c's scored generations 0, 1, 2, 3, 5 answer prompts a, a, b, b, b: a 2 of 2 right, b 0 of 3; a draw
-    # takes a twice (1/4: share 1), b twice (1/4: 0) or one of each (1/2: 2/5), so the 95 % interval is [0, 1]
-    # and the middle 40 % exactly 2/5; generation 4 (not scored for c) does not count
+    # by prompt: c's scored generations 0, 1, 2, 3, 5 answer prompts a, a, b, b, b: a 2 of 2 right, b 0 of 3 (shares
+    # 1 and 0: the draws within a prompt change nothing); a draw takes a twice (1/4: share 1), b twice (1/4: 0) or
+    # one of each (1/2: 2/5), so the 95 % interval is [0, 1] and the middle 40 % exactly 2/5; generation 4 (not
+    # scored for c) does not count
     prompts = [0, 0, 1, 1, 0, 1]
     by_prompt = factor_accuracy(texts, expected, values, detector, None, None, prompts)
     assert by_prompt["c"]["accuracy_interval_by_prompt"] == [0.0, 1.0]
@@ -589,9 +612,13 @@ def test_the_read_back_weighted_by_the_codes_use(discrete):
     entry = broken["factor_accuracy"]["factors"]["label"]
     assert entry["accuracy"] == pytest.approx(0.75)
     assert entry["weighted_accuracy"] == pytest.approx(1 - share)
-    # each of the two prompts has 3 of its 4 generations right: resampled by prompt, the share is always 0.75
-    assert entry["accuracy_interval_by_prompt"] == [0.75, 0.75]
-    shown = f"accuracy 0.750 {interval_shown(6, 8)} (by prompt [0.75, 0.75]), weighted by use {1 - share:.3f} (chance"
+    # each of the two prompts has 3 of its 4 generations right: the prompts' resample is always 0.75, and the
+    # generations' within them, Binomial(8, 3/4) / 8, spreads it
+    low, high = entry["accuracy_interval_by_prompt"]
+    assert low < 0.75 < high and [low, high] == share_interval([True] * 6 + [False] * 2, [0] * 8)
+    shown = (
+        f"accuracy 0.750 {interval_shown(6, 8)} (by prompt [{low:.2f}, {high:.2f}]), weighted by use {1 - share:.3f}"
+    )
     assert shown in "\n".join(summary_lines(broken))
 
 
@@ -631,9 +658,11 @@ def test_trained_codes_generate_their_factor_as_read_from_the_text(discrete):
     assert cut["per_value"] == {"0": 0.0, "1": 1.0, "2": 1.0, "3": 1.0} and cut["none_share"] == 0.25
     # ... and those are the generations cut at the cap: the ones that ended are all right
     assert short["truncated_share"] == 0.25 and cut["generations_ended"] == 12 and cut["ended_accuracy"] == 1.0
+    low, high = cut["accuracy_interval_by_prompt"]
+    assert low < 0.75 < high
     shown = (
-        f"accuracy 0.750 {interval_shown(12, 16)} (by prompt [0.75, 0.75]), weighted by use 0.750, 1.000 of the "
-        "12 that ended (chance"
+        f"accuracy 0.750 {interval_shown(12, 16)} (by prompt [{low:.2f}, {high:.2f}]), weighted by use 0.750, 1.000 "
+        "of the 12 that ended (chance"
     )
     assert shown in "\n".join(summary_lines(short))
     options = dict(OPTIONS, max_new_tokens=64)
@@ -910,7 +939,10 @@ def test_several_samples_per_prompt_and_latent(discrete, continuous, monkeypatch
         guided3["factor_accuracy"]["factors"]["label"]["accuracy"]
         == (guided["factor_accuracy"]["factors"]["label"]["accuracy"])
     )
-    # continuous: each draw's re-encoding is matched among its own draw's targets
+    # diversity is each draw's, averaged: three copies of the greedy texts score as the greedy texts do
+    for key in ("distinct_1", "distinct_2", "distinct_1_per_prompt", "distinct_2_per_prompt", "looping_share"):
+        assert cold[key] == pytest.approx(greedy[key]), key
+    # continuous: the draws of the prior's and the attributes' targets score as one (their copies share a vector)
     flat = controllability(*continuous, **OPTIONS)
     flat2 = controllability(*continuous, **OPTIONS, temperature=1e-4, samples=2)
     assert flat2["generations"] == 2 * flat["generations"]

@@ -263,6 +263,8 @@ def test_table_reads_the_text_detector_or_else_the_classifier(table, tmp_path):
     assert (
         cells(table.row(report(tmp_path, nucleus)))[0] == "set-recipe/seed-0 @120, guided 2, sampled at T 1 top-p 0.9"
     )
+    drawn = {**sampled, "samples": 5}
+    assert cells(table.row(report(tmp_path, drawn)))[0] == "set-recipe/seed-0 @120, guided 2, sampled at T 1, 5 draws"
 
 
 def test_guided_evals_follow_the_plain_one(run, tmp_path, monkeypatch):

@@ -5,8 +5,8 @@
 One row per report: its run and step, per factor the latent's NMI beside k-means of the encoder's view and of
 the prior features (and of the decoder's own likeliest code, where the report has it), the posterior and z-free NLL
 (nats/token), the latent gain (and under the decoder's likeliest codes and the best ones), and (with --generation)
-per factor the share of generations whose factor, read back from the text, is the one their code stands for, with
-chance, the majority share (the accuracy of one answer for all) and the share where no value was found (and where
+per factor the share of generations whose factor, read back from the text, is the one their code stands for (with
+its 95 % interval, the prompts and the generations within them resampled, where the report has it), with chance, the majority share (the accuracy of one answer for all) and the share where no value was found (and where
 eval had the decoder's likeliest codes, the same with each code standing for its majority value among them, its
 majority share and generations scored beside it; where no
 detector reads the text, as for DailyDialog's act and emotion: per factor, the share that the classifier on the
@@ -14,7 +14,7 @@ frozen features gives the code's value, beside chance, the majority share and th
 held-out real responses), and the generations' z-free NLL over the real responses' (and the share of generations
 that repeat themselves, where the report has it). A report of
 ``eval --generation-guidance`` is named by its run and ", guided G", one of ``--generation-temperature T`` by ", sampled
-at T T" (" top-p P" with ``--generation-top-p P`` below 1).
+at T T" (" top-p P" with ``--generation-top-p P`` below 1; ", N draws" with ``--generation-samples N``).
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ def row(path: Path) -> str:
         run += f", sampled at T {temperature:g}" + (
             f" top-p {control['top_p']:g}" if control.get("top_p", 1) < 1 else ""
         )
+    if control.get("samples", 1) > 1:  # eval --generation-samples: several draws per prompt and code
+        run += f", {control['samples']} draws"
     factors = report.get("factors") or {}
     decoder = (report.get("decoder_posterior") or {}).get("factors") or {}
 

@@ -29,8 +29,8 @@ end-of-sequence token alone), and measure:
   per factor, ``accuracy`` is the share of the generations standing for a value (as for label accuracy) whose
   detected value is that value, ``none_share`` the share where the detector finds no single value, and
   ``chance`` one over the factor's number of values among the real examples; ``accuracy_interval`` (Wilson's,
-  the generations as independent draws) and ``accuracy_interval_by_prompt`` (the generations resampled by prompt,
-  :func:`share_interval`).
+  the generations as independent draws) and ``accuracy_interval_by_prompt`` (the prompts resampled, then the
+  generations within each, :func:`share_interval`).
   Where the decoder's own likeliest code of each real example is given (``decoder_codes``: ``eval`` passes
   them where the prior mixture is exact over the codes, the ``decoder_posterior`` of its report), the same
   read-back is scored again with each code standing for its majority value among the real examples the
@@ -46,7 +46,7 @@ end-of-sequence token alone), and measure:
   wanted value is the most common one among them, the accuracy of one answer for every generation (a decoder that
   writes the same value under every latent can score this much; with skewed labels it is well above ``chance``).
 - **diversity**: distinct-1/2 over all generations, and the mean over prompts of distinct-1/2 across one
-  prompt's generations; ``looping_share``, the share of generations that repeat a run of at most four words
+  prompt's generations (with several draws, each draw's, averaged over the draws); ``looping_share``, the share of generations that repeat a run of at most four words
   three times back to back (``metrics.loops``: a loop, which a low z-free NLL can hide).
 - **fluency**: the z-free reference's NLL of the generations, nats per response token (the
   end-of-sequence token included, as in training), beside the same for all the real responses and for those of
@@ -209,21 +209,26 @@ def nll_ratio_interval(
 def share_interval(
     hits: Sequence[bool], prompts: Sequence[int], *, resamples: int = 2000, confidence: float = 0.95, seed: int = 0
 ) -> list[float]:
-    """A percentile bootstrap interval of the share of ``hits``, the generations resampled by prompt (``prompts``:
-    each generation's prompt, any integer ids): a read-back's interval where a prompt's generations are not
-    independent draws (its several codes, or several samples under one code, share its wording). With one prompt,
-    both ends equal the share. Example::
+    """A two-stage percentile bootstrap interval of the share of ``hits`` (``prompts``: each generation's prompt, any
+    integer ids): the prompts resampled, then each drawn prompt's generations resampled within it (a binomial draw
+    at that prompt's share): a read-back's interval where a prompt's generations are not independent draws (its
+    several codes, or several samples under one code, share its wording), without losing the noise within a prompt,
+    which resampling prompts alone does (over eight prompts that all score 15 of 16 it would be a point). With every
+    generation right (or every one wrong) both ends equal the share: read Wilson's interval there. Example::
 
-        share_interval([True, True, False, True], [0, 0, 1, 1])  # [0.5, 1.0]
+        share_interval([True, True, False, True], [0, 0, 1, 1])
     """
     if resamples < 1 or not 0 < confidence < 1:
         raise ValueError(f"need resamples >= 1 and 0 < confidence < 1, got {resamples} and {confidence}")
     if not len(hits) or len(hits) != len(prompts):
         raise ValueError(f"need one prompt per generation and a generation at least: {len(hits)}, {len(prompts)}")
     _, index = np.unique(np.asarray(prompts), return_inverse=True)
-    sums = np.stack([np.bincount(index, weights=np.asarray(hits, dtype=float)), np.bincount(index)], axis=1)
+    right, count = np.bincount(index, weights=np.asarray(hits, dtype=float)), np.bincount(index)  # [P] each
     rng = np.random.default_rng(seed)
-    shares = [(c := draws @ sums)[:, 0] / c[:, 1] for draws in _prompt_draws(len(sums), resamples, rng, len(sums))]
+    shares = []
+    for draws in _prompt_draws(len(count), resamples, rng, len(count)):  # [b, P] counts
+        # a prompt drawn c times brings c * n_p generations, each right at its share: Binomial(c * n_p, share_p)
+        shares.append(rng.binomial(draws * count, right / count).sum(1) / (draws @ count))
     return _percentiles(np.concatenate(shares), confidence)
 
 
@@ -323,6 +328,7 @@ def factor_accuracy(
     weights: Sequence[float] | None = None,
     ended: Sequence[bool] | None = None,
     prompts: Sequence[int] | None = None,
+    seed: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Per factor of ``values`` (each real example's value), the factor read back from the generated ``texts``
     by ``detector`` against ``expected[i][factor]``, the value generation ``i`` stands for (generations
@@ -337,8 +343,9 @@ def factor_accuracy(
     ``ended_accuracy`` and ``generations_ended``: the accuracy over the scored generations that ended (None when
     none did); a generation cut at the cap never wrote its end, where a suffix would be. With ``prompts`` (one per
     text: the prompt it answers) also ``accuracy_interval_by_prompt``, the accuracy's 95 % bootstrap interval with
-    the generations resampled by prompt (:func:`share_interval`): the Wilson interval takes every generation as an
-    independent draw, where a prompt's generations share its wording (None when nothing is scored)."""
+    the prompts resampled and the generations within them (:func:`share_interval`, seeded by ``seed``): the Wilson
+    interval takes every generation as an independent draw, where a prompt's generations share its wording (None
+    when nothing is scored)."""
     if len(texts) != len(expected):
         raise ValueError(f"{len(texts)} texts for {len(expected)} expected values")
     if weights is not None and (len(weights) != len(texts) or any(not 0 <= w < math.inf for w in weights)):
@@ -368,7 +375,7 @@ def factor_accuracy(
         }
         if prompts is not None:
             hits = [d == w for d, w in zip(detected, wanted, strict=True)]
-            by_prompt = share_interval(hits, [prompts[i] for i in scored]) if scored else None
+            by_prompt = share_interval(hits, [prompts[i] for i in scored], seed=seed) if scored else None
             out[name]["accuracy_interval_by_prompt"] = by_prompt
         if weights is not None:
             total = sum(weights[i] for i in scored)
@@ -584,6 +591,7 @@ def controllability(
                 [t.get("share", 0.0) for t in targets],
                 ended,
                 [t["prompt"] for t in targets],
+                seed,
             ),
         }
         if decoder_codes is not None:
@@ -591,10 +599,9 @@ def controllability(
             expected = [named.get((t["slot"], t["target"]), {}) for t in targets]
             weights = [shares.get((t["slot"], t["target"]), 0.0) for t in targets]
             report["factor_accuracy"]["decoder_codes"] = factor_accuracy(
-                texts, expected, factors, detector, weights, ended, [t["prompt"] for t in targets]
+                texts, expected, factors, detector, weights, ended, [t["prompt"] for t in targets], seed
             )
-    per_prompt = [[texts[i] for i, t in enumerate(targets) if t["prompt"] == p] for p in range(len(prompts))]
-    report.update(diversity(per_prompt))
+    report.update(_diversity_per_draw(texts, targets, len(prompts), samples))
     report["truncated_share"] = float(np.mean([not e for e in ended]))
     tokens = encoded["tokens"].double()
     report["zfree_nll_per_token"] = float(encoded["nll"].sum() / tokens.sum())
@@ -616,6 +623,19 @@ def controllability(
         report["zfree_nll_ratio_interval" + key] = nll_ratio_interval(generated, real, paired=bool(key), seed=seed)
     report["examples"] = _shown_examples(space, targets, prompts, texts, recovered)
     return report
+
+
+def _diversity_per_draw(texts: list[str], targets: list[dict[str, Any]], prompts: int, samples: int) -> dict:
+    """:func:`diversity` of each draw's generations (grouped by prompt), averaged over the ``samples`` draws: pooling
+    N draws would lower distinct-n by itself (more text, the same vocabulary), so a report's diversity does not
+    depend on ``--generation-samples``."""
+    per_draw = [
+        diversity(
+            [[texts[i] for i, t in enumerate(targets) if t["prompt"] == p and t["sample"] == s] for p in range(prompts)]
+        )
+        for s in range(samples)
+    ]
+    return {key: float(np.mean([d[key] for d in per_draw])) for key in per_draw[0]}
 
 
 def _checked_codes(model: CVAEBase, codes: Any, examples: int) -> np.ndarray:
