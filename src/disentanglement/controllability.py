@@ -46,8 +46,8 @@ end-of-sequence token alone), and measure:
   wanted value is the most common one among them, the accuracy of one answer for every generation (a decoder that
   writes the same value under every latent can score this much; with skewed labels it is well above ``chance``).
 - **diversity**: distinct-1/2 over all generations, and the mean over prompts of distinct-1/2 across one
-  prompt's generations (with several draws, each draw's, averaged over the draws); ``looping_share``, the share of generations that repeat a run of at most four words
-  three times back to back (``metrics.loops``: a loop, which a low z-free NLL can hide).
+  prompt's generations (with several draws, each draw's, averaged over the draws); ``looping_share``, the share of
+  generations that repeat a run of at most four words three times back to back (``metrics.loops``: a loop, which a low z-free NLL can hide).
 - **fluency**: the z-free reference's NLL of the generations, nats per response token (the
   end-of-sequence token included, as in training), beside the same for all the real responses and for those of
   the prompts generated for (``real_zfree_nll_per_token_same_prompts``); the two ratios (``zfree_nll_ratio``,
@@ -490,7 +490,8 @@ def controllability(
     prompt, every one scored as a generation of its own (guided, each draw against its own streams of the prompt's
     other latents): where the data has few distinct prompts (a held-out set of eight), more generations to read a
     factor back from; they share their prompt, so the read-back's Wilson interval, which takes them as
-    independent, is the narrower for it, while the NLL ratios' intervals resample prompts.
+    independent, is the narrower for it, where ``accuracy_interval_by_prompt`` and the NLL ratios' intervals
+    resample prompts.
 
     ``examples`` and ``cache`` are the evaluated data and its frozen-pass features (as for
     ``evaluation.evaluate``), ``pairs`` their raw pairs (same order; the prompts' texts). Returns a JSON-able
