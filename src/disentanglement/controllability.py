@@ -488,7 +488,7 @@ def controllability(
     writes the same N tokens in a row twice in one generation (:class:`.generation.SamplingOptions`), whichever
     the decoding. ``samples`` above 1 (sampling only) draws that many generations under each target latent for each
     prompt, every one scored as a generation of its own (guided, each draw against its own streams of the prompt's
-    other latents): where the data has few distinct prompts (a held-out set of eight), more generations to read a
+    other latents): where the data has few distinct prompts (held-out ``style-in-content`` has eight), more generations to read a
     factor back from; they share their prompt, so the read-back's Wilson interval, which takes them as
     independent, is the narrower for it, where ``accuracy_interval_by_prompt`` and the NLL ratios' intervals
     resample prompts.
