@@ -6,7 +6,8 @@ One row per report: its run and step, per factor the latent's NMI beside k-means
 the prior features (and of the decoder's own likeliest code, where the report has it), the posterior and z-free NLL
 (nats/token), the latent gain (and under the decoder's likeliest codes and the best ones), and (with --generation)
 per factor the share of generations whose factor, read back from the text, is the one their code stands for (with
-its 95 % interval, the prompts and the generations within them resampled, where the report has it), with chance, the majority share (the accuracy of one answer for all) and the share where no value was found (and where
+its 95 % interval, the prompts and the generations within them resampled, where the report has it), with chance,
+the majority share (the accuracy of one answer for all) and the share where no value was found (and where
 eval had the decoder's likeliest codes, the same with each code standing for its majority value among them, its
 majority share and generations scored beside it; where no
 detector reads the text, as for DailyDialog's act and emotion: per factor, the share that the classifier on the
@@ -27,6 +28,13 @@ from pathlib import Path
 def majority(entry: dict) -> str:
     """``, majority X``: the accuracy of one answer for every generation (reports written before it have none)."""
     return "" if entry.get("majority_share") is None else f", majority {entry['majority_share']:.2f}"
+
+
+def by_prompt(entry: dict) -> str:
+    """`` [0.84, 0.97]``: the read-back's 95 % interval, the prompts and the generations within them resampled
+    (reports written before eval gave it have none)."""
+    interval = entry.get("accuracy_interval_by_prompt")
+    return "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
 
 
 def weighted(entry: dict) -> str:
@@ -91,13 +99,9 @@ def row(path: Path) -> str:
                 f"n {entry['generations_scored']}"
             )
 
-        def by_prompt(entry: dict) -> str:  # the read-back's interval resampled by prompt (older reports: none)
-            interval = entry.get("accuracy_interval_by_prompt")
-            return "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
-
         text = "; ".join(
-            f"{n} {e['accuracy']:.3f}{by_prompt(e)}{weighted(e)} (chance {e['chance']:.2f}{majority(e)}, none {e['none_share']:.2f}, "
-            f"n {e['generations_scored']}{decoders(n)})"
+            f"{n} {e['accuracy']:.3f}{by_prompt(e)}{weighted(e)} (chance {e['chance']:.2f}{majority(e)}, "
+            f"none {e['none_share']:.2f}, n {e['generations_scored']}{decoders(n)})"
             for n, e in accuracy.items()
             if e["accuracy"] is not None
         )
@@ -127,8 +131,8 @@ def main(argv: list[str]) -> int:
         return 2
     print(
         "| run @step | NMI per factor (k-means of the view, of the prior) | posterior / z-free NLL | latent gain "
-        "| factor read from the generations [95 % interval by prompt] (chance, majority share, no value, generations; by the decoder's codes; "
-        "or by the classifier) "
+        "| factor read from the generations [95 % interval by prompt] (chance, majority share, no value, generations; "
+        "by the decoder's codes; or by the classifier) "
         "| generations' / real z-free NLL |"
     )
     print("| --- | --- | --- | --- | --- | --- |")

@@ -47,7 +47,8 @@ end-of-sequence token alone), and measure:
   writes the same value under every latent can score this much; with skewed labels it is well above ``chance``).
 - **diversity**: distinct-1/2 over all generations, and the mean over prompts of distinct-1/2 across one
   prompt's generations (with several draws, each draw's, averaged over the draws); ``looping_share``, the share of
-  generations that repeat a run of at most four words three times back to back (``metrics.loops``: a loop, which a low z-free NLL can hide).
+  generations that repeat a run of at most four words three times back to back (``metrics.loops``: a loop, which a
+  low z-free NLL can hide).
 - **fluency**: the z-free reference's NLL of the generations, nats per response token (the
   end-of-sequence token included, as in training), beside the same for all the real responses and for those of
   the prompts generated for (``real_zfree_nll_per_token_same_prompts``); the two ratios (``zfree_nll_ratio``,
@@ -488,10 +489,10 @@ def controllability(
     writes the same N tokens in a row twice in one generation (:class:`.generation.SamplingOptions`), whichever
     the decoding. ``samples`` above 1 (sampling only) draws that many generations under each target latent for each
     prompt, every one scored as a generation of its own (guided, each draw against its own streams of the prompt's
-    other latents): where the data has few distinct prompts (held-out ``style-in-content`` has eight), more generations to read a
-    factor back from; they share their prompt, so the read-back's Wilson interval, which takes them as
-    independent, is the narrower for it, where ``accuracy_interval_by_prompt`` and the NLL ratios' intervals
-    resample prompts.
+    other latents): where the data has few distinct prompts (held-out ``style-in-content`` has eight), more
+    generations to read a factor back from; they share their prompt, so the read-back's Wilson interval, which
+    takes them as independent, is the narrower for it, where ``accuracy_interval_by_prompt`` and the NLL ratios'
+    intervals resample prompts.
 
     ``examples`` and ``cache`` are the evaluated data and its frozen-pass features (as for
     ``evaluation.evaluate``), ``pairs`` their raw pairs (same order; the prompts' texts). Returns a JSON-able
@@ -559,6 +560,7 @@ def controllability(
         model, tokenizer, config, examples, cache, prompts, factors, sampling, guidance, prior_latents, seed,
         batch_size, progress, samples,
     )  # fmt: skip
+    prompt_of = [t["prompt"] for t in targets]  # each generation's prompt: the intervals resample by it
     report: dict[str, Any] = {
         "prompts": len(prompts),
         "generations": len(targets),
@@ -591,7 +593,7 @@ def controllability(
                 detector,
                 [t.get("share", 0.0) for t in targets],
                 ended,
-                [t["prompt"] for t in targets],
+                prompt_of,
                 seed,
             ),
         }
@@ -600,7 +602,7 @@ def controllability(
             expected = [named.get((t["slot"], t["target"]), {}) for t in targets]
             weights = [shares.get((t["slot"], t["target"]), 0.0) for t in targets]
             report["factor_accuracy"]["decoder_codes"] = factor_accuracy(
-                texts, expected, factors, detector, weights, ended, [t["prompt"] for t in targets], seed
+                texts, expected, factors, detector, weights, ended, prompt_of, seed
             )
     report.update(_diversity_per_draw(texts, targets, len(prompts), samples))
     report["truncated_share"] = float(np.mean([not e for e in ended]))
@@ -608,7 +610,7 @@ def controllability(
     report["zfree_nll_per_token"] = float(encoded["nll"].sum() / tokens.sum())
     report["real_zfree_nll_per_token"] = real_zfree_nll(cache.response_nll)
     report["real_zfree_nll_per_token_same_prompts"] = real_zfree_nll(cache.response_nll, pairs, prompts)
-    generated = (encoded["nll"].numpy(), tokens.numpy(), [t["prompt"] for t in targets])
+    generated = (encoded["nll"].numpy(), tokens.numpy(), prompt_of)
     real_nll = [float(nll.double().sum()) for nll in cache.response_nll]
     real_tokens = [len(nll) for nll in cache.response_nll]
     index = {p: i for i, p in enumerate(prompts)}
