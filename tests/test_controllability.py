@@ -95,47 +95,65 @@ def _loop_interval(generated, real, paired, resamples, confidence, seed):
     """nll_ratio_interval written out: the same draws of the same generator, summed one by one."""
     rng = np.random.default_rng(seed)
     prompts, own = max(generated[2]) + 1, max(real[2]) + 1
-    ratios = []
     draws = rng.multinomial(prompts, [1 / prompts] * prompts, size=resamples)
     real_draws = draws if paired else rng.multinomial(own, [1 / own] * own, size=resamples)
-    for b in range(resamples):
-        sums = {"g": 0.0, "gt": 0.0, "r": 0.0, "rt": 0.0}
-        for nll, tokens, p in zip(*generated, strict=True):
-            sums["g"] += draws[b][p] * nll
-            sums["gt"] += draws[b][p] * tokens
-        for nll, tokens, p in zip(*real, strict=True):
-            sums["r"] += real_draws[b][p] * nll
-            sums["rt"] += real_draws[b][p] * tokens
-        ratios.append(sums["g"] / sums["gt"] / (sums["r"] / sums["rt"]))
+
+    def within(rows, draws, count):  # each prompt's rows drawn again, in the package's order of the generator's calls
+        nll, tokens = np.zeros(resamples), np.zeros(resamples)
+        for p in range(count):
+            mine = [(n, t) for n, t, q in zip(*rows, strict=True) if q == p]
+            picks = (
+                draws[:, p, None]
+                if len(mine) == 1
+                else rng.multinomial(draws[:, p] * len(mine), [1 / len(mine)] * len(mine))
+            )
+            for b in range(resamples):
+                for k, (n, t) in enumerate(mine):
+                    nll[b] += picks[b][k] * n
+                    tokens[b] += picks[b][k] * t
+        return nll, tokens
+
+    (g, gt), (r, rt) = within(generated, draws, prompts), within(real, real_draws, own)
+    ratios = [g[b] / gt[b] / (r[b] / rt[b]) for b in range(resamples)]
     tail = (1 - confidence) / 2 * 100
     return [float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail))]
 
 
-def _exact_quantiles(generated, real, paired, quantiles):
-    """The ratio's bootstrap distribution by enumeration (every ordered draw of the prompts, equally likely):
-    the atom at each quantile, with how far the quantile is from the nearest jump of the distribution."""
+def _exact_distribution(generated, real, paired):
+    """The ratio's two-stage bootstrap distribution by enumeration (every ordered draw of the prompts, and for each
+    drawn prompt of ``n`` rows every ordered draw of ``n`` of its rows, all equally likely): its atoms, ascending,
+    and the distribution function at each."""
     from itertools import product
 
-    def sums(rows, draw):
-        counts = np.bincount(draw, minlength=max(rows[2]) + 1)
-        return sum(counts[p] * n for n, _, p in zip(*rows, strict=True)), sum(
-            counts[p] * t for _, t, p in zip(*rows, strict=True)
-        )
+    def outcomes(rows, count, draw):
+        """(probability, NLL, tokens) of every within-prompt draw of the prompts in ``draw``."""
+        mine = [[(n, t) for n, t, q in zip(*rows, strict=True) if q == p] for p in range(count)]
+        slots = [mine[p] for p in draw for _ in mine[p]]  # each drawn prompt brings as many slots as its rows
+        for pick in product(*[range(len(choices)) for choices in slots]):
+            weight = np.prod([1 / len(choices) for choices in slots])
+            chosen = [choices[k] for choices, k in zip(slots, pick, strict=True)]
+            yield weight, sum(n for n, _ in chosen), sum(t for _, t in chosen)
 
     prompts, own = max(generated[2]) + 1, max(real[2]) + 1
-    atoms = []
+    atoms = {}
     for draw in product(range(prompts), repeat=prompts):
         real_choices = [draw] if paired else list(product(range(own), repeat=own))
+        share = 1 / prompts**prompts / len(real_choices)
         for real_draw in real_choices:
-            (g, gt), (r, rt) = sums(generated, draw), sums(real, real_draw)
-            atoms.append(round(g / gt / (r / rt), 12))
-    values, counts = np.unique(atoms, return_counts=True)
-    cdf = np.cumsum(counts) / len(atoms)
-    found = []
-    for q in quantiles:
-        at = int(np.searchsorted(cdf, q))
-        found.append((float(values[at]), float(np.min(np.abs(cdf - q)))))
-    return found
+            for wg, g, gt in outcomes(generated, prompts, draw):
+                for wr, r, rt in outcomes(real, own, real_draw):
+                    atom = round(g / gt / (r / rt), 12)
+                    atoms[atom] = atoms.get(atom, 0.0) + share * wg * wr
+    values = np.array(sorted(atoms))
+    return values, np.cumsum([atoms[v] for v in values])
+
+
+def _is_quantile(value, q, values, cdf, tolerance):
+    """Whether ``value`` is a ``q``-quantile of the distribution (``values``, ``cdf``) within ``tolerance`` of
+    probability: at most ``q`` of it lies below ``value`` and at least ``q`` at or below, each give or take."""
+    below = cdf[np.searchsorted(values, value - 1e-9) - 1] if value - 1e-9 >= values[0] else 0.0
+    at_or_below = cdf[np.searchsorted(values, value + 1e-9, side="right") - 1] if value + 1e-9 >= values[0] else 0.0
+    return below <= q + tolerance and at_or_below >= q - tolerance
 
 
 def test_nll_ratio_interval_by_hand_against_enumeration_and_a_loop():
@@ -149,20 +167,28 @@ def test_nll_ratio_interval_by_hand_against_enumeration_and_a_loop():
     assert middle == pytest.approx([1.1, 1.1])
     # one prompt on each side: every resample is the ratio itself
     assert nll_ratio_interval(([30.0], [10], [0]), ([20.0], [8], [0]), paired=True) == pytest.approx([1.2, 1.2])
+    # one prompt of two generations (3 and 1 nats a token, the real response 2): drawn again within it, both the
+    # first (1.5, a chance of 1/4), one of each (1.0) or both the second (0.5); resampling prompts alone is a point
+    within = (([30.0, 10.0], [10, 10], [0, 0]), ([20.0], [10], [0]))
+    assert nll_ratio_interval(*within, paired=True, resamples=4000) == pytest.approx([0.5, 1.5])
+    assert nll_ratio_interval(*within, paired=True, resamples=4000, confidence=0.4) == pytest.approx([1.0, 1.0])
     # real responses of equal NLL per token drawn on their own: the generations' spread alone
     spread = nll_ratio_interval(generated, ([40.0, 8.0, 20.0], [10, 2, 5], [0, 1, 1]), paired=False, resamples=4000)
     assert spread == pytest.approx([0.9, 1.3])
-    # uneven prompts: the 20 % and 80 % points of 20,000 resamples are the atoms enumeration gives there (each
-    # checked 0.02 or more from a jump of the distribution, eight standard errors of the resampled share)
+    # uneven prompts, a prompt of two generations and one of two real responses: the ends of 20,000 resamples at
+    # four confidences are quantiles of the exact two-stage distribution (every draw enumerated) within 0.01 of
+    # probability (3.5 standard errors of a resampled share at 0.2)
     generated = ([30.0, 12.0, 50.0, 9.0], [10, 3, 12, 4], [0, 0, 1, 2])
     for paired, real in (
-        (True, ([20.0, 33.0, 8.0], [6, 9, 2], [0, 1, 2])),
+        (True, ([20.0, 33.0, 8.0, 15.0], [6, 9, 2, 5], [0, 1, 2, 2])),
         (False, ([20.0, 40.0, 5.0], [5, 9, 2], [0, 1, 1])),
     ):
-        exact = _exact_quantiles(generated, real, paired, [0.2, 0.8])
-        assert all(margin > 0.02 for _, margin in exact)
-        got = nll_ratio_interval(generated, real, paired=paired, resamples=20000, confidence=0.6, seed=1)
-        assert got == pytest.approx([atom for atom, _ in exact], rel=1e-9)
+        values, cdf = _exact_distribution(generated, real, paired)
+        for confidence in (0.4, 0.6, 0.8, 0.9):
+            low, high = nll_ratio_interval(generated, real, paired=paired, resamples=20000, confidence=confidence)
+            tail = (1 - confidence) / 2
+            assert _is_quantile(low, tail, values, cdf, 0.01) and _is_quantile(high, 1 - tail, values, cdf, 0.01)
+        assert cdf[-1] == pytest.approx(1.0)  # the enumeration's probabilities add up
     # many uneven prompts, both ways of drawing the real responses: the vectorised sums against a loop
     rng = np.random.default_rng(3)
     generated = (list(rng.uniform(5, 60, 12)), list(rng.integers(2, 20, 12)), [0, 0, 1, 2, 2, 2, 3, 4, 4, 5, 5, 5])
