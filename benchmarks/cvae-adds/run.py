@@ -250,6 +250,11 @@ RECIPES = {
     # on held-out style-in-content the `signoff` code ended after the content sentence on seeds 0 and 1, guided or not)
     "centered-full-between-random-dpost-hard-late-k5-480": [*teaching_last_60(480, DPOST_HARD_LATE), "--codebook-size",
                                                             "5"],  # fmt: skip
+    # that with eight codes: a code's read-back is its purity, and on held-out style-in-content the five codes left
+    # `plain` and `signoff` in shared codes (section 44's seed 1: two codes of 19 / 22 and 24 / 28); on
+    # chatterbot-style eight codes read the marker back from 0.97 (section 42)
+    "centered-full-between-random-dpost-hard-late-k8-480": [*teaching_last_60(480, DPOST_HARD_LATE), "--codebook-size",
+                                                            "8"],  # fmt: skip
     # that with the bag-of-words loss (Zhao, Zhao and Eskenazi 2017's remedy for a dialogue CVAE's unused latent): the
     # code must predict the response's words, at the weight of term 1 (section 23: DailyDialog's latent gain, item 4)
     "centered-full-between-random-dpost-hard-late-bow": DPOST_HARD_LATE_BOW,
@@ -501,6 +506,8 @@ PLAN = [  # (set, recipe, seeds)
     # section 43: section 40's five codes with `steer` on held-out style-in-content (with --heldout-split --dtype
     # float32 --refit), trained twice as long; seed 1, the one whose `signoff` code never wrote its marker, first
     ("style-in-content", "centered-full-between-random-dpost-hard-late-k5-480", (0, 1, 2)),
+    # section 45: that with eight codes (--heldout-split --dtype float32; refit --objective both)
+    ("style-in-content", "centered-full-between-random-dpost-hard-late-k8-480", (0, 1, 2)),
 ]
 
 
