@@ -91,15 +91,14 @@ def test_real_zfree_nll_pools_tokens_and_keeps_the_chosen_prompts_responses():
     assert real_zfree_nll(nll, pairs, ["b", "c"]) == pytest.approx(2.0)
 
 
-def _loop_interval(generated, real, paired, resamples, confidence, seed):
-    """nll_ratio_interval written out: the same draws of the same generator, summed one by one."""
+def _loop_interval(generated, real, paired, resamples, confidence, seed, chunk=None):
+    """nll_ratio_interval written out: the same draws of the same generator (``chunk`` resamples at a time, as the
+    package draws them), each row's count times its NLL and tokens added one row at a time."""
     rng = np.random.default_rng(seed)
     prompts, own = max(generated[2]) + 1, max(real[2]) + 1
-    draws = rng.multinomial(prompts, [1 / prompts] * prompts, size=resamples)
-    real_draws = draws if paired else rng.multinomial(own, [1 / own] * own, size=resamples)
 
     def within(rows, draws, count):  # each prompt's rows drawn again, in the package's order of the generator's calls
-        nll, tokens = np.zeros(resamples), np.zeros(resamples)
+        nll, tokens = np.zeros(len(draws)), np.zeros(len(draws))
         for p in range(count):
             mine = [(n, t) for n, t, q in zip(*rows, strict=True) if q == p]
             picks = (
@@ -107,14 +106,18 @@ def _loop_interval(generated, real, paired, resamples, confidence, seed):
                 if len(mine) == 1
                 else rng.multinomial(draws[:, p] * len(mine), [1 / len(mine)] * len(mine))
             )
-            for b in range(resamples):
-                for k, (n, t) in enumerate(mine):
-                    nll[b] += picks[b][k] * n
-                    tokens[b] += picks[b][k] * t
+            for k, (n, t) in enumerate(mine):
+                nll += picks[:, k] * n
+                tokens += picks[:, k] * t
         return nll, tokens
 
-    (g, gt), (r, rt) = within(generated, draws, prompts), within(real, real_draws, own)
-    ratios = [g[b] / gt[b] / (r[b] / rt[b]) for b in range(resamples)]
+    ratios = []
+    for start in range(0, resamples, chunk or resamples):
+        size = min(chunk or resamples, resamples - start)
+        draws = rng.multinomial(prompts, [1 / prompts] * prompts, size=size)
+        real_draws = draws if paired else rng.multinomial(own, [1 / own] * own, size=size)
+        (g, gt), (r, rt) = within(generated, draws, prompts), within(real, real_draws, own)
+        ratios += [g[b] / gt[b] / (r[b] / rt[b]) for b in range(size)]
     tail = (1 - confidence) / 2 * 100
     return [float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail))]
 
@@ -151,8 +154,8 @@ def _exact_distribution(generated, real, paired):
 def _is_quantile(value, q, values, cdf, tolerance):
     """Whether ``value`` is a ``q``-quantile of the distribution (``values``, ``cdf``) within ``tolerance`` of
     probability: at most ``q`` of it lies below ``value`` and at least ``q`` at or below, each give or take."""
-    below = cdf[np.searchsorted(values, value - 1e-9) - 1] if value - 1e-9 >= values[0] else 0.0
-    at_or_below = cdf[np.searchsorted(values, value + 1e-9, side="right") - 1] if value + 1e-9 >= values[0] else 0.0
+    under, upto = np.searchsorted(values, value - 1e-9), np.searchsorted(values, value + 1e-9, side="right")
+    below, at_or_below = (cdf[i - 1] if i else 0.0 for i in (under, upto))
     return below <= q + tolerance and at_or_below >= q - tolerance
 
 
@@ -177,7 +180,7 @@ def test_nll_ratio_interval_by_hand_against_enumeration_and_a_loop():
     assert spread == pytest.approx([0.9, 1.3])
     # uneven prompts, a prompt of two generations and one of two real responses: the ends of 20,000 resamples at
     # four confidences are quantiles of the exact two-stage distribution (every draw enumerated) within 0.01 of
-    # probability (3.5 standard errors of a resampled share at 0.2)
+    # probability (3.1 standard errors of a resampled share at 0.3, the widest)
     generated = ([30.0, 12.0, 50.0, 9.0], [10, 3, 12, 4], [0, 0, 1, 2])
     for paired, real in (
         (True, ([20.0, 33.0, 8.0, 15.0], [6, 9, 2, 5], [0, 1, 2, 2])),
@@ -202,7 +205,16 @@ def test_nll_ratio_interval_by_hand_against_enumeration_and_a_loop():
         nll_ratio_interval(generated, real, paired=False, resamples=0)
     with pytest.raises(ValueError, match="one NLL, token count and prompt per real response"):
         nll_ratio_interval(generated, (real[0][:-1], real[1], real[2]), paired=False)
-    with pytest.raises(ValueError, match="prompt 1 of 0-2 has no generation tokens"):
+    with pytest.raises(ValueError, match="generation 0 has no tokens"):  # a resample of it alone: 0 / 0
+        nll_ratio_interval(([0.0, 10.0], [0, 5], [0, 0]), ([10.0], [5], [0]), paired=True)
+    # eight prompts of 128 rows each: 4M numbers hold 31,250 resamples of the widest array (128 rows), so 32,000
+    # come in two chunks, the same as a loop drawing them so
+    rows = (list(rng.uniform(5, 60, 1024)), list(rng.integers(2, 20, 1024)), [p for p in range(8) for _ in range(128)])
+    many = (rows[0][:8], rows[1][:8], list(range(8)))
+    got = nll_ratio_interval(rows, many, paired=True, resamples=32_000, confidence=0.9, seed=2)
+    assert got == pytest.approx(_loop_interval(rows, many, True, 32_000, 0.9, 2, chunk=31_250), rel=1e-12)
+    assert got != pytest.approx(_loop_interval(rows, many, True, 32_000, 0.9, 2), rel=1e-12)
+    with pytest.raises(ValueError, match="prompt 1 of 0-2 has no generation"):
         nll_ratio_interval(([1.0, 2.0], [1, 1], [0, 2]), ([1.0], [1], [0]), paired=False)
     with pytest.raises(ValueError, match="the real responses answer 1 prompts, the generations 2"):
         nll_ratio_interval(([1.0, 2.0], [1, 1], [0, 1]), ([1.0], [1], [0]), paired=True)

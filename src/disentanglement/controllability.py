@@ -52,10 +52,11 @@ end-of-sequence token alone), and measure:
 - **fluency**: the z-free reference's NLL of the generations, nats per response token (the
   end-of-sequence token included, as in training), beside the same for all the real responses and for those of
   the prompts generated for (``real_zfree_nll_per_token_same_prompts``); the two ratios (``zfree_nll_ratio``,
-  ``..._same_prompts``) and each one's 95 % two-stage percentile bootstrap interval, the generations resampled by
-  prompt and then within each drawn prompt and, against the same prompts, their real responses with them, against
-  the whole data its real responses by their own prompts (``zfree_nll_ratio_interval``, ``..._same_prompts``,
-  :func:`nll_ratio_interval`): with a few prompts a ratio moves by tenths from one prompt set to the next.
+  ``..._same_prompts``) and each one's 95 % two-stage percentile bootstrap interval: the generations resampled by
+  prompt and, against the same prompts, their real responses with them, against the whole data its real responses
+  by their own prompts; each side's rows then drawn again within its drawn prompts (``zfree_nll_ratio_interval``,
+  ``..._same_prompts``, :func:`nll_ratio_interval`): with a few prompts a ratio moves by tenths from one prompt set
+  to the next.
 
 Deterministic given ``seed`` (greedy decoding by default, or sampling under the seed; the prior draws and the
 split are seeded); the caller's random state and the model's mode are kept.
@@ -204,7 +205,8 @@ def nll_ratio_interval(
         raise ValueError(f"paired: the real responses answer {len(truth)} prompts, the generations {len(gen)}")
     rng = np.random.default_rng(seed)
     ratios = []
-    for draws in _prompt_draws(len(gen), resamples, rng, max(len(gen), len(truth))):  # [b, P] counts
+    widest = max(len(gen), len(truth), *(len(own) for own in gen + truth))  # the widest array drawn per resample
+    for draws in _prompt_draws(len(gen), resamples, rng, widest):  # [b, P] counts
         real_draws = draws if paired else rng.multinomial(len(truth), np.full(len(truth), 1 / len(truth)), len(draws))
         g, r = _within_prompts(draws, gen, rng), _within_prompts(real_draws, truth, rng)  # [b, 2]: NLL and tokens
         ratios.append(g[:, 0] / g[:, 1] / (r[:, 0] / r[:, 1]))
@@ -272,11 +274,14 @@ def _prompt_rows(rows: tuple[Sequence[float], Sequence[float], Sequence[int]], w
         raise ValueError(f"need one NLL, token count and prompt per {what}: {len(nll)}, {len(tokens)}, {len(prompt)}")
     if prompt.dtype.kind not in "iu" or prompt.min() < 0:
         raise ValueError(f"each {what}'s prompt must be an index >= 0")
-    both = np.stack([nll, tokens], axis=1).astype(float)
-    grouped = [both[prompt == p] for p in range(int(prompt.max()) + 1)]
-    empty = [p for p, own in enumerate(grouped) if own[:, 1].sum() <= 0]
+    if (tokens <= 0).any():  # a resample of that row alone would be 0 / 0
+        raise ValueError(f"{what} {int(np.flatnonzero(tokens <= 0)[0])} has no tokens")
+    order = np.argsort(prompt, kind="stable")
+    both = np.stack([nll, tokens], axis=1).astype(float)[order]
+    grouped = np.split(both, np.cumsum(np.bincount(prompt, minlength=int(prompt.max()) + 1))[:-1])
+    empty = [p for p, own in enumerate(grouped) if not len(own)]
     if empty:
-        raise ValueError(f"prompt {empty[0]} of 0-{len(grouped) - 1} has no {what} tokens")
+        raise ValueError(f"prompt {empty[0]} of 0-{len(grouped) - 1} has no {what}")
     return grouped
 
 
