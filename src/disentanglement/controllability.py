@@ -189,7 +189,7 @@ def nll_ratio_interval(
     within each drawn prompt (a prompt drawn ``c`` times brings ``c`` times its ``n`` generations, drawn from them
     with replacement): a prompt's generations share its difficulty, so they are not independent draws, and
     resampling the prompts alone leaves out the noise within a prompt (simulated over eight prompts it covered
-    0.88-0.90 of a nominal 0.95; ``benchmarks/cvae-adds/interval_coverage.py``). ``paired`` (the ratio to the real
+    0.87-0.90 of a nominal 0.95, this 0.90-0.99; ``benchmarks/cvae-adds/interval_coverage.py``). ``paired`` (the ratio to the real
     responses of the same prompts): ``real``'s third field is the generations' prompt each response answers, every
     prompt answered, and each resample's real responses are its drawn prompts' (resampled within them the same
     way). Not paired (the ratio to the whole data's real responses): it numbers the real responses' own prompts
