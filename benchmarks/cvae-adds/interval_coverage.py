@@ -12,8 +12,9 @@ Wilson's (every generation an independent draw), the prompts resampled alone (a 
 
 Then the same for the fluency ratio (the generations' pooled z-free NLL per token over the same prompts' real
 responses'): each prompt's difficulty a log-normal around 3.3 nats a token, each generation and each real response
-(8-30 tokens) a log-normal spread around it; the quantity is the ratio of the pooled NLLs over new prompts. The intervals: the prompts resampled alone (eval's before section 45) and ``nll_ratio_interval`` (the
-prompts, then the generations within each drawn prompt; eval's ``zfree_nll_ratio_interval_same_prompts``).
+(8-30 tokens) a log-normal spread around it; the quantity is the ratio of the pooled NLLs over new prompts. The
+intervals: the prompts resampled alone (eval's before section 45) and ``nll_ratio_interval`` (the prompts, then the
+generations within each drawn prompt; eval's ``zfree_nll_ratio_interval_same_prompts``).
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
             covered += [low <= truth <= high for low, high in intervals]
         cells = " | ".join(f"{c / args.trials:.3f}" for c in covered)
         print(f"| {prompts_n} | {per_prompt} | {mean} | {spread} | {cells} |")
-    print("\n| prompts | generations a prompt | real responses a prompt | spread of the prompts | of a response | ratio "
-          "| prompts alone | two-stage (eval's) |\n| --- | --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
+    print("\n| prompts | generations a prompt | real responses a prompt | spread of the prompts | of a response "
+          "| ratio | prompts alone | two-stage (eval's) |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for prompts_n, per_prompt, real_n, spread, noise, ratio in RATIO_SETTINGS:
         truth = ratio_truth(spread, noise, ratio)
         covered = np.zeros(2)

@@ -189,10 +189,10 @@ def nll_ratio_interval(
     within each drawn prompt (a prompt drawn ``c`` times brings ``c`` times its ``n`` generations, drawn from them
     with replacement): a prompt's generations share its difficulty, so they are not independent draws, and
     resampling the prompts alone leaves out the noise within a prompt (simulated over eight prompts it covered
-    0.87-0.90 of a nominal 0.95, this 0.90-0.99; ``benchmarks/cvae-adds/interval_coverage.py``). ``paired`` (the ratio to the real
-    responses of the same prompts): ``real``'s third field is the generations' prompt each response answers, every
-    prompt answered, and each resample's real responses are its drawn prompts' (resampled within them the same
-    way). Not paired (the ratio to the whole data's real responses): it numbers the real responses' own prompts
+    0.87-0.90 of a nominal 0.95, this 0.90-0.99; ``benchmarks/cvae-adds/interval_coverage.py``). ``paired`` (the
+    ratio to the real responses of the same prompts): ``real``'s third field is the generations' prompt each
+    response answers, every prompt answered, and each resample's real responses are its drawn prompts' (resampled
+    within them the same way). Not paired (the ratio to the whole data's real responses): it numbers the real responses' own prompts
     ``0 .. Q-1``, drawn by prompt on their own, then within. Returns ``[low, high]``; with one prompt on each side
     and one row each, both equal the ratio itself. Example::
 
@@ -278,7 +278,7 @@ def _prompt_rows(rows: tuple[Sequence[float], Sequence[float], Sequence[int]], w
         raise ValueError(f"{what} {int(np.flatnonzero(tokens <= 0)[0])} has no tokens")
     order = np.argsort(prompt, kind="stable")
     both = np.stack([nll, tokens], axis=1).astype(float)[order]
-    grouped = np.split(both, np.cumsum(np.bincount(prompt, minlength=int(prompt.max()) + 1))[:-1])
+    grouped = np.split(both, np.cumsum(np.bincount(prompt))[:-1])  # bincount: one count per prompt 0 .. max
     empty = [p for p, own in enumerate(grouped) if not len(own)]
     if empty:
         raise ValueError(f"prompt {empty[0]} of 0-{len(grouped) - 1} has no {what}")
